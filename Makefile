@@ -1,0 +1,42 @@
+# make demo: the main job (a local multi-rank run comparing varcomm with the fallback)
+# make test: the whole suite
+# Both set everything up on a fresh Debian machine and are quick once set up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0+cpu
+DEPS := $(VENV)/.deps-ok
+SO_STAMP := $(VENV)/.build-ok
+SOURCES := $(shell find csrc transport -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
+
+.PHONY: all setup build test demo bench clean
+all: build
+
+$(DEPS): requirements-dev.txt scripts/setup-system.sh Makefile
+	bash scripts/setup-system.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)" -r requirements-dev.txt
+	# mpi4py is the benchmarks' MPI baseline; it needs Open MPI's compiler wrapper.
+	if command -v mpicc >/dev/null; then $(PY) -m pip install -q mpi4py || echo "mpi4py not installed: MPI baseline will be skipped"; fi
+	touch $@
+
+$(SO_STAMP): $(DEPS) $(SOURCES)
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+	touch $@
+
+setup: $(DEPS)
+build: $(SO_STAMP)
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(PY) -m varcomm.run -n 2 --timeout 300 examples/demo.py
+
+bench: build
+	$(PY) bench/p2p.py
+
+clean:
+	rm -rf build python/varcomm/_C*.so $(SO_STAMP)

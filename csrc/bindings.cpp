@@ -1,0 +1,332 @@
+// pybind11 surface of the core. Arrays arrive as raw pointers (torch, via
+// data_ptr) or through the buffer protocol (numpy); the core never sees a
+// framework type.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+
+#include "engine.h"
+#include "shm.h"
+#ifdef VARCOMM_HAVE_RDMA
+#include "rdma.h"
+#endif
+
+namespace py = pybind11;
+using namespace varcomm;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+const char* error_class(ErrorKind k) {
+  switch (k) {
+    case ErrorKind::TooLarge: return "MessageTooLarge";
+    case ErrorKind::Mismatch: return "MessageMismatch";
+    case ErrorKind::Timeout: return "TimeoutError";
+    case ErrorKind::PeerFailure: return "PeerFailure";
+    case ErrorKind::Closed: return "ClosedError";
+    default: return "InvalidArgument";
+  }
+}
+
+// Buffer-protocol format -> DLPack dtype word.
+uint32_t dtype_of_format(const std::string& f, ssize_t itemsize) {
+  auto w = [](uint32_t code, uint32_t bits) { return (code << 16) | (bits << 8) | 1u; };
+  char c = f.empty() ? 0 : f.back();
+  bool complex = f.size() >= 2 && f[f.size() - 2] == 'Z';
+  uint32_t bits = uint32_t(itemsize * 8);
+  if (complex) return w(5, bits);
+  switch (c) {
+    case '?': return w(6, 8);
+    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': return w(0, bits);
+    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': return w(1, bits);
+    case 'e': case 'f': case 'd': return w(2, bits);
+    default:
+      throw Error(ErrorKind::Invalid, "unsupported buffer format '" + f + "'; pass a numpy array or torch tensor of a fixed-size dtype");
+  }
+}
+
+// A borrowed C-contiguous buffer. Raw CPython API: the ping-pong path cannot
+// afford py::buffer_info's vector copies.
+struct Buf {
+  Py_buffer v{};
+  bool ok = false;
+  uint32_t dtype = 0;
+  uint64_t nbytes = 0;
+  int64_t shape[kMaxDims] = {};
+  uint32_t ndim = 0;
+  // false when the object is not C-contiguous (the caller copies it first).
+  bool get(PyObject* o, bool writable) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, &v, flags) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    ok = true;
+    if (v.ndim > kMaxDims)
+      throw Error(ErrorKind::Invalid, "arrays of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
+    ndim = uint32_t(v.ndim);
+    for (int i = 0; i < v.ndim; ++i) shape[i] = v.shape[i];
+    nbytes = uint64_t(v.len);
+    dtype = dtype_of_format(v.format ? v.format : "B", v.itemsize);
+    return true;
+  }
+  ~Buf() {
+    if (ok) PyBuffer_Release(&v);
+  }
+};
+
+// The core owns the engine and whichever transports this build has.
+struct Comm {
+  std::unique_ptr<Engine> engine;
+  std::map<std::string, std::shared_ptr<Transport>> transports;
+  std::map<std::string, std::string> descriptors;
+
+  // Waits in slices so Ctrl-C reaches Python while a peer is silent.
+  void wait(uint64_t id, std::optional<double> timeout) {
+    if (engine->wait(id, Clock::time_point::min())) return;  // done already: keep the GIL
+    auto start = Clock::now();
+    auto deadline = timeout ? start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout))
+                            : Clock::time_point::max();
+    for (;;) {
+      auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+      bool done;
+      {
+        py::gil_scoped_release nogil;
+        done = engine->wait(id, slice);
+      }
+      if (done) return;
+      if (PyErr_CheckSignals() != 0) {
+        engine->cancel(id);
+        throw py::error_already_set();
+      }
+      if (Clock::now() >= deadline) engine->raise_timeout(id, *timeout);
+    }
+  }
+};
+
+Clock::time_point deadline_of(std::optional<double> timeout) {
+  return timeout ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout))
+                 : Clock::time_point::max();
+}
+
+void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbytes, uint32_t dtype,
+                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout) {
+  uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim);
+  if (id == Engine::kSentDone) return;
+  if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim);
+  c.wait(id, timeout);
+}
+
+// Blocking receive into a caller buffer; false when irecvs from src are
+// posted (FIFO: the caller must queue behind them).
+bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
+                   std::optional<double> timeout) {
+  if (c.engine->has_posted(src)) return false;
+  if (c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min())) return true;
+  auto deadline = deadline_of(timeout);
+  for (;;) {
+    auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    bool got;
+    {
+      py::gil_scoped_release nogil;
+      got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice);
+    }
+    if (got) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (Clock::now() >= deadline) {
+      char secs[32];
+      snprintf(secs, sizeof secs, "%.3g", *timeout);
+      throw Error(ErrorKind::Timeout,
+                  "recv from rank " + std::to_string(src) + " (tag " + std::to_string(tag) + ") timed out after " +
+                      secs + " s; nothing arrived (is the peer sending with this tag?)",
+                  src);
+    }
+  }
+}
+
+py::tuple header_tuple(int src, const MsgHeader& h) {
+  py::tuple shape(h.ndim);
+  for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = h.shape[i];
+  return py::make_tuple(src, h.tag, h.nbytes, h.dtype, shape);
+}
+
+py::tuple info_tuple(const MsgInfo& m) {
+  py::tuple shape(m.shape.size());
+  for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = m.shape[i];
+  return py::make_tuple(m.src, m.tag, m.nbytes, m.dtype, shape);
+}
+
+std::vector<int64_t> to_shape(const py::sequence& s) {
+  std::vector<int64_t> v;
+  v.reserve(py::len(s));
+  for (auto x : s) v.push_back(x.cast<int64_t>());
+  return v;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "varcomm core: slots, headers, credits over shm / rdma transports";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      py::object cls = py::module_::import("varcomm.errors").attr(error_class(e.kind));
+      py::object exc = cls(e.what());
+      exc.attr("peer") = e.peer >= 0 ? py::object(py::int_(e.peer)) : py::none();
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+  });
+
+  py::dict build;
+  py::list have;
+  have.append("shm");
+#ifdef VARCOMM_HAVE_RDMA
+  have.append("rdma");
+  build["rdma"] = true;
+#else
+  build["rdma"] = false;
+#endif
+#ifdef VARCOMM_HAVE_CUDA
+  build["cuda"] = true;
+#else
+  build["cuda"] = false;
+#endif
+  build["transports"] = have;
+  build["max_dims"] = kMaxDims;
+  m.attr("build_info") = build;
+
+  m.def("rdma_info", []() -> std::string {
+#ifdef VARCOMM_HAVE_RDMA
+    return rdma_info();
+#else
+    return "varcomm was built without libfabric (install libfabric-dev and rebuild)";
+#endif
+  });
+
+  py::class_<Comm>(m, "Comm")
+      .def(py::init([](int rank, int world, uint64_t bound, int slots) {
+             auto c = std::make_unique<Comm>();
+             Options o;
+             o.bound = bound;
+             o.nslots = slots;
+             c->engine = std::make_unique<Engine>(rank, world, o);
+             return c;
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("bound"), py::arg("slots"))
+      .def_property_readonly("rank", [](Comm& c) { return c.engine->rank(); })
+      .def_property_readonly("world", [](Comm& c) { return c.engine->world(); })
+      .def_property_readonly("bound", [](Comm& c) { return c.engine->layout().bound; })
+      .def_property_readonly("slots", [](Comm& c) { return c.engine->layout().nslots; })
+      .def_property_readonly("region_bytes", [](Comm& c) { return c.engine->region().size(); })
+      .def("expose",
+           [](Comm& c, const std::string& kind, const std::string& provider, const std::string& iface) {
+             auto it = c.descriptors.find(kind);
+             if (it != c.descriptors.end()) return it->second;
+             std::shared_ptr<Transport> t;
+             if (kind == "shm") {
+               t = make_shm_transport(c.engine->region());
+#ifdef VARCOMM_HAVE_RDMA
+             } else if (kind == "rdma") {
+               t = make_rdma_transport(c.engine->rank(), c.engine->world(), provider, iface);
+#endif
+             } else {
+               (void)provider;
+               (void)iface;
+               throw Error(ErrorKind::Invalid, "transport '" + kind + "' is not built into this varcomm");
+             }
+             std::string d = t->expose(c.engine->region().base(), c.engine->region().size());
+             c.transports[kind] = t;
+             c.descriptors[kind] = d;
+             return d;
+           },
+           py::arg("kind"), py::arg("provider") = "", py::arg("iface") = "")
+      .def("connect",
+           [](Comm& c, int peer, const std::string& kind, const std::string& desc, int world, int slots,
+              uint64_t bound) {
+             auto it = c.transports.find(kind);
+             if (it == c.transports.end()) throw Error(ErrorKind::Invalid, "transport '" + kind + "' not exposed");
+             it->second->connect(peer, desc);
+             Layout L;
+             L.world = world;
+             L.nslots = slots;
+             L.bound = bound;
+             c.engine->set_transport(peer, it->second, L);
+           })
+      .def("connected", [](Comm& c) { c.engine->connected(); })
+      .def("transport_name", [](Comm& c, int peer) { return c.engine->transport_name(peer); })
+      .def("transport_describe", [](Comm& c, int peer) { return c.engine->transport_describe(peer); })
+      .def("isend",
+           [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+             auto s = to_shape(shape);
+             return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()));
+           })
+      .def("send",
+           [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
+              std::optional<double> timeout) {
+             auto s = to_shape(shape);
+             send_blocking(c, dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()),
+                           timeout);
+           })
+      // Buffer-protocol (numpy) sends; false, with nothing sent, when the
+      // object is not C-contiguous.
+      .def("send_buffer",
+           [](Comm& c, int dst, int64_t tag, py::handle obj, std::optional<double> timeout) {
+             Buf b;
+             if (!b.get(obj.ptr(), false)) return false;
+             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout);
+             return true;
+           })
+      .def("irecv",
+           [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype) {
+             return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype);
+           })
+      // Receive into a buffer-protocol object: returns it unchanged when the
+      // message has its shape, else the message's (src, tag, nbytes, dtype,
+      // shape); None when the object is unusable here (the caller takes the
+      // general path).
+      .def("recv_buffer",
+           [](Comm& c, int src, int64_t tag, py::handle obj, std::optional<double> timeout) -> py::object {
+             Buf b;
+             if (!b.get(obj.ptr(), true)) return py::none();
+             MsgHeader h;
+             if (!recv_blocking(c, src, tag, b.v.buf, b.nbytes, b.dtype, &h, timeout)) {
+               uint64_t id = c.engine->irecv(src, tag, b.v.buf, b.nbytes, b.dtype);
+               c.wait(id, timeout);
+               MsgInfo m = c.engine->info(id);
+               h.nbytes = m.nbytes;
+               h.dtype = m.dtype;
+               h.tag = m.tag;
+               h.ndim = uint32_t(m.shape.size());
+               std::copy(m.shape.begin(), m.shape.end(), h.shape);
+             }
+             if (h.nbytes == b.nbytes && h.ndim == b.ndim && std::equal(h.shape, h.shape + h.ndim, b.shape))
+               return py::reinterpret_borrow<py::object>(obj);
+             return header_tuple(src, h);
+           })
+      // Blocking receive into raw memory (torch out=): the message's header tuple.
+      .def("recv_into",
+           [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
+              std::optional<double> timeout) -> py::object {
+             MsgHeader h;
+             if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout)) return py::none();
+             return header_tuple(src, h);
+           })
+      .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
+           py::arg("id"), py::arg("timeout") = py::none())
+      .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
+      .def("info", [](Comm& c, uint64_t id) { return info_tuple(c.engine->info(id)); })
+      .def("copy_out", [](Comm& c, uint64_t id, uintptr_t dst) { c.engine->copy_out(id, reinterpret_cast<void*>(dst)); })
+      .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })
+      .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })
+      .def("cancel", [](Comm& c, uint64_t id) { c.engine->cancel(id); })
+      .def("detach", [](Comm& c, uint64_t id) { c.engine->detach(id); })
+      .def("close", [](Comm& c) {
+        py::gil_scoped_release nogil;
+        c.engine->close();
+      });
+}

@@ -1,0 +1,660 @@
+#include "engine.h"
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+namespace varcomm {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+// How often a waiter asks the transport whether its peer is still there: often
+// enough to report a dead peer within a second, rare enough to stay off the
+// fast path (it reads /proc or a socket).
+constexpr auto kPeerCheck = std::chrono::milliseconds(200);
+// Busy polls before yielding: a few microseconds, the scale of a ping-pong.
+constexpr int kSpins = 4000;
+
+inline uint64_t load_acquire(const char* p) {
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(p), __ATOMIC_ACQUIRE);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string peer_str(int peer) { return "rank " + std::to_string(peer); }
+}  // namespace
+
+Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(world), opt_(opt) {
+  if (world < 1) throw Error(ErrorKind::Invalid, "world_size must be >= 1");
+  if (rank < 0 || rank >= world) throw Error(ErrorKind::Invalid, "rank out of range");
+  if (opt.nslots < 1 || opt.nslots > 1024)
+    throw Error(ErrorKind::Invalid, "slots must be in [1, 1024] (option slots / VARCOMM_SLOTS)");
+  layout_.world = world;
+  layout_.nslots = opt.nslots;
+  layout_.bound = opt.bound;
+  region_ = std::make_unique<Region>(layout_.total());
+  auto* ctl = reinterpret_cast<RegionCtl*>(region_->base());
+  ctl->magic = kMagic;
+  ctl->rank = rank;
+  ctl->world = world;
+  ctl->nslots = opt.nslots;
+  ctl->bound = opt.bound;
+  peers_.resize(world);
+  for (auto& p : peers_) p.seen.assign(opt.nslots, 0);
+  reqs_.reserve(256);
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::close() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return;
+  closed_ = true;
+  for (auto& p : peers_) p.t.reset();
+}
+
+void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout& pl) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (pl.world != world_)
+    throw Error(ErrorKind::Invalid, peer_str(peer) + " reports world_size " + std::to_string(pl.world) +
+                                        ", this rank " + std::to_string(world_));
+  auto& p = peers_.at(peer);
+  p.t = std::move(t);
+  p.layout = pl;
+  p.written.assign(pl.nslots, 0);
+}
+
+std::string Engine::transport_name(int peer) const {
+  auto& p = peers_.at(peer);
+  return p.t ? p.t->name() : "";
+}
+
+std::string Engine::transport_describe(int peer) const {
+  auto& p = peers_.at(peer);
+  return p.t ? p.t->describe() : "";
+}
+
+void Engine::connected() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& p : peers_)
+    if (p.t) p.t->connected();
+}
+
+// ---- request pool ---------------------------------------------------------
+
+uint64_t Engine::alloc(ReqKind kind) {
+  uint32_t idx;
+  if (!free_reqs_.empty()) {
+    idx = free_reqs_.back();
+    free_reqs_.pop_back();
+  } else {
+    idx = uint32_t(reqs_.size());
+    reqs_.emplace_back();
+  }
+  Request& r = reqs_[idx];
+  uint32_t gen = r.gen + 1;
+  r = Request{};
+  r.gen = gen;
+  r.kind = kind;
+  return (uint64_t(gen) << 32) | idx;
+}
+
+Request& Engine::get(uint64_t id) {
+  uint32_t idx = uint32_t(id);
+  if (idx >= reqs_.size() || reqs_[idx].gen != uint32_t(id >> 32) || reqs_[idx].state == ReqState::Free)
+    throw Error(ErrorKind::Invalid, "unknown or already completed request");
+  return reqs_[idx];
+}
+
+void Engine::recycle(uint64_t id) {
+  Request& r = reqs_[uint32_t(id)];
+  r.state = ReqState::Free;
+  free_reqs_.push_back(uint32_t(id));
+}
+
+// ---- posting --------------------------------------------------------------
+
+void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim) {
+  if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  if (peer < 0 || peer >= world_)
+    throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
+  Peer& p = peers_[peer];
+  if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
+  if (nbytes > p.layout.bound)
+    throw Error(ErrorKind::TooLarge,
+                "message of " + std::to_string(nbytes) + " bytes exceeds the receive bound of " +
+                    std::to_string(p.layout.bound) + " bytes on " + peer_str(peer) +
+                    "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
+                peer);
+  if (ndim > uint32_t(kMaxDims))
+    throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
+  check_peer(peer, false);
+  if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, p.dead, peer);
+}
+
+uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
+                      const int64_t* shape, uint32_t ndim) {
+  std::lock_guard<std::mutex> g(mu_);
+  check_send(peer, nbytes, ndim);
+  Peer& p = peers_[peer];
+  if (!p.sendq.empty()) return 0;
+  Request& r = scratch_;
+  r.tag = tag;
+  r.data = data;
+  r.nbytes = nbytes;
+  r.dtype = dtype;
+  r.ndim = ndim;
+  std::copy(shape, shape + ndim, r.shape);
+  if (!try_write(peer, r)) return 0;
+  if (p.t->complete(peer, r.ticket)) return kSentDone;
+  // The transport still reads the source: track it like an isend.
+  uint64_t id = alloc(ReqKind::Send);
+  Request& q = reqs_[uint32_t(id)];
+  q = r;
+  q.gen = uint32_t(id >> 32);
+  q.kind = ReqKind::Send;
+  q.peer = peer;
+  p.sendq.push_back(id);
+  return id;
+}
+
+uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
+                       const int64_t* shape, uint32_t ndim) {
+  std::lock_guard<std::mutex> g(mu_);
+  check_send(peer, nbytes, ndim);
+  Peer& p = peers_[peer];
+  uint64_t id = alloc(ReqKind::Send);
+  Request& r = reqs_[uint32_t(id)];
+  r.peer = peer;
+  r.tag = tag;
+  r.data = data;
+  r.nbytes = nbytes;
+  r.dtype = dtype;
+  r.ndim = ndim;
+  std::copy(shape, shape + ndim, r.shape);
+  r.state = ReqState::Queued;
+  p.sendq.push_back(id);
+  progress_sends(peer);
+  return id;
+}
+
+uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  if (peer < 0 || peer >= world_)
+    throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
+  Peer& p = peers_[peer];
+  if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
+  uint64_t id = alloc(ReqKind::Recv);
+  Request& r = reqs_[uint32_t(id)];
+  r.peer = peer;
+  r.tag = tag;
+  r.out = out;
+  r.out_cap = out_cap;
+  r.out_dtype = out_dtype;
+  r.state = ReqState::Posted;
+  p.posted.push_back(id);
+  if (p.t) p.t->progress();
+  progress_recvs(peer);
+  // A dead peer's already-delivered messages are still received above.
+  if (r.state == ReqState::Posted) check_peer(peer, !p.dead.empty());
+  return id;
+}
+
+int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr) {
+  Peer& p = peers_[peer];
+  const char* base = region_->base();
+  for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
+    if (a->claimed) continue;
+    const char* slot = base + layout_.slot_off(peer, a->slot);
+    const auto* h = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    if (h->tag != tag) continue;
+    if (out_dtype && out_dtype != h->dtype)
+      throw Error(ErrorKind::Mismatch,
+                  "recv from " + peer_str(peer) + " tag " + std::to_string(tag) + ": message dtype code " +
+                      std::to_string(h->dtype) + " does not match out's dtype code " + std::to_string(out_dtype) +
+                      "; the message was kept for the next recv",
+                  peer);
+    if (h->nbytes > out_cap)
+      throw Error(ErrorKind::TooLarge,
+                  "recv from " + peer_str(peer) + " tag " + std::to_string(tag) + ": message of " +
+                      std::to_string(h->nbytes) + " bytes does not fit out (" + std::to_string(out_cap) +
+                      " bytes); the message was kept for the next recv",
+                  peer);
+    *hdr = *h;
+    if (h->nbytes) std::memcpy(out, slot + kPayloadOff, h->nbytes);
+    uint64_t seq = a->seq;
+    int k = a->slot;
+    p.ready.erase(a);
+    free_slot(peer, k, seq);
+    return 1;
+  }
+  return 0;
+}
+
+bool Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
+                         Clock::time_point deadline) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+    if (peer < 0 || peer >= world_)
+      throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
+    if (!peers_[peer].t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
+  }
+  bool got = spin(
+      [&](bool slow) {
+        Peer& p = peers_[peer];
+        if (!p.posted.empty())
+          throw Error(ErrorKind::Invalid, "recv_direct with posted irecvs");  // caller checked; keeps FIFO honest
+        p.t->progress();
+        progress_recvs(peer);
+        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr)) return true;
+        if (slow) {
+          check_peer(peer, false);
+          if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+        }
+        return false;
+      },
+      deadline);
+  return got;
+}
+
+bool Engine::has_posted(int peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  return peer >= 0 && peer < world_ && !peers_[peer].posted.empty();
+}
+
+// Spin first (ping-pong latency), then yield, then sleep with a growing
+// interval so more ranks than cores still make progress. `done(slow)` runs
+// under the lock; `slow` is true once spinning is over (time for the rarer
+// checks such as peer liveness).
+template <class F>
+bool Engine::spin(F&& done, Clock::time_point deadline) {
+  long sleep_ns = 1000;
+  for (int spins = 0;; ++spins) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+      if (done(spins >= kSpins)) return true;
+    }
+    if (deadline == Clock::time_point::min()) return false;  // a single try
+    if (spins < kSpins) {
+      cpu_relax();
+      continue;
+    }
+    if (Clock::now() >= deadline) return false;
+    if (spins < 2 * kSpins) {
+      sched_yield();
+      continue;
+    }
+    timespec ts{0, sleep_ns};
+    nanosleep(&ts, nullptr);
+    sleep_ns = std::min(sleep_ns * 2, 200000L);
+  }
+}
+
+// ---- progress -------------------------------------------------------------
+
+bool Engine::try_write(int peer, Request& r) {
+  Peer& p = peers_[peer];
+  const Layout& L = p.layout;
+  const char* credits = region_->base();
+  int k = p.next_slot;
+  for (int i = 0; i < L.nslots; ++i, k = (k + 1) % L.nslots) {
+    if (load_acquire(credits + layout_.credit_off(peer, k)) != p.written[k]) continue;
+    MsgHeader h{};
+    h.seq = p.next_seq;
+    h.nbytes = r.nbytes;
+    h.tag = r.tag;
+    h.dtype = r.dtype;
+    h.ndim = r.ndim;
+    std::copy(r.shape, r.shape + r.ndim, h.shape);
+    uint64_t ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, r.nbytes, h.seq);
+    if (!ticket) return false;
+    p.written[k] = h.seq;
+    p.next_seq++;
+    p.next_slot = (k + 1) % L.nslots;
+    r.ticket = ticket;
+    r.state = ReqState::InFlight;
+    return true;
+  }
+  return false;
+}
+
+void Engine::progress_sends(int peer) {
+  Peer& p = peers_[peer];
+  // Order per peer is the send order: a later send never overtakes a queued one.
+  for (auto it = p.sendq.begin(); it != p.sendq.end();) {
+    Request& r = reqs_[uint32_t(*it)];
+    if (r.state == ReqState::Queued && !try_write(peer, r)) break;
+    if (r.state == ReqState::InFlight && p.t->complete(peer, r.ticket)) {
+      r.state = ReqState::Done;
+      if (r.detached) recycle(*it);
+      it = p.sendq.erase(it);
+      continue;
+    }
+    ++it;
+  }
+}
+
+void Engine::free_slot(int peer, int slot, uint64_t seq) {
+  Peer& p = peers_[peer];
+  // The slot is in our region; the credit that frees it lives in the sender's.
+  if (p.dead.empty()) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), seq);
+}
+
+void Engine::progress_recvs(int peer) {
+  Peer& p = peers_[peer];
+  const char* base = region_->base();
+  for (int k = 0; k < layout_.nslots; ++k) {
+    uint64_t s = load_acquire(base + layout_.slot_off(peer, k));
+    if (s == 0 || s == p.seen[k]) continue;
+    p.seen[k] = s;
+    p.early.push_back({s, k, false});
+  }
+  // Deliver in sequence order only, so providers that complete out of order
+  // still give per-tag FIFO.
+  for (bool moved = true; moved && !p.early.empty();) {
+    moved = false;
+    for (size_t i = 0; i < p.early.size(); ++i) {
+      if (p.early[i].seq == p.next_deliver) {
+        p.ready.push_back(p.early[i]);
+        p.early.erase(p.early.begin() + i);
+        p.next_deliver++;
+        moved = true;
+        break;
+      }
+    }
+  }
+  for (auto it = p.posted.begin(); it != p.posted.end();) {
+    Request& r = reqs_[uint32_t(*it)];
+    auto m = p.ready.end();
+    for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
+      if (a->claimed) continue;
+      const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
+      if (h->tag == r.tag) {
+        m = a;
+        break;
+      }
+    }
+    if (m == p.ready.end()) {
+      ++it;
+      continue;
+    }
+    const char* slot = base + layout_.slot_off(peer, m->slot);
+    const auto* h = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    if (r.out) {
+      // Refuse without consuming: the message stays for the next receive.
+      if (r.out_dtype && r.out_dtype != h->dtype) {
+        r.state = ReqState::Failed;
+        r.err = ErrorKind::Mismatch;
+        r.error = "recv from " + peer_str(peer) + " tag " + std::to_string(r.tag) +
+                  ": message dtype code " + std::to_string(h->dtype) + " does not match out's dtype code " +
+                  std::to_string(r.out_dtype) + "; the message was kept for the next recv";
+        r.hdr = *h;
+        it = p.posted.erase(it);
+        continue;
+      }
+      if (h->nbytes > r.out_cap) {
+        r.state = ReqState::Failed;
+        r.err = ErrorKind::TooLarge;
+        r.error = "recv from " + peer_str(peer) + " tag " + std::to_string(r.tag) + ": message of " +
+                  std::to_string(h->nbytes) + " bytes does not fit out (" + std::to_string(r.out_cap) +
+                  " bytes); the message was kept for the next recv";
+        r.hdr = *h;
+        it = p.posted.erase(it);
+        continue;
+      }
+      r.hdr = *h;
+      if (h->nbytes) std::memcpy(r.out, slot + kPayloadOff, h->nbytes);
+      uint64_t seq = m->seq;
+      int k = m->slot;
+      p.ready.erase(m);
+      free_slot(peer, k, seq);
+      r.state = ReqState::Done;
+    } else {
+      r.hdr = *h;
+      r.slot = m->slot;
+      m->claimed = true;
+      r.state = ReqState::Matched;
+    }
+    if (r.detached) {
+      if (r.state == ReqState::Matched) {
+        // Nobody will read it: drop the message but keep the stream moving.
+        uint64_t id = *it;
+        it = p.posted.erase(it);
+        release_locked(id);
+        continue;
+      }
+      recycle(*it);
+    }
+    it = p.posted.erase(it);
+  }
+}
+
+void Engine::progress_locked() {
+  for (int peer = 0; peer < world_; ++peer) {
+    Peer& p = peers_[peer];
+    if (!p.t) continue;
+    if (p.sendq.empty() && p.posted.empty()) continue;
+    p.t->progress();
+    if (!p.sendq.empty()) progress_sends(peer);
+    if (!p.posted.empty()) progress_recvs(peer);
+  }
+  // Transports whose targets need progress (tcp) also get it when we only
+  // return credits, so a peer blocked on us can move on.
+}
+
+// ---- failure --------------------------------------------------------------
+
+void Engine::check_peer(int peer, bool force) {
+  Peer& p = peers_[peer];
+  if (!p.dead.empty()) {
+    fail_peer(peer, "");  // fail whatever was posted since
+    return;
+  }
+  if (!p.t || peer == rank_) return;
+  auto now = Clock::now();
+  if (!force && now - p.last_check < kPeerCheck) return;
+  p.last_check = now;
+  std::string why = p.t->peer_error(peer);
+  if (!why.empty()) fail_peer(peer, why);
+}
+
+void Engine::fail_peer(int peer, const std::string& why) {
+  Peer& p = peers_[peer];
+  if (p.dead.empty()) p.dead = "peer failure: " + why;
+  for (uint64_t id : p.sendq) {
+    Request& r = reqs_[uint32_t(id)];
+    if (r.detached) {
+      recycle(id);
+      continue;
+    }
+    r.state = ReqState::Failed;
+    r.err = ErrorKind::PeerFailure;
+    r.error = "send to " + peer_str(peer) + " failed: " + p.dead;
+  }
+  p.sendq.clear();
+  for (uint64_t id : p.posted) {
+    Request& r = reqs_[uint32_t(id)];
+    if (r.detached) {
+      recycle(id);
+      continue;
+    }
+    r.state = ReqState::Failed;
+    r.err = ErrorKind::PeerFailure;
+    r.error = "recv from " + peer_str(peer) + " failed: " + p.dead;
+  }
+  p.posted.clear();
+}
+
+void Engine::throw_if_failed(Request& r, uint64_t id) {
+  if (r.state != ReqState::Failed) return;
+  Error e(r.err, r.error, r.peer);
+  recycle(id);
+  throw e;
+}
+
+void Engine::raise_timeout(uint64_t id, double seconds) {
+  std::string msg;
+  int peer;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    Request& r = get(id);
+    peer = r.peer;
+    std::string op = r.kind == ReqKind::Send ? "send to " : "recv from ";
+    char secs[32];
+    snprintf(secs, sizeof secs, "%.3g", seconds);
+    msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
+    if (r.kind == ReqKind::Send)
+      msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
+    else
+      msg += "; nothing arrived (is the peer sending with this tag?)";
+  }
+  cancel(id);
+  throw Error(ErrorKind::Timeout, msg, peer);
+}
+
+// ---- waiting --------------------------------------------------------------
+
+bool Engine::test(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted) {
+    progress_locked();
+    check_peer(r.peer, false);
+  }
+  return r.state == ReqState::Done || r.state == ReqState::Matched || r.state == ReqState::Failed;
+}
+
+bool Engine::wait(uint64_t id, Clock::time_point deadline) {
+  return spin(
+      [&](bool slow) {
+        Request& r = get(id);
+        if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted)
+          progress_locked();
+        if (r.state == ReqState::Done || r.state == ReqState::Matched) {
+          if (r.kind == ReqKind::Send) recycle(id);
+          return true;
+        }
+        throw_if_failed(r, id);
+        if (slow) {
+          check_peer(r.peer, false);
+          throw_if_failed(r, id);
+        }
+        return false;
+      },
+      deadline);
+}
+
+MsgInfo Engine::info(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.kind != ReqKind::Recv || (r.state != ReqState::Done && r.state != ReqState::Matched))
+    throw Error(ErrorKind::Invalid, "request is not a completed recv");
+  MsgInfo m;
+  m.src = r.peer;
+  m.tag = r.hdr.tag;
+  m.nbytes = r.hdr.nbytes;
+  m.dtype = r.hdr.dtype;
+  m.shape.assign(r.hdr.shape, r.hdr.shape + std::min<uint32_t>(r.hdr.ndim, kMaxDims));
+  if (r.state == ReqState::Done) recycle(id);
+  return m;
+}
+
+void Engine::copy_out(uint64_t id, void* dst) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to copy");
+  const char* slot = region_->base() + layout_.slot_off(r.peer, r.slot);
+  if (r.hdr.nbytes) std::memcpy(dst, slot + kPayloadOff, r.hdr.nbytes);
+  Peer& p = peers_[r.peer];
+  uint64_t seq = r.hdr.seq;
+  for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
+    if (a->seq == seq) {
+      p.ready.erase(a);
+      break;
+    }
+  free_slot(r.peer, r.slot, seq);
+  recycle(id);
+}
+
+const void* Engine::payload(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
+  return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
+}
+
+void Engine::release(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to release");
+  release_locked(id);
+}
+
+void Engine::release_locked(uint64_t id) {
+  Request& r = reqs_[uint32_t(id)];
+  Peer& p = peers_[r.peer];
+  uint64_t seq = r.hdr.seq;
+  for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
+    if (a->seq == seq) {
+      p.ready.erase(a);
+      break;
+    }
+  if (!closed_) free_slot(r.peer, r.slot, seq);
+  recycle(id);
+}
+
+void Engine::cancel(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  Peer& p = peers_[r.peer];
+  if (r.state == ReqState::Queued) {
+    p.sendq.erase(std::find(p.sendq.begin(), p.sendq.end(), id));
+  } else if (r.state == ReqState::Posted) {
+    p.posted.erase(std::find(p.posted.begin(), p.posted.end(), id));
+  } else if (r.state == ReqState::Matched) {
+    // Matched but unread: put the message back for the next receive.
+    for (auto& a : p.ready)
+      if (a.seq == r.hdr.seq) a.claimed = false;
+  } else {
+    // In flight: the transport still reads the source; finish in the background.
+    if (r.state == ReqState::InFlight) r.detached = true;
+    return;
+  }
+  recycle(id);
+}
+
+void Engine::detach(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  uint32_t idx = uint32_t(id);
+  if (idx >= reqs_.size() || reqs_[idx].gen != uint32_t(id >> 32)) return;
+  Request& r = reqs_[idx];
+  switch (r.state) {
+    case ReqState::Free:
+      return;
+    case ReqState::Done:
+    case ReqState::Failed:
+      recycle(id);
+      return;
+    case ReqState::Matched:
+      release_locked(id);
+      return;
+    default:
+      r.detached = true;
+  }
+}
+
+}  // namespace varcomm

@@ -1,0 +1,165 @@
+// The protocol engine: slots, sequence numbers, credits, matching, waits and
+// errors, over any Transport. One Engine per communicator.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "protocol.h"
+#include "region.h"
+#include "transport.h"
+
+namespace varcomm {
+
+struct Options {
+  uint64_t bound = 8ull << 20;  // max payload bytes per message (per slot)
+  int nslots = 8;               // ring depth per sending peer
+};
+
+// Header of a matched message as seen by the caller.
+struct MsgInfo {
+  int src = -1;
+  int64_t tag = 0;
+  uint64_t nbytes = 0;
+  uint32_t dtype = 0;
+  std::vector<int64_t> shape;
+};
+
+enum class ReqKind : uint8_t { Send, Recv };
+enum class ReqState : uint8_t { Free, Queued, InFlight, Posted, Matched, Done, Failed };
+
+struct Request {
+  ReqKind kind = ReqKind::Send;
+  ReqState state = ReqState::Free;
+  uint32_t gen = 0;
+  int peer = -1;
+  int64_t tag = 0;
+  // send
+  const void* data = nullptr;
+  uint64_t nbytes = 0;
+  uint32_t dtype = 0;
+  uint32_t ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  uint64_t ticket = 0;
+  // recv
+  void* out = nullptr;  // nullptr: caller allocates after the match
+  uint64_t out_cap = 0;
+  uint32_t out_dtype = 0;
+  int slot = -1;
+  MsgHeader hdr{};
+  // failure
+  ErrorKind err = ErrorKind::None;
+  std::string error;
+  bool detached = false;  // nobody will wait: recycle when terminal
+};
+
+class Engine {
+ public:
+  Engine(int rank, int world, const Options& opt);
+  ~Engine();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  const Layout& layout() const { return layout_; }
+  Region& region() { return *region_; }
+
+  // Set-up: the caller (Python bootstrap) exchanges descriptors and layouts.
+  void set_transport(int peer, std::shared_ptr<Transport> t, const Layout& peer_layout);
+  std::string transport_name(int peer) const;
+  std::string transport_describe(int peer) const;
+  void connected();
+
+  // Requests; ids encode (index, generation) so stale ids are rejected.
+  uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
+                 const int64_t* shape, uint32_t ndim);
+  uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype);
+  // Blocks (without the GIL; the binding layer slices it) until done, failed
+  // or `deadline`. Returns true when terminal. Throws on failure.
+  bool wait(uint64_t id, std::chrono::steady_clock::time_point deadline);
+  // Request-free fast paths for blocking calls (the ping-pong case).
+  // send_now: 0 when it cannot take the shortcut (a send queued ahead, no free
+  // slot): nothing was written, post an isend. kSentDone when complete. Else
+  // the id of a request to wait on (written, transport still reading source).
+  static constexpr uint64_t kSentDone = 1;
+  uint64_t send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
+                uint32_t ndim);
+  // Blocks until a message from `peer` with `tag` is copied into out, or the
+  // deadline passes (false). Only when no irecv for `peer` is posted (FIFO).
+  bool recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
+                   std::chrono::steady_clock::time_point deadline);
+  bool test(uint64_t id);
+  bool has_posted(int peer);
+  // A recv matched without an output buffer: its header, then copy or view.
+  MsgInfo info(uint64_t id);
+  void copy_out(uint64_t id, void* dst);  // copies payload and frees the slot
+  const void* payload(uint64_t id);       // zero-copy view; free with release()
+  void release(uint64_t id);
+  // Give up on a request that has not started (send not written, recv not
+  // matched): nothing is half-written and no message is lost.
+  void cancel(uint64_t id);
+  [[noreturn]] void raise_timeout(uint64_t id, double seconds);
+  void detach(uint64_t id);  // caller drops it: finish in the background, recycle
+  void close();
+
+ private:
+  Request& get(uint64_t id);
+  uint64_t alloc(ReqKind kind);
+  void recycle(uint64_t id);
+  void progress_locked();
+  void progress_sends(int peer);
+  void progress_recvs(int peer);
+  bool try_write(int peer, Request& r);
+  void free_slot(int peer, int slot, uint64_t seq);
+  void check_peer(int peer, bool force);
+  void fail_peer(int peer, const std::string& why);
+  void throw_if_failed(Request& r, uint64_t id);
+  void release_locked(uint64_t id);
+  void check_send(int peer, uint64_t nbytes, uint32_t ndim);
+  // 1: message copied into out; 0: none yet; throws when it does not fit.
+  int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr);
+  template <class F>
+  bool spin(F&& done, std::chrono::steady_clock::time_point deadline);
+
+  struct Arrival {
+    uint64_t seq;
+    int slot;
+    bool claimed;
+  };
+  struct Peer {
+    std::shared_ptr<Transport> t;
+    Layout layout;  // the peer's region layout (where we write)
+    // this rank as sender to peer
+    uint64_t next_seq = 1;
+    std::vector<uint64_t> written;  // seq last written per slot of the peer's ring
+    int next_slot = 0;
+    std::deque<uint64_t> sendq;     // queued or in-flight sends, FIFO
+    // this rank as receiver from peer
+    std::vector<uint64_t> seen;     // ready value already noticed per slot
+    std::vector<Arrival> early;     // arrived ahead of a gap (unordered providers)
+    std::deque<Arrival> ready;      // deliverable, in seq order
+    uint64_t next_deliver = 1;
+    std::deque<uint64_t> posted;    // recvs in posting order
+    std::string dead;               // why the peer is unusable, empty while fine
+    std::chrono::steady_clock::time_point last_check{};
+  };
+
+  int rank_, world_;
+  Options opt_;
+  Layout layout_;
+  std::unique_ptr<Region> region_;
+  std::vector<Peer> peers_;
+  std::vector<Request> reqs_;
+  std::vector<uint32_t> free_reqs_;
+  Request scratch_;              // send_now's request, never queued
+  std::mutex mu_;
+  bool closed_ = false;
+};
+
+}  // namespace varcomm

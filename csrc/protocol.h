@@ -1,0 +1,72 @@
+// The varcomm wire protocol, written once for every transport.
+//
+// Each rank owns one *region*: a control block, a row of credit words per peer,
+// and per sending peer a ring of bound-sized slots. A sender writes a message
+// (header + payload) into a free slot of the receiver's ring with a one-sided
+// write, and the slot's `ready` word becomes the message's sequence number once
+// header and payload are visible. The receiver frees a slot by writing the
+// consumed sequence number into the sender's credit word for that slot, also
+// one-sided. No message ever travels separately from its data.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace varcomm {
+
+constexpr uint64_t kMagic = 0x316d6d6f63726176ULL;  // "varcomm1"
+constexpr int kMaxDims = 8;
+constexpr size_t kCtlBytes = 4096;     // region control block
+constexpr size_t kSlotCtlBytes = 128;  // slot ready word, own cache lines
+constexpr size_t kHeaderBytes = 128;
+// Header and payload are contiguous so one remote write covers both.
+constexpr size_t kHeaderOff = kSlotCtlBytes;
+constexpr size_t kPayloadOff = kSlotCtlBytes + kHeaderBytes;
+
+inline constexpr size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// The header of one message: where a message's size, dtype and shape are written.
+struct MsgHeader {
+  uint64_t seq;     // 1-based per (sender, receiver) pair
+  uint64_t nbytes;  // payload bytes
+  int64_t tag;
+  uint32_t dtype;   // DLPack (code << 16 | bits << 8 | lanes); see python/varcomm/dtypes.py
+  uint32_t ndim;
+  int64_t shape[kMaxDims];
+  uint64_t reserved[2];
+};
+static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");
+
+struct RegionCtl {
+  uint64_t magic;
+  int32_t rank;
+  int32_t world;
+  int32_t nslots;
+  int32_t pid;
+  uint64_t bound;
+};
+
+// Offsets inside one rank's region. A sender uses the *receiver's* layout, so
+// ranks may pick different bounds and depths.
+struct Layout {
+  int world = 0;
+  int nslots = 0;
+  uint64_t bound = 0;
+
+  size_t slot_bytes() const { return kPayloadOff + align_up(bound, 256); }
+  size_t credit_row() const { return align_up(size_t(nslots) * 8, 64); }
+  size_t credit_off(int peer, int slot) const {
+    return kCtlBytes + size_t(peer) * credit_row() + size_t(slot) * 8;
+  }
+  size_t rings_off() const { return align_up(kCtlBytes + size_t(world) * credit_row(), 4096); }
+  size_t slot_off(int sender, int slot) const {
+    return rings_off() + (size_t(sender) * nslots + slot) * slot_bytes();
+  }
+  size_t total() const { return slot_off(world, 0); }
+};
+
+inline uint64_t dtype_itemsize(uint32_t dtype) {
+  uint64_t bits = (dtype >> 8) & 0xff, lanes = dtype & 0xff;
+  return (bits * (lanes ? lanes : 1) + 7) / 8;
+}
+
+}  // namespace varcomm

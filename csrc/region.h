@@ -1,0 +1,33 @@
+// The memory a rank exposes to its peers. Backed by an anonymous memfd so that
+// same-host peers can map it through /proc/<pid>/fd/<fd> and nothing is ever
+// named in /dev/shm: a crash cannot leave a segment behind.
+#pragma once
+#include <cstddef>
+#include <string>
+
+namespace varcomm {
+
+class Region {
+ public:
+  explicit Region(size_t size);
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+  char* base() const { return base_; }
+  size_t size() const { return size_; }
+  int fd() const { return fd_; }
+  // Peers have mapped us; the fd is no longer needed to share the memory.
+  void close_fd();
+
+ private:
+  char* base_ = nullptr;
+  size_t size_ = 0;
+  int fd_ = -1;
+};
+
+// Map a peer's region given its pid and fd (same host, same user).
+char* map_peer_region(int pid, int fd, size_t size, std::string* error);
+void unmap_region(char* base, size_t size);
+
+}  // namespace varcomm

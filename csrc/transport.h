@@ -1,0 +1,45 @@
+// What a transport must provide; everything else (slots, headers, sequence
+// numbers, credits, ordering, errors) lives in the Engine above it.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace varcomm {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual std::string name() const = 0;
+  // Why this transport was chosen / how it is configured; shown by transport_for().
+  virtual std::string describe() const { return name(); }
+
+  // Make the local region [base, base+size) writable by peers; returns an
+  // opaque descriptor that peers pass to connect(). Called once.
+  virtual std::string expose(void* base, size_t size) = 0;
+  // Import a peer's descriptor so write_*(peer, ...) can reach its region.
+  virtual void connect(int peer, const std::string& descriptor) = 0;
+  // Every peer has connected to us: drop set-up state (e.g. close segment fds).
+  virtual void connected() {}
+
+  // Copy hdr (hdr_len bytes) then payload (n bytes) to peer region offset
+  // `ready_off + kHeaderOff` (contiguous), and make the receiver's ready word at
+  // `ready_off` equal to `seq` only once both are visible there. A transport
+  // whose completions carry an immediate sends `ready_off >> 8` (slot offsets
+  // are 256-aligned, so 32 bits cover a 1 TiB region) and the receiver's
+  // progress() stores the landed header's seq into the ready word.
+  // Returns 0 when no send resources are free (the caller retries after
+  // progress()), else a ticket: the source buffers may be reused once
+  // complete(peer, ticket) is true.
+  virtual uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
+                                 const void* payload, size_t n, uint64_t seq) = 0;
+  virtual bool complete(int /*peer*/, uint64_t /*ticket*/) { return true; }
+  // One-sided store of an 8-byte value into the peer's region (credits).
+  virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
+  // Drive completions; a transport whose peers write memory directly does nothing.
+  virtual void progress() {}
+  // Empty when the peer is reachable; otherwise why not (process gone, link down).
+  virtual std::string peer_error(int peer) = 0;
+};
+
+}  // namespace varcomm

@@ -1,0 +1,24 @@
+"""varcomm: variable-size point-to-point and all-to-all for pipeline- and
+expert-parallel training. Receivers own bound-sized buffers; senders write into
+them one-sidedly; size, dtype and shape travel with the data."""
+from __future__ import annotations
+
+from .comm import Communicator, P2POp, Work, init
+from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLarge, PeerFailure, TimeoutError,
+                     VarcommError)
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """Which transports this build has (shm always; rdma with libfabric; nvlink with CUDA)."""
+    from . import _C
+
+    return dict(_C.build_info)
+
+
+__all__ = [
+    "init", "Communicator", "Work", "P2POp", "build_info",
+    "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
+    "ClosedError",
+]

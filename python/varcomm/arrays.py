@@ -1,0 +1,90 @@
+"""Framework arrays in and out: torch tensors and numpy arrays (cupy through
+DLPack later). The core only ever sees (pointer, bytes, dtype word, shape)."""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import InvalidArgument
+
+try:  # torch is optional: numpy-only users never import it
+    import torch
+
+    Tensor: Any = torch.Tensor
+except ImportError:  # pragma: no cover - exercised only without torch
+    torch = None  # type: ignore[assignment]
+    Tensor = ()
+
+
+def is_torch(x: Any) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
+    """(pointer, nbytes, dtype word, shape, keepalive) of a host array.
+
+    Non-contiguous inputs are copied (the copy is the keepalive)."""
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise InvalidArgument(f"tensor on {x.device}: this build has no GPU transport; "
+                                  "move it to CPU or use the fallback (VARCOMM_TRANSPORT=fallback)")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return x.data_ptr(), x.nbytes, dtypes.from_torch(x.dtype), tuple(x.shape), x
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return x.ctypes.data, x.nbytes, dtypes.from_numpy(x.dtype), x.shape, x
+    raise InvalidArgument(f"cannot send {type(x).__name__}: pass a torch.Tensor or numpy.ndarray")
+
+
+def describe_out(out: Any) -> tuple[int, int, int]:
+    """(pointer, capacity bytes, dtype word) of a bound-sized receive buffer."""
+    if is_torch(out):
+        if out.device.type != "cpu":
+            raise InvalidArgument(f"out on {out.device}: this build has no GPU transport")
+        if not out.is_contiguous():
+            raise InvalidArgument("out must be contiguous: the message is written into its prefix")
+        return out.data_ptr(), out.nbytes, dtypes.from_torch(out.dtype)
+    if isinstance(out, np.ndarray):
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument("out must be a writeable C-contiguous numpy array")
+        return out.ctypes.data, out.nbytes, dtypes.from_numpy(out.dtype)
+    raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, not {type(out).__name__}")
+
+
+def prefix_view(out: Any, nbytes: int, shape: Sequence[int]) -> Any:
+    """The received message as a view of the front of `out`, with the sender's shape."""
+    if tuple(out.shape) == tuple(shape):
+        return out
+    n = nbytes // max(out.itemsize if isinstance(out, np.ndarray) else out.element_size(), 1)
+    return out.reshape(-1)[:n].reshape(shape)
+
+
+def empty(kind: str, dtype_word: int, shape: Sequence[int]) -> tuple[Any, int]:
+    """A fresh array for a message of unknown size, and its data pointer."""
+    if kind == "torch":
+        t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word))
+        return t, t.data_ptr()
+    a = np.empty(tuple(shape), dtype=dtypes.to_numpy(dtype_word))
+    return a, a.ctypes.data
+
+
+def loan(kind: str, ptr: int, nbytes: int, dtype_word: int, shape: Sequence[int],
+         on_free: Callable[[], None]) -> Any:
+    """A zero-copy view of a receive slot; `on_free` returns the slot when the
+    view (and every view derived from it) is garbage collected."""
+    raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
+    weakref.finalize(raw, on_free)
+    if kind == "torch":
+        dt = dtypes.to_torch(dtype_word)
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dt)
+        flat = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
+        return flat.view(dt).reshape(tuple(shape))
+    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dtypes.to_numpy(dtype_word))
+    return arr.reshape(tuple(shape))

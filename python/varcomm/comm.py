@@ -1,0 +1,350 @@
+"""The Communicator: variable-size point-to-point over whichever transport
+reaches each peer. Nothing here knows how a transport moves bytes."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Iterable, NamedTuple
+
+import numpy as np
+
+from . import arrays, bootstrap
+from .errors import InvalidArgument, VarcommError
+
+_MiB = 1 << 20
+
+
+def _env_bytes(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if not v:
+        return default
+    v = v.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if v[-1:] in mult:
+        return int(float(v[:-1]) * mult[v[-1]])
+    if v.endswith(("KIB", "MIB", "GIB")):
+        return int(float(v[:-3]) * mult[v[-3]])
+    return int(v)
+
+
+class Work:
+    """A pending isend or irecv. `wait()` returns the received array (None for a send)."""
+
+    __slots__ = ("_comm", "_id", "_done", "_result", "_finish", "_keep", "peer", "op")
+
+    def __init__(self, comm: "Communicator", rid: int, finish: Callable[[], Any] | None, peer: int, op: str,
+                 keep: Any = None):
+        self._comm = comm
+        self._keep = keep  # a send's source must outlive the transfer
+        self._id = rid
+        self._done = False
+        self._result: Any = None
+        self._finish = finish
+        self.peer = peer
+        self.op = op
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
+            self._done = True
+            self._keep = None
+            if self._finish is not None:
+                self._result = self._finish()
+                self._finish = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or self._comm._c.test(self._id)
+
+    def result(self) -> Any:
+        return self.wait()
+
+    def __del__(self) -> None:
+        # Dropped without wait(): the transfer still finishes, the slot is returned.
+        if not self._done:
+            try:
+                self._comm._c.detach(self._id)
+            except Exception:
+                pass
+
+
+class P2POp(NamedTuple):
+    """torch.distributed.P2POp's shape: op is comm.isend or comm.irecv; for irecv,
+    tensor is None or a bound-sized output buffer."""
+
+    op: Callable[..., Any]
+    tensor: Any
+    peer: int
+    tag: int = 0
+
+
+class Communicator:
+    """Variable-size send/recv between ranks; see varcomm.init()."""
+
+    def __init__(self, placement: bootstrap.Placement, store: Any, owner: Any, options: dict[str, Any]):
+        from . import _C
+
+        self.rank = placement.rank
+        self.world_size = placement.world_size
+        self.local_rank = placement.local_rank
+        self.local_world_size = placement.local_world_size
+        self.bound: int = options["bound"]
+        self.slots: int = options["slots"]
+        self._timeout: float | None = options["timeout"]
+        self._array = options["array"]
+        self._store = store
+        self._owner = owner
+        self._closed = False
+        self._fallback: Any = None
+        self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots)
+        self._routes = self._connect(options)
+
+    # ---- set-up ---------------------------------------------------------------
+
+    def _connect(self, options: dict[str, Any]) -> list[str]:
+        from . import _C
+
+        forced = options["transport"]
+        built = set(_C.build_info["transports"])
+        if forced not in ("auto", "fallback") and forced not in built:
+            raise InvalidArgument(f"transport {forced!r} is not built into this varcomm (built: {sorted(built)}); "
+                                  "see `varcomm-doctor`")
+        me = {"host": bootstrap.host_key(), "world": self.world_size, "slots": self.slots, "bound": self.bound,
+              "desc": {}}
+        if forced != "fallback":
+            me["desc"]["shm"] = self._c.expose("shm")
+            if "rdma" in built and (forced == "rdma" or (forced == "auto" and self.world_size > 1)):
+                try:
+                    me["desc"]["rdma"] = self._c.expose("rdma", options["rdma_provider"], options["rdma_iface"])
+                except VarcommError:
+                    if forced == "rdma":
+                        raise
+        self._store.set(f"peer/{self.rank}", json.dumps(me))
+        peers = [json.loads(self._store.get(f"peer/{r}")) for r in range(self.world_size)]
+        routes = []
+        for r, p in enumerate(peers):
+            kind = self._choose(r, me, p, forced)
+            routes.append(kind)
+            if kind != "fallback":
+                self._c.connect(r, kind, p["desc"][kind], p["world"], p["slots"], p["bound"])
+        # Every rank has mapped its peers' regions: the segments can be let go.
+        self._store.add("mapped", 1)
+        self._wait_count("mapped", self.world_size)
+        self._c.connected()
+        if "fallback" in routes:
+            from .fallback import Fallback
+
+            self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout)
+        return routes
+
+    def _choose(self, peer: int, me: dict[str, Any], p: dict[str, Any], forced: str) -> str:
+        """Per pair: same host -> shm, other host -> rdma, else the fallback."""
+        if forced == "fallback":
+            return "fallback"
+        rdma = "rdma" in p["desc"] and "rdma" in me["desc"]
+        if forced == "rdma" and peer != self.rank:  # self-sends stay in local memory
+            if not rdma:
+                raise InvalidArgument(f"transport='rdma' but rank {peer} has no rdma endpoint (see varcomm-doctor)")
+            return "rdma"
+        if p["host"] == me["host"]:
+            return "shm"
+        if forced == "shm":
+            raise InvalidArgument(f"transport='shm' but rank {peer} is on another host")
+        return "rdma" if rdma else "fallback"
+
+    def _wait_count(self, key: str, n: int) -> None:
+        deadline = time.monotonic() + (self._timeout or 300)
+        while int(self._store.add(key, 0)) < n:
+            if time.monotonic() > deadline:
+                raise VarcommError(f"rendezvous timed out waiting for {n} ranks at {key!r}")
+            time.sleep(0.002)
+
+    # ---- introspection --------------------------------------------------------
+
+    def transport_for(self, peer: int) -> str:
+        """"shm", "rdma" or "fallback": what carries messages to and from `peer`."""
+        self._check_peer(peer, "peer")
+        return self._routes[peer]
+
+    def describe_transport(self, peer: int) -> str:
+        self._check_peer(peer, "peer")
+        if self._routes[peer] == "fallback":
+            return "fallback (torch.distributed gloo: shape header, then payload)"
+        return self._c.transport_describe(peer)
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
+            raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.world_size})")
+        if self._closed:
+            from .errors import ClosedError
+
+            raise ClosedError("communicator is closed")
+
+    # ---- point-to-point -------------------------------------------------------
+
+    def send(self, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+        """Returns when `tensor` may be reused."""
+        t = self._timeout if timeout is None else timeout
+        if not (type(dst) is int and 0 <= dst < self.world_size) or self._routes[dst] == "fallback":
+            self._check_peer(dst, "dst")
+            return self._fallback.send(tensor, dst, tag, t)
+        if type(tensor) is np.ndarray and self._c.send_buffer(dst, tag, tensor, t):
+            return
+        ptr, nbytes, word, shape, _keep = arrays.describe_host(tensor)
+        self._c.send(dst, tag, ptr, nbytes, word, shape, t)
+
+    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
+        """Starts a send; `tensor` must not change until the work completes."""
+        self._check_peer(dst, "dst")
+        if self._routes[dst] == "fallback":
+            return self._fallback.isend(tensor, dst, tag)
+        ptr, nbytes, word, shape, keep = arrays.describe_host(tensor)
+        return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
+
+    def recv(self, src: int, tag: int = 0, out: Any = None, timeout: float | None = None,
+             copy: bool = True) -> Any:
+        """Receive one message from `src`. With `out` (a bound-sized buffer), the
+        message lands in its prefix and a view with the sender's shape is returned;
+        otherwise a new array of the sender's shape and dtype.
+
+        copy=False returns a zero-copy view of the receive slot instead: the slot
+        goes back to the sender when the view is garbage collected, so do not hold
+        more than `slots` of them per peer."""
+        t = self._timeout if timeout is None else timeout
+        if out is not None and type(src) is int and 0 <= src < self.world_size and self._routes[src] != "fallback":
+            if type(out) is np.ndarray:
+                r = self._c.recv_buffer(src, tag, out, t)
+            else:
+                ptr, cap, word = arrays.describe_out(out)
+                r = self._c.recv_into(src, tag, ptr, cap, word, t)
+            if r is not None:
+                return r if r is out else arrays.prefix_view(out, r[2], r[4])
+        return self.irecv(src, tag, out, copy=copy).wait(t)
+
+    def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True) -> Work:
+        self._check_peer(src, "src")
+        if self._routes[src] == "fallback":
+            return self._fallback.irecv(src, tag, out)
+        c = self._c
+        if out is not None:
+            ptr, cap, word = arrays.describe_out(out)
+            rid = c.irecv(src, tag, ptr, cap, word)
+            return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv")
+        rid = c.irecv(src, tag, 0, 0, 0)
+        kind = self._array
+
+        def finish() -> Any:
+            _src, _tag, nbytes, word, shape = c.info(rid)
+            if not copy:
+                return arrays.loan(kind, c.payload(rid), nbytes, word, shape, lambda: _release(c, rid))
+            arr, ptr = arrays.empty(kind, word, shape)
+            c.copy_out(rid, ptr)
+            return arr
+
+        return Work(self, rid, finish, src, "recv")
+
+    def batch_isend_irecv(self, ops: Iterable[P2POp]) -> list[Work]:
+        """Issue every op at once (receives first); rings and all-pairs patterns
+        cannot deadlock because nothing here blocks."""
+        ops = list(ops)
+        works: list[Work | None] = [None] * len(ops)
+        for pass_recv in (True, False):
+            for i, op in enumerate(ops):
+                fn = getattr(op.op, "__func__", op.op)
+                is_recv = fn is Communicator.irecv
+                if fn not in (Communicator.irecv, Communicator.isend):
+                    raise InvalidArgument("P2POp.op must be comm.isend or comm.irecv")
+                if getattr(op.op, "__self__", self) is not self:
+                    raise InvalidArgument("P2POp.op belongs to another communicator")
+                if is_recv != pass_recv:
+                    continue
+                works[i] = self.irecv(op.peer, op.tag, op.tensor) if is_recv else self.isend(op.tensor, op.peer, op.tag)
+        return [w for w in works if w is not None]
+
+    def barrier(self) -> None:
+        """Every rank reaches this point (through the store; not on the data path)."""
+        n = getattr(self, "_barriers", 0) + 1
+        self._barriers = n
+        self._store.add(f"barrier/{n}", 1)
+        self._wait_count(f"barrier/{n}", self.world_size)
+
+    # ---- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._store.add("left", 1)
+            if self._owner is not None and self.rank == 0:
+                # The store lives in rank 0: keep it until everyone is done with it.
+                deadline = time.monotonic() + 30
+                while int(self._store.add("left", 0)) < self.world_size and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        finally:
+            if self._fallback is not None:
+                self._fallback.close()
+            self._c.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, bound={self.bound}, "
+                f"slots={self.slots}, transports={sorted(set(self._routes))})")
+
+
+def _info_of(info: tuple[int, int, int, int, tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
+    return info[2], info[4]
+
+
+def _release(c: Any, rid: int) -> None:
+    try:
+        c.release(rid)
+    except VarcommError:
+        pass  # communicator closed first: nothing to return
+
+
+def init(rank: int | None = None, world_size: int | None = None, store: Any | None = None, *,
+         bound: int | None = None, slots: int | None = None, transport: str | None = None,
+         timeout: float | None = -1.0, array: str | None = None, rdma_provider: str | None = None,
+         rdma_iface: str | None = None) -> Communicator:
+    """Join the job and connect to every peer.
+
+    rank/world_size default to the launcher's environment (varcomm-run, torchrun,
+    mpirun, srun); `store` defaults to a TCPStore at MASTER_ADDR:MASTER_PORT.
+    bound (VARCOMM_BOUND, default 8 MiB): largest message a peer may send us.
+    slots (VARCOMM_SLOTS, default 8): messages in flight per sending peer.
+    transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
+    timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
+    array (VARCOMM_ARRAY): kind returned by recv without out: torch | numpy.
+    """
+    p = bootstrap.placement(rank, world_size)
+    if timeout == -1.0:
+        env = os.environ.get("VARCOMM_TIMEOUT")
+        timeout = None if env in ("none", "None", "inf") else float(env) if env else 600.0
+    kind = array or os.environ.get("VARCOMM_ARRAY") or ("torch" if arrays.torch is not None else "numpy")
+    if kind not in ("torch", "numpy"):
+        raise InvalidArgument(f"array={kind!r}: use 'torch' or 'numpy'")
+    opts = {
+        "bound": bound if bound is not None else _env_bytes("VARCOMM_BOUND", 8 * _MiB),
+        "slots": slots if slots is not None else int(os.environ.get("VARCOMM_SLOTS", "8")),
+        "transport": (transport or os.environ.get("VARCOMM_TRANSPORT") or "auto").lower(),
+        "timeout": timeout,
+        "array": kind,
+        "rdma_provider": rdma_provider or os.environ.get("VARCOMM_FI_PROVIDER", ""),
+        "rdma_iface": rdma_iface or os.environ.get("VARCOMM_FI_IFACE", ""),
+    }
+    if opts["transport"] not in ("auto", "shm", "rdma", "fallback"):
+        raise InvalidArgument(f"transport={opts['transport']!r}: use auto, shm, rdma or fallback")
+    if opts["bound"] <= 0:
+        raise InvalidArgument("bound must be positive (bytes)")
+    s, owner = bootstrap.make_store(p, store, timeout or 300)
+    return Communicator(p, s, owner, opts)
+
+
+__all__ = ["Communicator", "Work", "P2POp", "init"]

@@ -1,0 +1,337 @@
+"""``varcomm-run``: a small MPI-style launcher for N local ranks.
+
+Usage::
+
+    python -m varcomm.run -n N [--timeout S] [--tag-output] [--master-port P] PROGRAM [ARGS...]
+    python -m varcomm.run -n N [options] -m MODULE [ARGS...]
+
+Each rank is a child process with a torchrun-compatible environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT)
+plus ``VARCOMM_LAUNCHER=1``, so ``varcomm.init()`` (and torch.distributed's
+``env://``) work unchanged under this launcher, torchrun or mpirun.
+
+The job is all-or-nothing, like mpirun: as soon as one rank fails (non-zero
+exit or signal) or ``--timeout`` passes, the remaining ranks are stopped
+(SIGTERM to their process groups, SIGKILL ~3 s later) so a failure never turns
+into a hang waiting on a dead peer.
+
+This module only uses the standard library: it must be importable without the
+varcomm C extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any, Mapping, Sequence
+
+__all__ = ["main", "launch", "rank_env", "free_port"]
+
+#: Seconds between SIGTERM and SIGKILL when stopping ranks.
+KILL_GRACE_S = 3.0
+#: Exit code used when ``--timeout`` expires (same as coreutils ``timeout``).
+TIMEOUT_EXIT = 124
+
+_PREFIX = "varcomm-run: "
+# Launcher options that take a separate value; needed to find where PROGRAM starts.
+_VALUE_OPTS = frozenset({"-n", "-np", "--np", "--nproc", "--timeout", "--master-port"})
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free right now (the OS picks it, so parallel jobs rarely collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    master_addr: str = "127.0.0.1",
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Environment of one local rank, torchrun-compatible (single node: local rank == rank)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    return env
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _describe(rank: int, code: int) -> str:
+    if code < 0:
+        return f"rank {rank} killed by signal {_signal_name(-code)}"
+    return f"rank {rank} exited with code {code}"
+
+
+def _exit_code(code: int) -> int:
+    """Shell convention: a child killed by signal S makes us exit with 128+S."""
+    return 128 - code if code < 0 else code
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Signal a rank's whole process group (it is the group leader), so grandchildren die too."""
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _exit_status(pid: int) -> int | None:
+    """Exit code of child ``pid`` (-S if killed by signal S), or None while it runs; does not reap it.
+
+    Leaving the child unreaped (a zombie) keeps its pid, and so its
+    process-group id, reserved: we can still kill leftover grandchildren in
+    that group later without risking hitting an unrelated, reused pid.
+    """
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return -signal.SIGKILL  # already reaped by someone else: unknown, treat as killed
+    if info is None or info.si_pid != pid:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _pump(src: IO[bytes], dst: IO[str], prefix: str, lock: threading.Lock) -> None:
+    """Forward ``src`` to ``dst`` line by line with ``prefix`` (one thread per child pipe)."""
+    binary = getattr(dst, "buffer", None)
+    try:
+        for raw in iter(src.readline, b""):
+            if not raw.endswith(b"\n"):
+                raw += b"\n"
+            with lock:
+                if binary is not None:
+                    dst.flush()
+                    binary.write(prefix.encode() + raw)
+                    binary.flush()
+                else:
+                    dst.write(prefix + raw.decode(errors="replace"))
+                    dst.flush()
+    except (OSError, ValueError):
+        pass
+    finally:
+        src.close()
+
+
+def _command(program: Sequence[str]) -> list[str]:
+    if program[0] == "-m":
+        if len(program) < 2:
+            raise SystemExit(f"{_PREFIX}-m needs a module name")
+        return [sys.executable, *program]
+    if program[0].endswith(".py"):
+        return [sys.executable, *program]
+    return list(program)
+
+
+def launch(
+    command: Sequence[str],
+    nprocs: int,
+    *,
+    timeout: float | None = None,
+    tag_output: bool = False,
+    master_port: int | None = None,
+    master_addr: str = "127.0.0.1",
+) -> int:
+    """Run ``command`` as ``nprocs`` ranks; return the job's exit code (see module doc)."""
+    port = master_port or free_port(master_addr)
+    # One seed for the whole job, so varcomm.testing.seeded() agrees across ranks.
+    seed = os.environ.get("VARCOMM_TEST_SEED") or str(random.SystemRandom().randrange(2**32))
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[bytes]] = []
+    pumps: list[threading.Thread] = []
+    codes: dict[int, int] = {}
+    own_failures: list[int] = []  # ranks that failed on their own, in order seen
+    stop_at: float | None = None  # when we began stopping ranks
+    killed = False
+    timed_out: list[int] = []
+    interrupted: list[int] = []
+
+    def stop_all(signum: int) -> None:
+        for r, p in enumerate(procs):
+            if r not in codes:
+                _signal_group(p.pid, signum)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        # Ranks run in their own sessions, so a terminal's Ctrl-C doesn't reach them: forward it.
+        # A second signal means "really stop now".
+        stop_all(signal.SIGKILL if interrupted else signum)
+        interrupted.append(signum)
+
+    old_handlers: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old_handlers[sig] = signal.signal(sig, on_signal)
+    try:
+        for r in range(nprocs):
+            env = rank_env(r, nprocs, port, master_addr)
+            env["VARCOMM_LAUNCHER"] = "1"
+            env["VARCOMM_TEST_SEED"] = seed
+            if tag_output:
+                env.setdefault("PYTHONUNBUFFERED", "1")  # pipes are block-buffered otherwise
+            pipe = subprocess.PIPE if tag_output else None
+            try:
+                p = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdin=None if r == 0 else subprocess.DEVNULL,  # like mpirun: stdin goes to rank 0
+                    stdout=pipe,
+                    stderr=pipe,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                print(f"{_PREFIX}cannot start {command[0]!r}: {e}", file=sys.stderr)
+                return 127  # the finally block kills and reaps the ranks already started
+            procs.append(p)
+            if tag_output:
+                assert p.stdout is not None and p.stderr is not None
+                for src, dst in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                    t = threading.Thread(target=_pump, args=(src, dst, f"[{r}] ", lock), daemon=True)
+                    t.start()
+                    pumps.append(t)
+
+        deadline = time.monotonic() + timeout if timeout else None
+        while len(codes) < nprocs:
+            for r, p in enumerate(procs):
+                code = _exit_status(p.pid) if r not in codes else None
+                if code is not None:
+                    codes[r] = code
+                    if code != 0 and stop_at is None:
+                        own_failures.append(r)
+            if len(codes) == nprocs:
+                break
+            now = time.monotonic()
+            if stop_at is None and interrupted:
+                stop_at = now  # the signal was already forwarded; SIGKILL follows after the grace period
+            elif stop_at is None and own_failures:
+                stop_at = now
+                stop_all(signal.SIGTERM)
+            elif stop_at is None and deadline is not None and now >= deadline:
+                timed_out = [r for r in range(nprocs) if r not in codes]
+                stop_at = now
+                stop_all(signal.SIGTERM)
+            elif stop_at is not None and not killed and now - stop_at >= KILL_GRACE_S:
+                killed = True
+                stop_all(signal.SIGKILL)
+            time.sleep(0.02)
+    finally:
+        # Ranks are still unreaped here. On failure, kill whatever is left in their
+        # process groups (stray grandchildren) while the group ids are still ours.
+        if own_failures or stop_at is not None or len(codes) < len(procs):
+            for p in procs:
+                _signal_group(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        join_until = time.monotonic() + 2.0  # a surviving grandchild may hold a pipe open
+        for t in pumps:
+            t.join(timeout=max(0.0, join_until - time.monotonic()))
+
+    return _report(codes, own_failures, timed_out, interrupted, timeout)
+
+
+def _report(
+    codes: Mapping[int, int],
+    own_failures: Sequence[int],
+    timed_out: Sequence[int],
+    interrupted: Sequence[int],
+    timeout: float | None,
+) -> int:
+    """Print one line per failure to stderr and return the job's exit code."""
+    lines: list[str] = []
+    result = 0
+    if timed_out and not own_failures:
+        ranks = ",".join(map(str, timed_out))
+        lines.append(f"timeout after {timeout:g} s: ranks {ranks} still running")
+        result = TIMEOUT_EXIT
+    for i, r in enumerate(own_failures):
+        lines.append(_describe(r, codes[r]) + (" (first failure)" if i == 0 and len(own_failures) > 1 else ""))
+    if own_failures:
+        result = _exit_code(codes[own_failures[0]])
+    stopped = [r for r, c in sorted(codes.items()) if c != 0 and r not in own_failures]
+    if stopped and (own_failures or interrupted):
+        why = "after the failure" if own_failures else "on signal"
+        lines.append(f"stopped ranks {','.join(map(str, stopped))} {why}")
+    if interrupted and result == 0:
+        result = 128 + interrupted[0]
+        lines.insert(0, f"interrupted by {_signal_name(interrupted[0])}")
+    for line in lines:
+        print(_PREFIX + line, file=sys.stderr)
+    sys.stderr.flush()
+    return result
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split launcher options from PROGRAM [ARGS]: the program starts at the first non-option, ``-m`` or after ``--``."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return list(argv[:i]), list(argv[i + 1 :])
+        if a == "-m" or not a.startswith("-") or a == "-":
+            return list(argv[:i]), list(argv[i:])
+        i += 2 if a in _VALUE_OPTS else 1
+    return list(argv), []
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="varcomm-run",
+        usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] (PROGRAM | -m MODULE) [ARGS...]",
+        description="Start N local ranks of PROGRAM with torchrun-compatible environment variables.",
+    )
+    p.add_argument("-n", "-np", "--np", "--nproc", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
+    p.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank]")
+    p.add_argument("--master-port", type=int, default=None, help="MASTER_PORT (default: a free port)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``varcomm-run``); returns the exit code."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    opts, program = _split_argv(args_in)
+    parser = _parser()
+    args = parser.parse_args(opts)
+    if not program:
+        parser.error("missing PROGRAM")
+    if args.n < 1:
+        parser.error("-n must be at least 1")
+    return launch(
+        _command(program),
+        args.n,
+        timeout=args.timeout,
+        tag_output=args.tag_output,
+        master_port=args.master_port,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Tests for the ``varcomm-run`` launcher (varcomm.run); no C extension needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from varcomm import run as vrun
+
+PYTHONPATH = str(Path(vrun.__file__).resolve().parent.parent)
+
+
+def launch(*args: str, timeout: float = 30, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run the launcher as a real process, the way users do."""
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
+    return subprocess.run(
+        [sys.executable, "-m", "varcomm.run", *args],
+        env=env, capture_output=True, text=True, timeout=timeout, **kw,
+    )
+
+
+def script(tmp_path: Path, body: str, name: str = "prog.py") -> str:
+    path = tmp_path / name
+    path.write_text("import os, sys, time, signal\nrank = int(os.environ['RANK'])\n" + textwrap.dedent(body))
+    return str(path)
+
+
+def test_env_per_rank(tmp_path: Path) -> None:
+    prog = script(tmp_path, """
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "VARCOMM_LAUNCHER", "VARCOMM_TEST_SEED"]
+        import json
+        json.dump({k: os.environ.get(k) for k in keys}, open(sys.argv[1] + f"/env{rank}.json", "w"))
+    """)
+    res = launch("-n", "3", prog, str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
+    for r, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(r)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["GROUP_RANK"] == "0" and env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["VARCOMM_LAUNCHER"] == "1"
+    assert len({e["MASTER_PORT"] for e in envs}) == 1 and int(envs[0]["MASTER_PORT"]) > 0
+    assert len({e["VARCOMM_TEST_SEED"] for e in envs}) == 1
+
+
+def test_master_port_and_module(tmp_path: Path) -> None:
+    (tmp_path / "mymod.py").write_text("import os\nprint('mod', os.environ['RANK'], os.environ['MASTER_PORT'])\n")
+    res = launch("-n", "2", "--master-port", "23456", "--tag-output", "-m", "mymod", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["[0] mod 0 23456", "[1] mod 1 23456"]
+
+
+def test_tag_output_and_plain_executable() -> None:
+    res = launch("-n", "2", "--tag-output", "sh", "-c", 'echo out $RANK; echo err $RANK >&2; printf partial')
+    assert res.returncode == 0, res.stderr
+    out, err = res.stdout.splitlines(), res.stderr.splitlines()
+    assert "[0] out 0" in out and "[1] out 1" in out
+    assert "[0] err 0" in err and "[1] err 1" in err
+    assert "[1] partial" in out  # a last line without newline is still tagged
+    assert all(line.startswith(("[0] ", "[1] ")) for line in out + err)
+
+
+def test_failing_rank_stops_others(tmp_path: Path) -> None:
+    prog = script(tmp_path, """
+        if rank == 2:
+            sys.exit(3)
+        time.sleep(60)
+    """)
+    t0 = time.monotonic()
+    res = launch("-n", "3", prog)
+    assert time.monotonic() - t0 < 20  # not the 60 s the others sleep (generous: slow CI)
+    assert res.returncode == 3
+    assert "rank 2 exited with code 3" in res.stderr
+    assert "stopped ranks 0,1" in res.stderr
+
+
+def test_signal_killed_rank(tmp_path: Path) -> None:
+    prog = script(tmp_path, """
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    res = launch("-n", "2", prog)
+    assert res.returncode == 128 + signal.SIGKILL
+    assert "rank 1 killed by signal SIGKILL" in res.stderr
+
+
+def test_sigterm_ignoring_rank_is_killed(tmp_path: Path) -> None:
+    prog = script(tmp_path, """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if rank == 0:
+            time.sleep(0.3)
+            sys.exit(5)
+        time.sleep(60)
+    """)
+    t0 = time.monotonic()
+    res = launch("-n", "2", prog)
+    assert vrun.KILL_GRACE_S - 0.5 < time.monotonic() - t0 < vrun.KILL_GRACE_S + 15
+    assert res.returncode == 5 and "rank 0 exited with code 5" in res.stderr
+
+
+def test_timeout(tmp_path: Path) -> None:
+    prog = script(tmp_path, "time.sleep(60)\n")
+    t0 = time.monotonic()
+    res = launch("-n", "2", "--timeout", "1", prog)
+    assert 0.9 < time.monotonic() - t0 < 20
+    assert res.returncode == 124
+    assert "timeout after 1 s: ranks 0,1 still running" in res.stderr
+
+
+def test_grandchildren_are_killed(tmp_path: Path) -> None:
+    prog = script(tmp_path, """
+        import subprocess
+        p = subprocess.Popen(["sleep", "60"])
+        open(sys.argv[1] + f"/pid{rank}", "w").write(str(p.pid))
+        if rank == 0:
+            time.sleep(0.3)
+            sys.exit(1)
+        time.sleep(60)
+    """)
+    res = launch("-n", "2", prog, str(tmp_path))
+    assert res.returncode == 1
+    for r in range(2):
+        pid = int((tmp_path / f"pid{r}").read_text())
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid), f"grandchild of rank {r} survived"
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie: orphans may stay unreaped in containers)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigterm_forwarded(tmp_path: Path) -> None:
+    prog = script(tmp_path, """
+        open(sys.argv[1] + f"/ready{rank}", "w").close()
+        time.sleep(60)
+    """)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
+    p = subprocess.Popen([sys.executable, "-m", "varcomm.run", "-n", "2", prog, str(tmp_path)],
+                         env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=10)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 128 + signal.SIGTERM
+    assert "killed by signal SIGTERM" in err
+
+
+def test_main_in_process_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert vrun.main(["-n", "2", "true"]) == 0
+    assert vrun.main(["-n", "2", "false"]) == 1
+    assert "exited with code 1" in capsys.readouterr().err  # either rank may be seen first
+    with pytest.raises(SystemExit):
+        vrun.main(["-n", "2"])  # no program
+    assert vrun.main(["-n", "1", "/nonexistent/program"]) == 127
+
+
+def test_split_argv() -> None:
+    assert vrun._split_argv(["-n", "2", "--tag-output", "prog", "-n", "5"]) == (
+        ["-n", "2", "--tag-output"], ["prog", "-n", "5"])
+    assert vrun._split_argv(["-n", "2", "-m", "pytest", "-q"]) == (["-n", "2"], ["-m", "pytest", "-q"])
+    assert vrun._split_argv(["-n", "2", "--", "-weird"]) == (["-n", "2"], ["-weird"])
+    assert vrun._command(["x.py", "a"]) == [sys.executable, "x.py", "a"]
