@@ -3,11 +3,24 @@ expert-parallel training. Receivers own bound-sized buffers; senders write into
 them one-sidedly; size, dtype and shape travel with the data."""
 from __future__ import annotations
 
-from .comm import Communicator, P2POp, Work, init
+from typing import TYPE_CHECKING, Any
+
 from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLarge, PeerFailure, TimeoutError,
                      VarcommError)
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .comm import Communicator, P2POp, Work, init
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `python -m varcomm.run` and the harness must start without torch.
+    if name in ("init", "Communicator", "P2POp", "Work"):
+        from . import comm
+
+        return getattr(comm, name)
+    raise AttributeError(f"module 'varcomm' has no attribute {name!r}")
 
 
 def build_info() -> dict:

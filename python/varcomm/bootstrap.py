@@ -75,18 +75,25 @@ def host_key() -> str:
 
 
 _instances = 0
+_tcp_stores: dict[tuple[str, int], Any] = {}
 
 
 def make_store(p: Placement, store: Any | None, timeout: float) -> tuple[Any, Any]:
-    """(store, owner): a prefix store unique to this communicator, and the
-    TCPStore we created (kept alive by rank 0 until every rank has left)."""
+    """(store, owner): a prefix store unique to this communicator (ranks create
+    communicators in the same order, so the n-th one shares a prefix), and the
+    TCPStore we connected to, if we made it. One TCPStore per address per
+    process: a second communicator reuses it rather than re-binding the port."""
     import torch.distributed as dist
 
     global _instances
     _instances += 1
     owner = None
     if store is None:
-        owner = dist.TCPStore(p.master_addr, p.master_port, p.world_size, p.rank == 0,
-                              timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        key = (p.master_addr, p.master_port)
+        owner = _tcp_stores.get(key)
+        if owner is None:
+            owner = dist.TCPStore(p.master_addr, p.master_port, p.world_size, p.rank == 0,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            _tcp_stores[key] = owner
         store = owner
     return dist.PrefixStore(f"varcomm/{_instances}/", store), owner
