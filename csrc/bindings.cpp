@@ -107,32 +107,41 @@ struct Comm {
   }
 };
 
+// Python passes stream = -1 for host memory, else the CUDA stream handle
+// (torch.cuda.current_stream().cuda_stream) that orders a device buffer.
+Mem mem_of(int64_t stream) {
+  Mem m;
+  m.device = stream >= 0;
+  m.stream = m.device ? uintptr_t(stream) : 0;
+  return m;
+}
+
 Clock::time_point deadline_of(std::optional<double> timeout) {
   return timeout ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout))
                  : Clock::time_point::max();
 }
 
 void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbytes, uint32_t dtype,
-                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout) {
-  uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim);
+                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem = {}) {
+  uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
   if (id == Engine::kSentDone) return;
-  if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim);
+  if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
   c.wait(id, timeout);
 }
 
 // Blocking receive into a caller buffer; false when irecvs from src are
 // posted (FIFO: the caller must queue behind them).
 bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
-                   std::optional<double> timeout) {
+                   std::optional<double> timeout, Mem mem = {}) {
   if (c.engine->has_posted(src)) return false;
-  if (c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min())) return true;
+  if (c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem)) return true;
   auto deadline = deadline_of(timeout);
   for (;;) {
     auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
     bool got;
     {
       py::gil_scoped_release nogil;
-      got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice);
+      got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice, mem);
     }
     if (got) return true;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
@@ -261,17 +270,23 @@ PYBIND11_MODULE(_C, m) {
       .def("transport_name", [](Comm& c, int peer) { return c.engine->transport_name(peer); })
       .def("transport_describe", [](Comm& c, int peer) { return c.engine->transport_describe(peer); })
       .def("isend",
-           [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+           [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
+              int64_t stream) {
              auto s = to_shape(shape);
-             return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()));
-           })
+             return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(),
+                                    uint32_t(s.size()), mem_of(stream));
+           },
+           py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
+           py::arg("stream") = -1)
       .def("send",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
-              std::optional<double> timeout) {
+              std::optional<double> timeout, int64_t stream) {
              auto s = to_shape(shape);
              send_blocking(c, dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()),
-                           timeout);
-           })
+                           timeout, mem_of(stream));
+           },
+           py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
+           py::arg("timeout"), py::arg("stream") = -1)
       // Buffer-protocol (numpy) sends; false, with nothing sent, when the
       // object is not C-contiguous.
       .def("send_buffer",
@@ -282,9 +297,10 @@ PYBIND11_MODULE(_C, m) {
              return true;
            })
       .def("irecv",
-           [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype) {
-             return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype);
-           })
+           [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
+             return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));
+           },
+           py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("stream") = -1)
       // Receive into a buffer-protocol object: returns it unchanged when the
       // message has its shape, else the message's (src, tag, nbytes, dtype,
       // shape); None when the object is unusable here (the caller takes the
@@ -311,16 +327,23 @@ PYBIND11_MODULE(_C, m) {
       // Blocking receive into raw memory (torch out=): the message's header tuple.
       .def("recv_into",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
-              std::optional<double> timeout) -> py::object {
+              std::optional<double> timeout, int64_t stream) -> py::object {
              MsgHeader h;
-             if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout)) return py::none();
+             if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
+               return py::none();
              return header_tuple(src, h);
-           })
+           },
+           py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("timeout"),
+           py::arg("stream") = -1)
       .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
       .def("info", [](Comm& c, uint64_t id) { return info_tuple(c.engine->info(id)); })
-      .def("copy_out", [](Comm& c, uint64_t id, uintptr_t dst) { c.engine->copy_out(id, reinterpret_cast<void*>(dst)); })
+      .def("copy_out",
+           [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {
+             c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));
+           },
+           py::arg("id"), py::arg("dst"), py::arg("stream") = -1)
       .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })
       .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })
       .def("cancel", [](Comm& c, uint64_t id) { c.engine->cancel(id); })

@@ -17,8 +17,10 @@ using Clock = std::chrono::steady_clock;
 // enough to report a dead peer within a second, rare enough to stay off the
 // fast path (it reads /proc or a socket).
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);
-// Busy polls before yielding: a few microseconds, the scale of a ping-pong.
-constexpr int kSpins = 4000;
+// Busy polling covers a ping-pong round trip; yielding covers a peer that
+// shares our core; after that a wait sleeps.
+constexpr auto kSpinFor = std::chrono::microseconds(50);
+constexpr auto kYieldFor = std::chrono::milliseconds(5);
 
 inline uint64_t load_acquire(const char* p) {
   return __atomic_load_n(reinterpret_cast<const uint64_t*>(p), __ATOMIC_ACQUIRE);
@@ -144,12 +146,13 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim) {
 }
 
 uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                      const int64_t* shape, uint32_t ndim) {
+                          const int64_t* shape, uint32_t ndim, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim);
   Peer& p = peers_[peer];
   if (!p.sendq.empty()) return 0;
   Request& r = scratch_;
+  r.mem = mem;
   r.tag = tag;
   r.data = data;
   r.nbytes = nbytes;
@@ -157,7 +160,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
   r.ndim = ndim;
   std::copy(shape, shape + ndim, r.shape);
   if (!try_write(peer, r)) return 0;
-  if (p.t->complete(peer, r.ticket)) return kSentDone;
+  if ((r.mem.device ? *p.tdev : *p.t).complete(peer, r.ticket)) return kSentDone;
   // The transport still reads the source: track it like an isend.
   uint64_t id = alloc(ReqKind::Send);
   Request& q = reqs_[uint32_t(id)];
@@ -170,7 +173,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 }
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                       const int64_t* shape, uint32_t ndim) {
+                       const int64_t* shape, uint32_t ndim, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim);
   Peer& p = peers_[peer];
@@ -182,6 +185,7 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   r.nbytes = nbytes;
   r.dtype = dtype;
   r.ndim = ndim;
+  r.mem = mem;
   std::copy(shape, shape + ndim, r.shape);
   r.state = ReqState::Queued;
   p.sendq.push_back(id);
@@ -189,7 +193,7 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   return id;
 }
 
-uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype) {
+uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
@@ -203,6 +207,7 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   r.out = out;
   r.out_cap = out_cap;
   r.out_dtype = out_dtype;
+  r.mem = mem;
   r.state = ReqState::Posted;
   p.posted.push_back(id);
   if (p.t) p.t->progress();
@@ -212,13 +217,13 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   return id;
 }
 
-int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr) {
+int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
+                         Mem mem) {
   Peer& p = peers_[peer];
   const char* base = region_->base();
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
     if (a->claimed) continue;
-    const char* slot = base + layout_.slot_off(peer, a->slot);
-    const auto* h = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
     if (h->tag != tag) continue;
     if (out_dtype && out_dtype != h->dtype)
       throw Error(ErrorKind::Mismatch,
@@ -233,18 +238,16 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
                       " bytes); the message was kept for the next recv",
                   peer);
     *hdr = *h;
-    if (h->nbytes) std::memcpy(out, slot + kPayloadOff, h->nbytes);
-    uint64_t seq = a->seq;
     int k = a->slot;
     p.ready.erase(a);
-    free_slot(peer, k, seq);
+    consume(peer, k, *hdr, out, mem);
     return 1;
   }
   return 0;
 }
 
 bool Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
-                         Clock::time_point deadline) {
+                         Clock::time_point deadline, Mem mem) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
@@ -259,7 +262,7 @@ bool Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
           throw Error(ErrorKind::Invalid, "recv_direct with posted irecvs");  // caller checked; keeps FIFO honest
         p.t->progress();
         progress_recvs(peer);
-        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr)) return true;
+        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem)) return true;
         if (slow) {
           check_peer(peer, false);
           if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
@@ -275,26 +278,33 @@ bool Engine::has_posted(int peer) {
   return peer >= 0 && peer < world_ && !peers_[peer].posted.empty();
 }
 
-// Spin first (ping-pong latency), then yield, then sleep with a growing
-// interval so more ranks than cores still make progress. `done(slow)` runs
-// under the lock; `slow` is true once spinning is over (time for the rarer
-// checks such as peer liveness).
+// Spin first (ping-pong latency), then yield (more ranks than cores: let the
+// peer we wait for run), then sleep with a growing interval so an idle wait
+// costs no core. `done(slow)` runs under the lock; `slow` is true once the
+// spinning is over (time for rarer checks such as peer liveness).
 template <class F>
 bool Engine::spin(F&& done, Clock::time_point deadline) {
-  long sleep_ns = 1000;
-  for (int spins = 0;; ++spins) {
+  Clock::time_point start{};
+  long sleep_ns = 2000;
+  bool slow = false;
+  for (uint32_t i = 0;; ++i) {
     {
       std::lock_guard<std::mutex> g(mu_);
       if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
-      if (done(spins >= kSpins)) return true;
+      if (done(slow)) return true;
     }
     if (deadline == Clock::time_point::min()) return false;  // a single try
-    if (spins < kSpins) {
+    if (i % 64 != 63) {
       cpu_relax();
       continue;
     }
-    if (Clock::now() >= deadline) return false;
-    if (spins < 2 * kSpins) {
+    auto now = Clock::now();
+    if (start == Clock::time_point{}) start = now;
+    if (now >= deadline) return false;
+    auto waited = now - start;
+    if (waited < kSpinFor) continue;
+    slow = true;
+    if (waited < kYieldFor) {
       sched_yield();
       continue;
     }
@@ -320,7 +330,14 @@ bool Engine::try_write(int peer, Request& r) {
     h.dtype = r.dtype;
     h.ndim = r.ndim;
     std::copy(r.shape, r.shape + r.ndim, h.shape);
-    uint64_t ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, r.nbytes, h.seq);
+    uint64_t ticket;
+    if (r.mem.device) {
+      h.flags = kDevicePayload;
+      ticket = device_transport(peer).write_message_async(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data,
+                                                          r.nbytes, h.seq, r.mem.stream);
+    } else {
+      ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, r.nbytes, h.seq);
+    }
     if (!ticket) return false;
     p.written[k] = h.seq;
     p.next_seq++;
@@ -338,7 +355,7 @@ void Engine::progress_sends(int peer) {
   for (auto it = p.sendq.begin(); it != p.sendq.end();) {
     Request& r = reqs_[uint32_t(*it)];
     if (r.state == ReqState::Queued && !try_write(peer, r)) break;
-    if (r.state == ReqState::InFlight && p.t->complete(peer, r.ticket)) {
+    if (r.state == ReqState::InFlight && (r.mem.device ? *p.tdev : *p.t).complete(peer, r.ticket)) {
       r.state = ReqState::Done;
       if (r.detached) recycle(*it);
       it = p.sendq.erase(it);
@@ -346,6 +363,30 @@ void Engine::progress_sends(int peer) {
     }
     ++it;
   }
+}
+
+Transport& Engine::device_transport(int peer) {
+  Peer& p = peers_[peer];
+  if (!p.tdev)
+    throw Error(ErrorKind::Invalid, "no device (GPU) transport to " + peer_str(peer) +
+                                        ": this build or this pair has no nvlink; move the tensor to CPU");
+  return *p.tdev;
+}
+
+void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem) {
+  if ((h.flags & kDevicePayload) || mem.device) {
+    Peer& p = peers_[peer];
+    device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
+                                               h.seq, p.layout.credit_off(rank_, slot), mem.stream);
+    return;
+  }
+  if (h.nbytes) std::memcpy(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, h.nbytes);
+  free_slot(peer, slot, h.seq);
+}
+
+void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
+  std::lock_guard<std::mutex> g(mu_);
+  peers_.at(peer).tdev = std::move(t);
 }
 
 void Engine::free_slot(int peer, int slot, uint64_t seq) {
@@ -417,11 +458,9 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.hdr = *h;
-      if (h->nbytes) std::memcpy(r.out, slot + kPayloadOff, h->nbytes);
-      uint64_t seq = m->seq;
       int k = m->slot;
       p.ready.erase(m);
-      free_slot(peer, k, seq);
+      consume(peer, k, r.hdr, r.out, r.mem);
       r.state = ReqState::Done;
     } else {
       r.hdr = *h;
@@ -573,20 +612,17 @@ MsgInfo Engine::info(uint64_t id) {
   return m;
 }
 
-void Engine::copy_out(uint64_t id, void* dst) {
+void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to copy");
-  const char* slot = region_->base() + layout_.slot_off(r.peer, r.slot);
-  if (r.hdr.nbytes) std::memcpy(dst, slot + kPayloadOff, r.hdr.nbytes);
   Peer& p = peers_[r.peer];
-  uint64_t seq = r.hdr.seq;
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
-    if (a->seq == seq) {
+    if (a->seq == r.hdr.seq) {
       p.ready.erase(a);
       break;
     }
-  free_slot(r.peer, r.slot, seq);
+  consume(r.peer, r.slot, r.hdr, dst, mem);
   recycle(id);
 }
 
@@ -594,6 +630,8 @@ const void* Engine::payload(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
+  if (r.hdr.flags & kDevicePayload)
+    throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
   return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
 }
 

@@ -33,6 +33,13 @@ struct MsgInfo {
 };
 
 enum class ReqKind : uint8_t { Send, Recv };
+
+// Where a request's buffer lives: host memory, or device memory ordered on a
+// CUDA stream (an opaque handle; the core never calls CUDA itself).
+struct Mem {
+  bool device = false;
+  uintptr_t stream = 0;
+};
 enum class ReqState : uint8_t { Free, Queued, InFlight, Posted, Matched, Done, Failed };
 
 struct Request {
@@ -48,6 +55,7 @@ struct Request {
   uint32_t ndim = 0;
   int64_t shape[kMaxDims] = {};
   uint64_t ticket = 0;
+  Mem mem;
   // recv
   void* out = nullptr;  // nullptr: caller allocates after the match
   uint64_t out_cap = 0;
@@ -72,14 +80,16 @@ class Engine {
 
   // Set-up: the caller (Python bootstrap) exchanges descriptors and layouts.
   void set_transport(int peer, std::shared_ptr<Transport> t, const Layout& peer_layout);
+  // A second transport for device-memory messages to the same peer (nvlink).
+  void set_device_transport(int peer, std::shared_ptr<Transport> t);
   std::string transport_name(int peer) const;
   std::string transport_describe(int peer) const;
   void connected();
 
   // Requests; ids encode (index, generation) so stale ids are rejected.
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                 const int64_t* shape, uint32_t ndim);
-  uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype);
+                 const int64_t* shape, uint32_t ndim, Mem mem = {});
+  uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem = {});
   // Blocks (without the GIL; the binding layer slices it) until done, failed
   // or `deadline`. Returns true when terminal. Throws on failure.
   bool wait(uint64_t id, std::chrono::steady_clock::time_point deadline);
@@ -89,16 +99,16 @@ class Engine {
   // the id of a request to wait on (written, transport still reading source).
   static constexpr uint64_t kSentDone = 1;
   uint64_t send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                uint32_t ndim);
+                    uint32_t ndim, Mem mem = {});
   // Blocks until a message from `peer` with `tag` is copied into out, or the
   // deadline passes (false). Only when no irecv for `peer` is posted (FIFO).
   bool recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
-                   std::chrono::steady_clock::time_point deadline);
+                   std::chrono::steady_clock::time_point deadline, Mem mem = {});
   bool test(uint64_t id);
   bool has_posted(int peer);
   // A recv matched without an output buffer: its header, then copy or view.
   MsgInfo info(uint64_t id);
-  void copy_out(uint64_t id, void* dst);  // copies payload and frees the slot
+  void copy_out(uint64_t id, void* dst, Mem mem = {});  // copies payload and frees the slot
   const void* payload(uint64_t id);       // zero-copy view; free with release()
   void release(uint64_t id);
   // Give up on a request that has not started (send not written, recv not
@@ -123,7 +133,11 @@ class Engine {
   void release_locked(uint64_t id);
   void check_send(int peer, uint64_t nbytes, uint32_t ndim);
   // 1: message copied into out; 0: none yet; throws when it does not fit.
-  int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr);
+  int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
+                   Mem mem);
+  // Copy a message out of our slot into dst and give the slot back.
+  void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
+  Transport& device_transport(int peer);
   template <class F>
   bool spin(F&& done, std::chrono::steady_clock::time_point deadline);
 
@@ -134,6 +148,7 @@ class Engine {
   };
   struct Peer {
     std::shared_ptr<Transport> t;
+    std::shared_ptr<Transport> tdev;  // device-memory messages, when the pair has one
     Layout layout;  // the peer's region layout (where we write)
     // this rank as sender to peer
     uint64_t next_seq = 1;

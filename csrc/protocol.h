@@ -32,8 +32,10 @@ struct MsgHeader {
   uint32_t dtype;   // DLPack (code << 16 | bits << 8 | lanes); see python/varcomm/dtypes.py
   uint32_t ndim;
   int64_t shape[kMaxDims];
-  uint64_t reserved[2];
+  uint64_t flags;  // kDevicePayload: the payload is in the receiver's device slot
+  uint64_t reserved;
 };
+constexpr uint64_t kDevicePayload = 1;
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");
 
 struct RegionCtl {

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 namespace varcomm {
@@ -40,6 +41,28 @@ class Transport {
   virtual void progress() {}
   // Empty when the peer is reachable; otherwise why not (process gone, link down).
   virtual std::string peer_error(int peer) = 0;
+
+  // ---- device memory (GPU transports; see transport/nvlink) ----------------
+  // A device transport keeps slot payloads in device memory at the same
+  // offsets as the host region, while headers, ready words and credits stay
+  // in the host region: the header is visible as soon as a send is enqueued.
+  virtual bool device() const { return false; }
+  // write_message with `payload` in device memory, ordered on `stream` (the
+  // caller's current CUDA stream): the copy, then a data-ready signal for
+  // `seq` that the receiver's stream can wait on. The ready word (header
+  // visible) is set at once. Returns a ticket as write_message does.
+  virtual uint64_t write_message_async(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
+                                       const void* payload, size_t n, uint64_t seq, uintptr_t stream) {
+    throw std::logic_error(name() + " transport cannot send device memory");
+  }
+  // Receiver: on `stream`, wait for message `seq`'s data in our own slot at
+  // `payload_off` (local region offset), copy n bytes to dst (device or
+  // host), then write `seq` to the sender's credit word at `credit_off` of
+  // `peer`'s region, all in stream order.
+  virtual void read_and_free_async(int peer, size_t payload_off, void* dst, size_t n, uint64_t seq,
+                                   size_t credit_off, uintptr_t stream) {
+    throw std::logic_error(name() + " transport cannot read device memory");
+  }
 };
 
 }  // namespace varcomm
