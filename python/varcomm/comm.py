@@ -97,6 +97,8 @@ class Communicator:
         self._owner = owner
         self._closed = False
         self._fallback: Any = None
+        self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
+            "no varcomm transport reaches this peer"
         self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots)
         self._routes = self._connect(options)
 
@@ -110,16 +112,22 @@ class Communicator:
         if forced not in ("auto", "fallback") and forced not in built:
             raise InvalidArgument(f"transport {forced!r} is not built into this varcomm (built: {sorted(built)}); "
                                   "see `varcomm-doctor`")
-        me = {"host": bootstrap.host_key(), "world": self.world_size, "slots": self.slots, "bound": self.bound,
-              "desc": {}}
+        # Hosts first: rdma endpoints are only opened when some peer needs one.
+        host = bootstrap.host_key()
+        self._store.set(f"host/{self.rank}", host)
+        hosts = [self._store.get(f"host/{r}").decode() for r in range(self.world_size)]
+        self.hosts = hosts
+        me = {"host": host, "world": self.world_size, "slots": self.slots, "bound": self.bound, "desc": {}}
         if forced != "fallback":
             me["desc"]["shm"] = self._c.expose("shm")
-            if "rdma" in built and (forced == "rdma" or (forced == "auto" and self.world_size > 1)):
+            remote = any(h != host for h in hosts)
+            if "rdma" in built and (forced == "rdma" or (forced == "auto" and remote)):
                 try:
                     me["desc"]["rdma"] = self._c.expose("rdma", options["rdma_provider"], options["rdma_iface"])
-                except VarcommError:
+                except VarcommError as e:
                     if forced == "rdma":
                         raise
+                    self._why_fallback = f"rdma unavailable: {e}"
         self._store.set(f"peer/{self.rank}", json.dumps(me))
         peers = [json.loads(self._store.get(f"peer/{r}")) for r in range(self.world_size)]
         routes = []
@@ -135,7 +143,7 @@ class Communicator:
         if "fallback" in routes:
             from .fallback import Fallback
 
-            self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout)
+            self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout, self._array)
         return routes
 
     def _choose(self, peer: int, me: dict[str, Any], p: dict[str, Any], forced: str) -> str:
@@ -170,7 +178,7 @@ class Communicator:
     def describe_transport(self, peer: int) -> str:
         self._check_peer(peer, "peer")
         if self._routes[peer] == "fallback":
-            return "fallback (torch.distributed gloo: shape header, then payload)"
+            return f"fallback (torch.distributed gloo: shape header, then payload; {self._why_fallback})"
         return self._c.transport_describe(peer)
 
     def _check_peer(self, peer: int, what: str) -> None:
