@@ -267,6 +267,7 @@ PYBIND11_MODULE(_C, m) {
              c.engine->set_transport(peer, it->second, L);
            })
       .def("connected", [](Comm& c) { c.engine->connected(); })
+      .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("transport_name", [](Comm& c, int peer) { return c.engine->transport_name(peer); })
       .def("transport_describe", [](Comm& c, int peer) { return c.engine->transport_describe(peer); })
       .def("isend",

@@ -273,6 +273,13 @@ bool Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
   return got;
 }
 
+std::string Engine::peer_error(int peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (peer < 0 || peer >= world_ || !peers_[peer].t) return "";
+  check_peer(peer, true);
+  return peers_[peer].dead;
+}
+
 bool Engine::has_posted(int peer) {
   std::lock_guard<std::mutex> g(mu_);
   return peer >= 0 && peer < world_ && !peers_[peer].posted.empty();

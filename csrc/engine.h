@@ -106,6 +106,8 @@ class Engine {
                    std::chrono::steady_clock::time_point deadline, Mem mem = {});
   bool test(uint64_t id);
   bool has_posted(int peer);
+  // Empty while `peer` is usable, else why not (asks the transport now).
+  std::string peer_error(int peer);
   // A recv matched without an output buffer: its header, then copy or view.
   MsgInfo info(uint64_t id);
   void copy_out(uint64_t id, void* dst, Mem mem = {});  // copies payload and frees the slot

@@ -29,12 +29,12 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
 
     Non-contiguous inputs are copied (the copy is the keepalive)."""
     if is_torch(x):
-        if x.device.type != "cpu":
+        if not x.is_cpu:  # is_cpu, not device.type: the ping-pong path cannot afford a device object
             raise InvalidArgument(f"tensor on {x.device}: this build has no GPU transport; "
                                   "move it to CPU or use the fallback (VARCOMM_TRANSPORT=fallback)")
         if not x.is_contiguous():
             x = x.contiguous()
-        return x.data_ptr(), x.nbytes, dtypes.from_torch(x.dtype), tuple(x.shape), x
+        return x.data_ptr(), x.nbytes, dtypes.from_torch(x.dtype), x.shape, x
     if isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
@@ -45,7 +45,7 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
 def describe_out(out: Any) -> tuple[int, int, int]:
     """(pointer, capacity bytes, dtype word) of a bound-sized receive buffer."""
     if is_torch(out):
-        if out.device.type != "cpu":
+        if not out.is_cpu:
             raise InvalidArgument(f"out on {out.device}: this build has no GPU transport")
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix")
@@ -61,8 +61,14 @@ def prefix_view(out: Any, nbytes: int, shape: Sequence[int]) -> Any:
     """The received message as a view of the front of `out`, with the sender's shape."""
     if tuple(out.shape) == tuple(shape):
         return out
-    n = nbytes // max(out.itemsize if isinstance(out, np.ndarray) else out.element_size(), 1)
-    return out.reshape(-1)[:n].reshape(shape)
+    if isinstance(out, np.ndarray):
+        n = nbytes // max(out.itemsize, 1)
+        return out.reshape(-1)[:n].reshape(shape)
+    # One op: a contiguous view of the front of out (out is contiguous, checked at post).
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return out.as_strided(tuple(shape), tuple(strides))
 
 
 def empty(kind: str, dtype_word: int, shape: Sequence[int]) -> tuple[Any, int]:

@@ -13,6 +13,8 @@ from . import arrays, bootstrap
 from .errors import InvalidArgument, VarcommError
 
 _MiB = 1 << 20
+_Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
+_TORCH_WORDS: dict[Any, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -132,7 +134,7 @@ class Communicator:
         peers = [json.loads(self._store.get(f"peer/{r}")) for r in range(self.world_size)]
         routes = []
         for r, p in enumerate(peers):
-            kind = self._choose(r, me, p, forced)
+            kind = _choose(self.rank, me, r, p, forced)
             routes.append(kind)
             if kind != "fallback":
                 self._c.connect(r, kind, p["desc"][kind], p["world"], p["slots"], p["bound"])
@@ -140,26 +142,14 @@ class Communicator:
         self._store.add("mapped", 1)
         self._wait_count("mapped", self.world_size)
         self._c.connected()
-        if "fallback" in routes:
+        # The gloo group is built by every rank, so it exists as soon as any
+        # pair in the job needs it, not only pairs that include this rank.
+        if any(_choose(i, a, j, b, forced) == "fallback"
+               for i, a in enumerate(peers) for j, b in enumerate(peers) if i < j):
             from .fallback import Fallback
 
             self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout, self._array)
         return routes
-
-    def _choose(self, peer: int, me: dict[str, Any], p: dict[str, Any], forced: str) -> str:
-        """Per pair: same host -> shm, other host -> rdma, else the fallback."""
-        if forced == "fallback":
-            return "fallback"
-        rdma = "rdma" in p["desc"] and "rdma" in me["desc"]
-        if forced == "rdma" and peer != self.rank:  # self-sends stay in local memory
-            if not rdma:
-                raise InvalidArgument(f"transport='rdma' but rank {peer} has no rdma endpoint (see varcomm-doctor)")
-            return "rdma"
-        if p["host"] == me["host"]:
-            return "shm"
-        if forced == "shm":
-            raise InvalidArgument(f"transport='shm' but rank {peer} is on another host")
-        return "rdma" if rdma else "fallback"
 
     def _wait_count(self, key: str, n: int) -> None:
         deadline = time.monotonic() + (self._timeout or 300)
@@ -197,8 +187,14 @@ class Communicator:
         if not (type(dst) is int and 0 <= dst < self.world_size) or self._routes[dst] == "fallback":
             self._check_peer(dst, "dst")
             return self._fallback.send(tensor, dst, tag, t)
-        if type(tensor) is np.ndarray and self._c.send_buffer(dst, tag, tensor, t):
+        kind = type(tensor)
+        if kind is np.ndarray and self._c.send_buffer(dst, tag, tensor, t):
             return
+        if kind is _Tensor and tensor.is_cpu and tensor.is_contiguous():  # inlined describe_host: hot path
+            word = _TORCH_WORDS.get(tensor.dtype)
+            if word is not None:
+                self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t)
+                return
         ptr, nbytes, word, shape, _keep = arrays.describe_host(tensor)
         self._c.send(dst, tag, ptr, nbytes, word, shape, t)
 
@@ -221,8 +217,13 @@ class Communicator:
         more than `slots` of them per peer."""
         t = self._timeout if timeout is None else timeout
         if out is not None and type(src) is int and 0 <= src < self.world_size and self._routes[src] != "fallback":
-            if type(out) is np.ndarray:
+            kind = type(out)
+            if kind is np.ndarray:
                 r = self._c.recv_buffer(src, tag, out, t)
+            elif kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS:
+                r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t)
+                if r is not None and r[4] == out.shape:
+                    return out
             else:
                 ptr, cap, word = arrays.describe_out(out)
                 r = self._c.recv_into(src, tag, ptr, cap, word, t)
@@ -289,6 +290,9 @@ class Communicator:
                 # The store lives in rank 0: keep it until everyone is done with it.
                 deadline = time.monotonic() + 30
                 while int(self._store.add("left", 0)) < self.world_size and time.monotonic() < deadline:
+                    dead = sum(1 for r, k in enumerate(self._routes) if k != "fallback" and self._c.peer_error(r))
+                    if int(self._store.add("left", 0)) + dead >= self.world_size:
+                        break  # the missing ranks died: nobody else will need the store
                     time.sleep(0.005)
         finally:
             if self._fallback is not None:
@@ -304,6 +308,22 @@ class Communicator:
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, bound={self.bound}, "
                 f"slots={self.slots}, transports={sorted(set(self._routes))})")
+
+
+def _choose(me_rank: int, me: dict[str, Any], peer: int, p: dict[str, Any], forced: str) -> str:
+    """Per pair: same host -> shm, other host -> rdma, else the fallback."""
+    if forced == "fallback":
+        return "fallback"
+    rdma = "rdma" in p["desc"] and "rdma" in me["desc"]
+    if forced == "rdma" and peer != me_rank:  # self-sends stay in local memory
+        if not rdma:
+            raise InvalidArgument(f"transport='rdma' but rank {peer} has no rdma endpoint (see varcomm-doctor)")
+        return "rdma"
+    if p["host"] == me["host"]:
+        return "shm"
+    if forced == "shm":
+        raise InvalidArgument(f"transport='shm' but rank {peer} is on another host")
+    return "rdma" if rdma else "fallback"
 
 
 def _info_of(info: tuple[int, int, int, int, tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
@@ -331,6 +351,11 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any | No
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
     array (VARCOMM_ARRAY): kind returned by recv without out: torch | numpy.
     """
+    if arrays.torch is not None and not _TORCH_WORDS:
+        from . import dtypes
+
+        dtypes.from_torch(arrays.torch.float32)
+        _TORCH_WORDS.update(dtypes._TORCH)
     p = bootstrap.placement(rank, world_size)
     if timeout == -1.0:
         env = os.environ.get("VARCOMM_TIMEOUT")

@@ -68,11 +68,12 @@ def _torch_table() -> None:
 
 
 def from_torch(dtype: Any) -> int:
-    if not _TORCH:
-        _torch_table()
     try:
         return _TORCH[dtype]
     except KeyError:
+        if not _TORCH:
+            _torch_table()
+            return from_torch(dtype)
         from .errors import InvalidArgument
 
         raise InvalidArgument(f"dtype {dtype} is not supported by varcomm (quantized and sub-byte types are not); "

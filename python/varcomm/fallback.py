@@ -665,8 +665,7 @@ def _header(kind: int, nbytes: int, word: int, shape: tuple[int, ...], tag: int,
 
 
 def _check_tag(tag: Any) -> int:
-    if isinstance(tag, (bool, np.bool_)) or not isinstance(tag, (int, np.integer)) or \
-            not _INT64_MIN <= int(tag) <= _INT64_MAX:
+    if not isinstance(tag, (int, np.integer)) or not _INT64_MIN <= int(tag) <= _INT64_MAX:
         raise InvalidArgument(f"tag {tag!r} must be an int in the int64 range")
     return int(tag)
 

@@ -71,6 +71,10 @@ def rank_env(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
+    if world_size > 1:
+        # As torchrun does: N ranks each running a full OpenMP pool would
+        # oversubscribe the cores and starve the peer a rank waits for.
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
