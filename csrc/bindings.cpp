@@ -218,15 +218,16 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<Comm>(m, "Comm")
-      .def(py::init([](int rank, int world, uint64_t bound, int slots) {
+      .def(py::init([](int rank, int world, uint64_t bound, int slots, int spin_us) {
              auto c = std::make_unique<Comm>();
              Options o;
              o.bound = bound;
              o.nslots = slots;
+             o.spin_us = spin_us;
              c->engine = std::make_unique<Engine>(rank, world, o);
              return c;
            }),
-           py::arg("rank"), py::arg("world"), py::arg("bound"), py::arg("slots"))
+           py::arg("rank"), py::arg("world"), py::arg("bound"), py::arg("slots"), py::arg("spin_us") = 50)
       .def_property_readonly("rank", [](Comm& c) { return c.engine->rank(); })
       .def_property_readonly("world", [](Comm& c) { return c.engine->world(); })
       .def_property_readonly("bound", [](Comm& c) { return c.engine->layout().bound; })

@@ -17,9 +17,8 @@ using Clock = std::chrono::steady_clock;
 // enough to report a dead peer within a second, rare enough to stay off the
 // fast path (it reads /proc or a socket).
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);
-// Busy polling covers a ping-pong round trip; yielding covers a peer that
-// shares our core; after that a wait sleeps.
-constexpr auto kSpinFor = std::chrono::microseconds(50);
+// Yielding covers a peer that shares our core; after that a wait sleeps.
+// (Busy polling before it, Options::spin_us, covers a ping-pong round trip.)
 constexpr auto kYieldFor = std::chrono::milliseconds(5);
 
 inline uint64_t load_acquire(const char* p) {
@@ -309,7 +308,7 @@ bool Engine::spin(F&& done, Clock::time_point deadline) {
     if (start == Clock::time_point{}) start = now;
     if (now >= deadline) return false;
     auto waited = now - start;
-    if (waited < kSpinFor) continue;
+    if (waited < std::chrono::microseconds(opt_.spin_us)) continue;
     slow = true;
     if (waited < kYieldFor) {
       sched_yield();

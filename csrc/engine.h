@@ -21,6 +21,7 @@ namespace varcomm {
 struct Options {
   uint64_t bound = 8ull << 20;  // max payload bytes per message (per slot)
   int nslots = 8;               // ring depth per sending peer
+  int spin_us = 50;             // busy-poll before yielding; 0 when ranks outnumber cores
 };
 
 // Header of a matched message as seen by the caller.

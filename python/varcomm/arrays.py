@@ -42,6 +42,9 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
     raise InvalidArgument(f"cannot send {type(x).__name__}: pass a torch.Tensor or numpy.ndarray")
 
 
+_EMPTY_OUT = ctypes.addressof(ctypes.c_char(0))
+
+
 def describe_out(out: Any) -> tuple[int, int, int]:
     """(pointer, capacity bytes, dtype word) of a bound-sized receive buffer."""
     if is_torch(out):
@@ -49,11 +52,13 @@ def describe_out(out: Any) -> tuple[int, int, int]:
             raise InvalidArgument(f"out on {out.device}: this build has no GPU transport")
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix")
-        return out.data_ptr(), out.nbytes, dtypes.from_torch(out.dtype)
+        # An empty tensor has data_ptr 0, which the core reads as "no out":
+        # any non-null address will do, nothing is written to a 0-byte out.
+        return out.data_ptr() or _EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("out must be a writeable C-contiguous numpy array")
-        return out.ctypes.data, out.nbytes, dtypes.from_numpy(out.dtype)
+        return out.ctypes.data or _EMPTY_OUT, out.nbytes, dtypes.from_numpy(out.dtype)
     raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, not {type(out).__name__}")
 
 

@@ -98,10 +98,11 @@ class Communicator:
         self._store = store
         self._owner = owner
         self._closed = False
+        self._coll_seq = 0  # collectives' tag sequence (alltoall.py)
         self._fallback: Any = None
         self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
             "no varcomm transport reaches this peer"
-        self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots)
+        self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots, options["spin_us"])
         self._routes = self._connect(options)
 
     # ---- set-up ---------------------------------------------------------------
@@ -271,6 +272,31 @@ class Communicator:
                 works[i] = self.irecv(op.peer, op.tag, op.tensor) if is_recv else self.isend(op.tensor, op.peer, op.tag)
         return [w for w in works if w is not None]
 
+    # ---- all-to-all (varcomm/alltoall.py) ---------------------------------------
+
+    def all_to_all_v(self, x: Any, send_splits: Any, *, tag: int | None = None, out: Any = None,
+                     async_op: bool = False, timeout: float | None = None) -> Any:
+        """Rows of x split by send_splits go to each rank; returns (concatenated rows
+        in source order, rows received per source). Counts travel with the data."""
+        from . import alltoall
+
+        return alltoall.all_to_all_v(self, x, send_splits, tag=tag, out=out, async_op=async_op, timeout=timeout)
+
+    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,
+                          input_split_sizes: Any = None, *, async_op: bool = False,
+                          timeout: float | None = None) -> Any:
+        """torch.distributed.all_to_all_single's contract, when the output splits are known."""
+        from . import alltoall
+
+        return alltoall.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                                          async_op=async_op, timeout=timeout)
+
+    def all_to_all(self, output_tensor_list: Any, input_tensor_list: Any, *, async_op: bool = False,
+                   timeout: float | None = None) -> Any:
+        from . import alltoall
+
+        return alltoall.all_to_all(self, output_tensor_list, input_tensor_list, async_op=async_op, timeout=timeout)
+
     def barrier(self) -> None:
         """Every rank reaches this point (through the store; not on the data path)."""
         n = getattr(self, "_barriers", 0) + 1
@@ -371,6 +397,10 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any | No
         "array": kind,
         "rdma_provider": rdma_provider or os.environ.get("VARCOMM_FI_PROVIDER", ""),
         "rdma_iface": rdma_iface or os.environ.get("VARCOMM_FI_IFACE", ""),
+        # Busy-polling only pays when every local rank has a core; otherwise it
+        # burns the time slice of the peer we are waiting for (Open MPI yields too).
+        "spin_us": int(os.environ.get("VARCOMM_SPIN_US",
+                                      "50" if p.local_world_size <= (os.cpu_count() or 1) else "0")),
     }
     if opts["transport"] not in ("auto", "shm", "rdma", "fallback"):
         raise InvalidArgument(f"transport={opts['transport']!r}: use auto, shm, rdma or fallback")
