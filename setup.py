@@ -82,19 +82,21 @@ class NinjaBuildExt(build_ext):
 
         nvcc = _nvcc()
         cu_files: list[Path] = []
-        if nvcc and src["nvlink"]:
-            cuda_home = Path(nvcc).parent.parent
+        cu_src = [p for p in src["nvlink"] if p.suffix == ".cu"]
+        # The nvlink transport loads the CUDA driver at run time (dlopen) and
+        # needs no CUDA header or library to build: only .cu files need nvcc.
+        if src["nvlink"] and not os.environ.get("VARCOMM_NO_CUDA") and (nvcc or not cu_src):
             archs = os.environ.get("VARCOMM_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
-            parts.append(f"nvlink (nvcc {cuda_home}, sm_{'/'.join(archs)})")
+            parts.append(f"nvlink (nvcc {nvcc}, sm_{'/'.join(archs)})" if cu_src else "nvlink (driver loaded at run time)")
             defines.append("-DVARCOMM_HAVE_CUDA")
-            cflags.append(f"-I{cuda_home / 'include'}")
-            # cudart is loaded at run time so the package imports without a driver.
             ldflags += ["-ldl"]
-            cu_files = [p for p in src["nvlink"] if p.suffix == ".cu"]
+            cu_files = cu_src
             files += [p for p in src["nvlink"] if p.suffix == ".cpp"]
         else:
             archs = []
-            notes.append("nvlink: no (nvcc not found)" if not nvcc else "nvlink: no sources")
+            notes.append("nvlink: no sources" if not src["nvlink"] else
+                         "nvlink: no (VARCOMM_NO_CUDA)" if os.environ.get("VARCOMM_NO_CUDA") else
+                         "nvlink: no (nvcc not found)")
 
         print(f"varcomm: building transports: {', '.join(parts)}" + (f"; {'; '.join(notes)}" if notes else ""),
               flush=True)

@@ -13,6 +13,9 @@
 #ifdef VARCOMM_HAVE_RDMA
 #include "rdma.h"
 #endif
+#ifdef VARCOMM_HAVE_CUDA
+#include "nvlink.h"
+#endif
 
 namespace py = pybind11;
 using namespace varcomm;
@@ -201,6 +204,7 @@ PYBIND11_MODULE(_C, m) {
   build["rdma"] = false;
 #endif
 #ifdef VARCOMM_HAVE_CUDA
+  have.append("nvlink");
   build["cuda"] = true;
 #else
   build["cuda"] = false;
@@ -214,6 +218,22 @@ PYBIND11_MODULE(_C, m) {
     return rdma_info();
 #else
     return "varcomm was built without libfabric (install libfabric-dev and rebuild)";
+#endif
+  });
+
+  // Both load the NVIDIA driver (cuInit): not in a process that forks CUDA users later.
+  m.def("nvlink_info", []() -> std::string {
+#ifdef VARCOMM_HAVE_CUDA
+    return nvlink_info();
+#else
+    return "varcomm was built without the nvlink transport";
+#endif
+  });
+  m.def("nvlink_unavailable_reason", []() -> std::string {
+#ifdef VARCOMM_HAVE_CUDA
+    return nvlink_unavailable_reason();
+#else
+    return "varcomm was built without the nvlink transport";
 #endif
   });
 
@@ -234,7 +254,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("slots", [](Comm& c) { return c.engine->layout().nslots; })
       .def_property_readonly("region_bytes", [](Comm& c) { return c.engine->region().size(); })
       .def("expose",
-           [](Comm& c, const std::string& kind, const std::string& provider, const std::string& iface) {
+           [](Comm& c, const std::string& kind, const std::string& provider, const std::string& iface, int device) {
              auto it = c.descriptors.find(kind);
              if (it != c.descriptors.end()) return it->second;
              std::shared_ptr<Transport> t;
@@ -244,9 +264,14 @@ PYBIND11_MODULE(_C, m) {
              } else if (kind == "rdma") {
                t = make_rdma_transport(c.engine->rank(), c.engine->world(), provider, iface);
 #endif
+#ifdef VARCOMM_HAVE_CUDA
+             } else if (kind == "nvlink") {
+               t = make_nvlink_transport(c.engine->region(), c.engine->layout(), device);
+#endif
              } else {
                (void)provider;
                (void)iface;
+               (void)device;
                throw Error(ErrorKind::Invalid, "transport '" + kind + "' is not built into this varcomm");
              }
              std::string d = t->expose(c.engine->region().base(), c.engine->region().size());
@@ -254,7 +279,7 @@ PYBIND11_MODULE(_C, m) {
              c.descriptors[kind] = d;
              return d;
            },
-           py::arg("kind"), py::arg("provider") = "", py::arg("iface") = "")
+           py::arg("kind"), py::arg("provider") = "", py::arg("iface") = "", py::arg("device") = -1)
       .def("connect",
            [](Comm& c, int peer, const std::string& kind, const std::string& desc, int world, int slots,
               uint64_t bound) {
@@ -267,10 +292,32 @@ PYBIND11_MODULE(_C, m) {
              L.bound = bound;
              c.engine->set_transport(peer, it->second, L);
            })
+      // A device-memory transport (nvlink) to a peer already connected on the
+      // host path: connect_device imports the peer's descriptor; once both
+      // sides could, set_device_transport routes device messages through it.
+      .def("connect_device",
+           [](Comm& c, int peer, const std::string& kind, const std::string& desc) {
+             auto it = c.transports.find(kind);
+             if (it == c.transports.end() || !it->second->device())
+               throw Error(ErrorKind::Invalid, "device transport '" + kind + "' not exposed");
+             it->second->connect(peer, desc);
+           })
+      .def("set_device_transport",
+           [](Comm& c, int peer, const std::string& kind) {
+             auto it = c.transports.find(kind);
+             if (it == c.transports.end() || !it->second->device())
+               throw Error(ErrorKind::Invalid, "device transport '" + kind + "' not exposed");
+             c.engine->set_device_transport(peer, it->second);
+           })
       .def("connected", [](Comm& c) { c.engine->connected(); })
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("transport_name", [](Comm& c, int peer) { return c.engine->transport_name(peer); })
       .def("transport_describe", [](Comm& c, int peer) { return c.engine->transport_describe(peer); })
+      .def("transport_describe_device",
+           [](Comm& c, int peer) {
+             auto it = c.transports.find("nvlink");
+             return it == c.transports.end() ? std::string() : it->second->describe();
+           })
       .def("isend",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               int64_t stream) {
@@ -341,6 +388,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
       .def("info", [](Comm& c, uint64_t id) { return info_tuple(c.engine->info(id)); })
+      // Header flags of a matched recv (bit 0: the payload is in device memory).
+      .def("info_flags", [](Comm& c, uint64_t id) { return c.engine->info(id).flags; })
       .def("copy_out",
            [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {
              c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));

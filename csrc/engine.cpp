@@ -62,7 +62,10 @@ void Engine::close() {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return;
   closed_ = true;
-  for (auto& p : peers_) p.t.reset();
+  for (auto& p : peers_) {
+    p.t.reset();
+    p.tdev.reset();
+  }
 }
 
 void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout& pl) {
@@ -614,6 +617,7 @@ MsgInfo Engine::info(uint64_t id) {
   m.nbytes = r.hdr.nbytes;
   m.dtype = r.hdr.dtype;
   m.shape.assign(r.hdr.shape, r.hdr.shape + std::min<uint32_t>(r.hdr.ndim, kMaxDims));
+  m.flags = r.hdr.flags;
   if (r.state == ReqState::Done) recycle(id);
   return m;
 }
@@ -657,7 +661,15 @@ void Engine::release_locked(uint64_t id) {
       p.ready.erase(a);
       break;
     }
-  if (!closed_) free_slot(r.peer, r.slot, seq);
+  if (!closed_) {
+    if ((r.hdr.flags & kDevicePayload) && p.tdev && p.dead.empty())
+      // Dropped unread: the sender's copy into the slot may still be in
+      // flight, so the credit goes back only after its data flag (n = 0).
+      p.tdev->read_and_free_async(r.peer, layout_.slot_off(r.peer, r.slot) + kPayloadOff, nullptr, 0, seq,
+                                  p.layout.credit_off(rank_, r.slot), 0);
+    else
+      free_slot(r.peer, r.slot, seq);
+  }
   recycle(id);
 }
 

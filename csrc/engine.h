@@ -31,6 +31,7 @@ struct MsgInfo {
   uint64_t nbytes = 0;
   uint32_t dtype = 0;
   std::vector<int64_t> shape;
+  uint64_t flags = 0;  // kDevicePayload: the payload is in device memory
 };
 
 enum class ReqKind : uint8_t { Send, Recv };

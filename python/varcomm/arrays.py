@@ -42,6 +42,30 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
     raise InvalidArgument(f"cannot send {type(x).__name__}: pass a torch.Tensor or numpy.ndarray")
 
 
+def describe_send(x: Any) -> tuple[int, int, int, tuple[int, ...], Any, int]:
+    """describe_host plus the CUDA stream that orders the send: -1 for host
+    memory, else the handle of the tensor's device's current stream."""
+    if is_torch(x) and x.is_cuda:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        s = torch.cuda.current_stream(x.device)
+        # The copy out of x is enqueued on s: the caching allocator must not
+        # hand x's memory to another stream before it ran.
+        x.record_stream(s)
+        return x.data_ptr(), x.nbytes, dtypes.from_torch(x.dtype), tuple(x.shape), x, s.cuda_stream
+    return (*describe_host(x), -1)
+
+
+def describe_recv(out: Any) -> tuple[int, int, int, int]:
+    """describe_out plus the CUDA stream that orders the receive (-1: host memory)."""
+    if is_torch(out) and out.is_cuda:
+        if not out.is_contiguous():
+            raise InvalidArgument("out must be contiguous: the message is written into its prefix")
+        return (out.data_ptr(), out.nbytes, dtypes.from_torch(out.dtype),
+                torch.cuda.current_stream(out.device).cuda_stream)
+    return (*describe_out(out), -1)
+
+
 _EMPTY_OUT = ctypes.addressof(ctypes.c_char(0))
 
 
@@ -76,10 +100,11 @@ def prefix_view(out: Any, nbytes: int, shape: Sequence[int]) -> Any:
     return out.as_strided(tuple(shape), tuple(strides))
 
 
-def empty(kind: str, dtype_word: int, shape: Sequence[int]) -> tuple[Any, int]:
-    """A fresh array for a message of unknown size, and its data pointer."""
+def empty(kind: str, dtype_word: int, shape: Sequence[int], device: Any = None) -> tuple[Any, int]:
+    """A fresh array for a message of unknown size, and its data pointer (a
+    torch tensor on `device` when given)."""
     if kind == "torch":
-        t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word))
+        t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word), device=device)
         return t, t.data_ptr()
     a = np.empty(tuple(shape), dtype=dtypes.to_numpy(dtype_word))
     return a, a.ctypes.data

@@ -36,8 +36,9 @@ def _default_port(seed: str) -> int:
     return 20000 + int(hashlib.sha1(seed.encode()).hexdigest(), 16) % 20000
 
 
-def placement(rank: int | None = None, world_size: int | None = None) -> Placement:
-    """Read torchrun, Open MPI, MPICH/PMI and SLURM variables, in that order."""
+def placement(rank: int | None = None, world_size: int | None = None, have_store: bool = False) -> Placement:
+    """Read torchrun, Open MPI, MPICH/PMI and SLURM variables, in that order.
+    With a store of the caller's, no rendezvous address is needed."""
     r = rank if rank is not None else _env_int("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
     w = world_size if world_size is not None else _env_int(
         "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
@@ -57,7 +58,7 @@ def placement(rank: int | None = None, world_size: int | None = None) -> Placeme
     if port is None:
         job = (os.environ.get("OMPI_COMM_WORLD_JOBID") or os.environ.get("PMIX_NAMESPACE")
                or os.environ.get("SLURM_JOB_ID") or os.environ.get("PMI_JOBID") or "")
-        if not job and w > 1:
+        if not job and w > 1 and not have_store:
             raise InvalidArgument("no rendezvous: set MASTER_ADDR and MASTER_PORT, or pass store=")
         port = _default_port(job)
     return Placement(r, w, lr if lr is not None else r, lw if lw is not None else w, addr, port)
@@ -78,15 +79,19 @@ _instances = 0
 _tcp_stores: dict[tuple[str, int], Any] = {}
 
 
-def make_store(p: Placement, store: Any | None, timeout: float) -> tuple[Any, Any]:
-    """(store, owner): a prefix store unique to this communicator (ranks create
-    communicators in the same order, so the n-th one shares a prefix), and the
-    TCPStore we connected to, if we made it. One TCPStore per address per
-    process: a second communicator reuses it rather than re-binding the port."""
+def make_store(p: Placement, store: Any | None, timeout: float, prefix: str | None = None) -> tuple[Any, Any]:
+    """(store, owner): a prefix store unique to this communicator, and the
+    TCPStore we connected to, if we made it. Without `prefix`, ranks create
+    communicators in the same order, so the n-th one shares a prefix; groups
+    whose ranks made different numbers of communicators pass their own. One
+    TCPStore per address per process: a second communicator reuses it rather
+    than re-binding the port."""
     import torch.distributed as dist
 
     global _instances
     _instances += 1
+    if prefix is not None and store is not None:
+        return dist.PrefixStore(prefix, store), None
     owner = None
     if store is None:
         key = (p.master_addr, p.master_port)

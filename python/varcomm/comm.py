@@ -31,18 +31,23 @@ def _env_bytes(name: str, default: int) -> int:
 
 
 class Work:
-    """A pending isend or irecv. `wait()` returns the received array (None for a send)."""
+    """A pending isend or irecv. `wait()` returns the received array (None for a send).
 
-    __slots__ = ("_comm", "_id", "_done", "_result", "_finish", "_keep", "peer", "op")
+    For CUDA tensors the transfer is ordered on the CUDA stream that was current
+    when the op was posted: `wait()` makes the current stream wait for it (no
+    host block on GPU work), `synchronize()` also blocks the host until it ran."""
+
+    __slots__ = ("_comm", "_id", "_done", "_result", "_finish", "_keep", "_stream", "peer", "op")
 
     def __init__(self, comm: "Communicator", rid: int, finish: Callable[[], Any] | None, peer: int, op: str,
-                 keep: Any = None):
+                 keep: Any = None, stream: Any = None):
         self._comm = comm
         self._keep = keep  # a send's source must outlive the transfer
         self._id = rid
         self._done = False
         self._result: Any = None
         self._finish = finish
+        self._stream = stream  # torch.cuda.Stream ordering a device transfer, else None
         self.peer = peer
         self.op = op
 
@@ -54,7 +59,19 @@ class Work:
             if self._finish is not None:
                 self._result = self._finish()
                 self._finish = None
+            s = self._stream
+            if s is not None:
+                cur = arrays.torch.cuda.current_stream(s.device)
+                if cur != s:
+                    cur.wait_stream(s)
         return self._result
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """wait(), then block the host until the transfer's GPU work has run."""
+        r = self.wait(timeout)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return r
 
     def is_completed(self) -> bool:
         return self._done or self._comm._c.test(self._id)
@@ -102,6 +119,9 @@ class Communicator:
         self._fallback: Any = None
         self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
             "no varcomm transport reaches this peer"
+        self._cuda_device: int | None = None  # the GPU whose memory holds our nvlink receive slots
+        self._device_routes: list[str | None] = [None] * self.world_size  # "nvlink" or None per peer
+        self._nvlink_note = ""  # why GPU tensors have no nvlink route, when they have none
         self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots, options["spin_us"])
         self._routes = self._connect(options)
 
@@ -131,6 +151,7 @@ class Communicator:
                     if forced == "rdma":
                         raise
                     self._why_fallback = f"rdma unavailable: {e}"
+            self._expose_nvlink(me, built)
         self._store.set(f"peer/{self.rank}", json.dumps(me))
         peers = [json.loads(self._store.get(f"peer/{r}")) for r in range(self.world_size)]
         routes = []
@@ -139,10 +160,12 @@ class Communicator:
             routes.append(kind)
             if kind != "fallback":
                 self._c.connect(r, kind, p["desc"][kind], p["world"], p["slots"], p["bound"])
+        self._connect_nvlink(me, peers, routes)
         # Every rank has mapped its peers' regions: the segments can be let go.
         self._store.add("mapped", 1)
         self._wait_count("mapped", self.world_size)
         self._c.connected()
+        self._agree_nvlink(me)
         # The gloo group is built by every rank, so it exists as soon as any
         # pair in the job needs it, not only pairs that include this rank.
         if any(_choose(i, a, j, b, forced) == "fallback"
@@ -151,6 +174,57 @@ class Communicator:
 
             self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout, self._array)
         return routes
+
+    # GPU tensors between same-host ranks: device receive slots shared with
+    # CUDA IPC (transport/nvlink). VARCOMM_NVLINK: auto (default: when this
+    # process already uses CUDA, e.g. after torch.cuda.set_device), 1, or 0.
+    # VARCOMM_NVLINK_DEVICE: the GPU ordinal to use without asking torch.
+
+    def _expose_nvlink(self, me: dict[str, Any], built: set[str]) -> None:
+        want = os.environ.get("VARCOMM_NVLINK", "auto").lower()
+        if "nvlink" not in built or want in ("0", "off", "no", "false"):
+            self._nvlink_note = "nvlink off (VARCOMM_NVLINK=0)" if "nvlink" in built else "built without nvlink"
+            return
+        torch = arrays.torch
+        dev_env = os.environ.get("VARCOMM_NVLINK_DEVICE")
+        if dev_env is not None:
+            dev = int(dev_env)
+        elif torch is None or not (torch.cuda.is_initialized() or (want != "auto" and torch.cuda.is_available())):
+            self._nvlink_note = ("this process had not used CUDA at varcomm.init (call torch.cuda.set_device "
+                                 "first, or set VARCOMM_NVLINK=1)")
+            return
+        else:
+            dev = torch.cuda.current_device()
+        try:
+            me["desc"]["nvlink"] = self._c.expose("nvlink", device=dev)
+            self._cuda_device = dev
+        except VarcommError as e:
+            if want != "auto":
+                raise
+            self._nvlink_note = str(e)
+
+    def _connect_nvlink(self, me: dict[str, Any], peers: list[dict[str, Any]], routes: list[str]) -> None:
+        if "nvlink" not in me["desc"]:
+            return
+        ok = []
+        for r, p in enumerate(peers):
+            if routes[r] != "shm" or "nvlink" not in p["desc"]:
+                continue
+            try:
+                self._c.connect_device(r, "nvlink", p["desc"]["nvlink"])
+                ok.append(r)
+            except VarcommError as e:
+                self._nvlink_note = f"rank {r}: {e}"
+        self._store.set(f"nvlink/{self.rank}", json.dumps(ok))
+
+    def _agree_nvlink(self, me: dict[str, Any]) -> None:
+        """A pair uses nvlink only if both sides could open the other's memory."""
+        if "nvlink" not in me["desc"]:
+            return
+        for r in json.loads(self._store.get(f"nvlink/{self.rank}")):
+            if self.rank in json.loads(self._store.get(f"nvlink/{r}")):
+                self._c.set_device_transport(r, "nvlink")
+                self._device_routes[r] = "nvlink"
 
     def _wait_count(self, key: str, n: int) -> None:
         deadline = time.monotonic() + (self._timeout or 300)
@@ -170,7 +244,15 @@ class Communicator:
         self._check_peer(peer, "peer")
         if self._routes[peer] == "fallback":
             return f"fallback (torch.distributed gloo: shape header, then payload; {self._why_fallback})"
-        return self._c.transport_describe(peer)
+        d = self._c.transport_describe(peer)
+        if self._device_routes[peer]:
+            return d + "; GPU tensors: " + self._c.transport_describe_device(peer)
+        return d + (f"; GPU tensors: no nvlink ({self._nvlink_note})" if self._nvlink_note else "")
+
+    def device_transport_for(self, peer: int) -> str | None:
+        """"nvlink" when CUDA tensors to and from `peer` travel GPU to GPU, else None."""
+        self._check_peer(peer, "peer")
+        return self._device_routes[peer]
 
     def _check_peer(self, peer: int, what: str) -> None:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
@@ -196,16 +278,22 @@ class Communicator:
             if word is not None:
                 self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t)
                 return
-        ptr, nbytes, word, shape, _keep = arrays.describe_host(tensor)
-        self._c.send(dst, tag, ptr, nbytes, word, shape, t)
+        ptr, nbytes, word, shape, _keep, stream = arrays.describe_send(tensor)
+        if stream >= 0:
+            _check_capture()
+        self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream)
 
     def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
         self._check_peer(dst, "dst")
         if self._routes[dst] == "fallback":
             return self._fallback.isend(tensor, dst, tag)
-        ptr, nbytes, word, shape, keep = arrays.describe_host(tensor)
-        return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
+        ptr, nbytes, word, shape, keep, stream = arrays.describe_send(tensor)
+        if stream < 0:
+            return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
+        _check_capture()
+        return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, stream), None, dst, "send", keep,
+                    arrays.torch.cuda.current_stream(tensor.device))
 
     def recv(self, src: int, tag: int = 0, out: Any = None, timeout: float | None = None,
              copy: bool = True) -> Any:
@@ -226,8 +314,10 @@ class Communicator:
                 if r is not None and r[4] == out.shape:
                     return out
             else:
-                ptr, cap, word = arrays.describe_out(out)
-                r = self._c.recv_into(src, tag, ptr, cap, word, t)
+                ptr, cap, word, stream = arrays.describe_recv(out)
+                if stream >= 0:
+                    _check_capture()
+                r = self._c.recv_into(src, tag, ptr, cap, word, t, stream)
             if r is not None:
                 return r if r is out else arrays.prefix_view(out, r[2], r[4])
         return self.irecv(src, tag, out, copy=copy).wait(t)
@@ -238,9 +328,14 @@ class Communicator:
             return self._fallback.irecv(src, tag, out)
         c = self._c
         if out is not None:
-            ptr, cap, word = arrays.describe_out(out)
-            rid = c.irecv(src, tag, ptr, cap, word)
-            return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv")
+            ptr, cap, word, stream = arrays.describe_recv(out)
+            if stream < 0:
+                rid = c.irecv(src, tag, ptr, cap, word)
+                return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv")
+            _check_capture()
+            rid = c.irecv(src, tag, ptr, cap, word, stream)
+            return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv",
+                        stream=arrays.torch.cuda.current_stream(out.device))
         rid = c.irecv(src, tag, 0, 0, 0)
         kind = self._array
 
@@ -248,6 +343,13 @@ class Communicator:
             _src, _tag, nbytes, word, shape = c.info(rid)
             if not copy:
                 return arrays.loan(kind, c.payload(rid), nbytes, word, shape, lambda: _release(c, rid))
+            if kind == "torch" and self._cuda_device is not None and c.info_flags(rid) & 1:
+                # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
+                dev = arrays.torch.device("cuda", self._cuda_device)
+                _check_capture()
+                arr, ptr = arrays.empty(kind, word, shape, dev)
+                c.copy_out(rid, ptr, arrays.torch.cuda.current_stream(dev).cuda_stream)
+                return arr
             arr, ptr = arrays.empty(kind, word, shape)
             c.copy_out(rid, ptr)
             return arr
@@ -352,6 +454,12 @@ def _choose(me_rank: int, me: dict[str, Any], peer: int, p: dict[str, Any], forc
     return "rdma" if rdma else "fallback"
 
 
+def _check_capture() -> None:
+    if arrays.torch.cuda.is_current_stream_capturing():
+        raise InvalidArgument("varcomm send/recv of CUDA tensors cannot be captured in a CUDA graph: sequence "
+                              "numbers and credits are host state, so a replay would repeat the captured message")
+
+
 def _info_of(info: tuple[int, int, int, int, tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
     return info[2], info[4]
 
@@ -366,7 +474,7 @@ def _release(c: Any, rid: int) -> None:
 def init(rank: int | None = None, world_size: int | None = None, store: Any | None = None, *,
          bound: int | None = None, slots: int | None = None, transport: str | None = None,
          timeout: float | None = -1.0, array: str | None = None, rdma_provider: str | None = None,
-         rdma_iface: str | None = None) -> Communicator:
+         rdma_iface: str | None = None, prefix: str | None = None) -> Communicator:
     """Join the job and connect to every peer.
 
     rank/world_size default to the launcher's environment (varcomm-run, torchrun,
@@ -376,13 +484,14 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any | No
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
     array (VARCOMM_ARRAY): kind returned by recv without out: torch | numpy.
+    prefix: with store=, the key prefix of this communicator (else an instance count).
     """
     if arrays.torch is not None and not _TORCH_WORDS:
         from . import dtypes
 
         dtypes.from_torch(arrays.torch.float32)
         _TORCH_WORDS.update(dtypes._TORCH)
-    p = bootstrap.placement(rank, world_size)
+    p = bootstrap.placement(rank, world_size, have_store=store is not None)
     if timeout == -1.0:
         env = os.environ.get("VARCOMM_TIMEOUT")
         timeout = None if env in ("none", "None", "inf") else float(env) if env else 600.0
@@ -406,7 +515,7 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any | No
         raise InvalidArgument(f"transport={opts['transport']!r}: use auto, shm, rdma or fallback")
     if opts["bound"] <= 0:
         raise InvalidArgument("bound must be positive (bytes)")
-    s, owner = bootstrap.make_store(p, store, timeout or 300)
+    s, owner = bootstrap.make_store(p, store, timeout or 300, prefix)
     return Communicator(p, s, owner, opts)
 
 

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU check for the nvlink transport, on one machine with a GPU, in a few
+# minutes: build, the GPU tests (2 ranks, which may share one GPU), the p2p bench.
+#
+#   bash bench/gpu_check.sh                 from anywhere in the repository
+#   OUT=/some/dir bash bench/gpu_check.sh   also writes gpu_check.log, pytest.log,
+#                                           gpu_p2p.md and gpu_p2p.json there
+#
+# Needs a python with CUDA torch, numpy, pytest, pybind11, ninja and
+# setuptools (PYTHON=... to choose; otherwise the first of python3, python,
+# .venv/bin/python whose torch sees a GPU) and g++. Nothing is downloaded.
+# Exit status: 0 when the build, the tests and the bench ran and passed, 1 when
+# one failed, 2 when a prerequisite is missing (the log says which).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+LOG=$(mktemp)
+if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; fi
+say() { echo "gpu_check: $*" | tee -a "$LOG"; }
+finish() {
+  say "result: $2 (exit $1)"
+  if [ -n "${OUT:-}" ]; then cp "$LOG" "$OUT/gpu_check.log"; fi
+  exit "$1"
+}
+t_start=$(date +%s)
+
+# ---- which python ---------------------------------------------------------
+PY=""
+for cand in ${PYTHON:-} python3 python .venv/bin/python; do
+  command -v "$cand" >/dev/null 2>&1 || continue
+  if "$cand" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+    PY=$(command -v "$cand")
+    break
+  fi
+  say "$cand: $("$cand" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "sees no GPU")' 2>&1 | tail -1)"
+done
+if [ -z "$PY" ]; then
+  command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 | tee -a "$LOG"
+  finish 2 "no python whose torch sees a CUDA GPU (set PYTHON=/path/to/python with CUDA torch)"
+fi
+say "python: $PY ($("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0), "x", torch.cuda.device_count())' 2>&1 | tail -1))"
+missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("numpy", "pytest", "pybind11", "ninja", "setuptools") if u.find_spec(m) is None))')
+if [ -n "$missing" ]; then finish 2 "$PY lacks: $missing (carry them as wheels)"; fi
+command -v "${CXX:-g++}" >/dev/null || finish 2 "no ${CXX:-g++} to build the extension"
+
+# ---- build ----------------------------------------------------------------
+say "building: $PY setup.py build_ext --inplace"
+if ! "$PY" setup.py build_ext --inplace >"$LOG.build" 2>&1; then
+  tail -40 "$LOG.build" | tee -a "$LOG"
+  finish 1 "build failed"
+fi
+grep "varcomm: building" "$LOG.build" | tee -a "$LOG"
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c 'import varcomm; from varcomm import _C; print("gpu_check: build_info", varcomm.build_info()); print("gpu_check:", _C.nvlink_info())' 2>&1 | tee -a "$LOG"
+"$PY" -c "import sys, varcomm; sys.exit(0 if 'nvlink' in varcomm.build_info()['transports'] else 1)" \
+  || finish 1 "this build has no nvlink transport"
+
+# ---- tests ----------------------------------------------------------------
+say "tests: tests/test_gpu.py (2 ranks)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py >"$LOG.pytest" 2>&1
+test_rc=$?
+tail -30 "$LOG.pytest" | tee -a "$LOG"
+if [ -n "${OUT:-}" ]; then cp "$LOG.pytest" "$OUT/pytest.log"; fi
+if [ "$test_rc" -eq 0 ] && grep -q "SKIPPED" "$LOG.pytest"; then say "some GPU tests were skipped: failing the check"; test_rc=1; fi
+
+# ---- bench ----------------------------------------------------------------
+left=$((290 - ($(date +%s) - t_start)))
+if [ "$left" -lt 45 ]; then
+  say "no bench: only ${left}s left of the 5 minutes"
+  bench_rc=1
+else
+  say "bench: bench/gpu_p2p.py (${left}s left)"
+  timeout "$left" "$PY" bench/gpu_p2p.py --timeout "$((left - 5))" ${OUT:+--out "$OUT"} 2>&1 | tee -a "$LOG"
+  bench_rc=${PIPESTATUS[0]}
+fi
+say "took $(($(date +%s) - t_start)) s"
+[ "$test_rc" -eq 0 ] || finish 1 "GPU tests failed (pytest exit $test_rc)"
+[ "$bench_rc" -eq 0 ] || finish 1 "bench failed (exit $bench_rc)"
+finish 0 "ok"

@@ -1,0 +1,363 @@
+"""torch.distributed's point-to-point and all-to-all functions over varcomm,
+under the same names, plus the variable-size forms torch cannot offer::
+
+    import varcomm.distributed as dist      # was: import torch.distributed as dist
+
+    dist.init_process_group("nccl")          # any backend name: torch.distributed runs on "varcomm"
+    dist.send(x, dst=1)                      # x of any shape: the shape travels with the data
+    y = dist.recv(src=0)                     # extension: returns the tensor, sized by the sender
+    y = dist.recv(buf, src=0)                # buf is a bound: y is a prefix view of it, with the sender's shape
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, None, 0)])
+    y = works[1].wait()                      # an irecv's wait() returns the received tensor
+    out, splits = dist.all_to_all_v(x, send_splits)   # extension: no count exchange
+    dist.all_reduce(g)                       # anything else is torch.distributed's (gloo/NCCL underneath)
+
+It is a thin module over one global varcomm Communicator: the default group's
+when ``init_process_group`` starts torch.distributed on the ``"varcomm"``
+backend (the usual case), or one made from torch's default store when
+torch.distributed was already started with another backend, or a standalone
+one (``init_process_group(torch_distributed=False)``). Functions with
+``group=`` accept groups of the ``"varcomm"`` backend (``new_group``, DeviceMesh)
+and use that group's Communicator; ranks are global as in torch, or group
+ranks with ``group_dst``/``group_src``/``group_peer``.
+
+Differences from torch.distributed: ``recv`` returns the received tensor (not
+the source rank) and accepts a larger tensor (a bound); ``irecv(...).wait()``
+returns the received tensor and ``isend(...).wait()`` returns None (varcomm
+Works); receiving from any source (``src=None``) is not supported.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as _tdist
+
+from . import torch_backend as _tb
+from .comm import Communicator
+from .comm import init as _init
+from .errors import InvalidArgument
+
+try:
+    from . import alltoall as _a2a
+except ImportError:  # pragma: no cover - depends on the checkout
+    _a2a = None  # type: ignore[assignment]
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "get_world_size", "get_comm",
+    "send", "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "all_to_all_single", "all_to_all",
+    "all_to_all_v", "barrier",
+]
+
+_comm: Communicator | None = None
+_started_torch = False  # this module started torch.distributed (and stops it)
+_own_comm = False  # the global communicator is ours to close (not a torch group's)
+
+_ENV_OPTIONS = {"bound": "VARCOMM_BOUND", "slots": "VARCOMM_SLOTS", "transport": "VARCOMM_TRANSPORT"}
+
+
+@contextlib.contextmanager
+def _env(options: dict[str, Any]) -> Iterator[None]:
+    """bound=, slots=, transport= for the torch backend, which reads them from the environment."""
+    saved = {k: os.environ.get(k) for k in _ENV_OPTIONS.values()}
+    for name, value in options.items():
+        if value is not None:
+            os.environ[_ENV_OPTIONS[name]] = str(value)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def init_process_group(backend: str | None = None, init_method: str | None = None, timeout: Any = None,
+                       world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "",
+                       pg_options: Any = None, device_id: Any = None, *, torch_distributed: bool = True,
+                       bound: int | None = None, slots: int | None = None, transport: str | None = None,
+                       **varcomm_options: Any) -> None:
+    """Start torch.distributed on the ``"varcomm"`` backend (whatever ``backend``
+    names: gloo and NCCL still run the collectives varcomm does not have) and
+    take its default group's Communicator as the global one.
+
+    If torch.distributed is already running, it is kept: its default group's
+    Communicator is used when it is on varcomm, else a Communicator is made
+    from its store. ``torch_distributed=False``: only a varcomm Communicator
+    (``varcomm.init(rank=, world_size=, store=, bound=, ...)``), no torch.distributed.
+    bound/slots/transport: varcomm's options (default: VARCOMM_* environment)."""
+    global _comm, _started_torch, _own_comm
+    if _comm is not None:
+        raise RuntimeError("varcomm.distributed is already initialized; call destroy_process_group() first")
+    del backend  # every backend name means: varcomm, with gloo/NCCL underneath for the rest
+    if not torch_distributed:
+        _comm = _init(rank=None if rank < 0 else rank, world_size=None if world_size < 0 else world_size,
+                      store=store, bound=bound, slots=slots, transport=transport, **varcomm_options)
+        _own_comm = True
+        return
+    if varcomm_options:
+        raise TypeError(f"unexpected arguments {sorted(varcomm_options)} (varcomm options with torch.distributed: "
+                        "bound, slots, transport)")
+    opts = {"bound": bound, "slots": slots, "transport": transport}
+    if _tdist.is_initialized():
+        pg = _tdist.distributed_c10d._get_default_group()
+        if isinstance(pg, _tb.VarcommProcessGroup):
+            _comm = pg.comm
+        else:
+            with _env(opts):
+                _comm = _tb._communicator(_tdist.PrefixStore("varcomm.distributed/",
+                                                             _tdist.distributed_c10d._get_default_store()),
+                                          _tdist.get_rank(), _tdist.get_world_size(), -1.0)
+            _own_comm = True
+        return
+    kwargs: dict[str, Any] = {"init_method": init_method, "world_size": world_size, "rank": rank, "store": store,
+                              "group_name": group_name, "pg_options": pg_options, "device_id": device_id}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    with _env(opts):
+        _tdist.init_process_group(_tb.BACKEND, **kwargs)
+    _started_torch = True
+    _comm = _tb.comm_of(None)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Stop what init_process_group started (a group: torch.distributed.destroy_process_group(group))."""
+    global _comm, _started_torch, _own_comm
+    if group is not None:
+        _tdist.destroy_process_group(group)
+        return
+    comm, own, started = _comm, _own_comm, _started_torch
+    _comm, _own_comm, _started_torch = None, False, False
+    if own and comm is not None:
+        comm.close()
+    if started and _tdist.is_initialized():
+        _tdist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return _comm is not None
+
+
+def get_comm(group: Any = None) -> Communicator:
+    """The varcomm Communicator behind ``group`` (default: the global one)."""
+    if group is None:
+        if _comm is None:
+            raise RuntimeError("varcomm.distributed is not initialized: call init_process_group() first")
+        return _comm
+    if isinstance(group, _tb.VarcommProcessGroup):
+        return group.comm
+    raise ValueError(f"group {group!r} is not on the varcomm backend: make it with new_group() (or a DeviceMesh) "
+                     "after init_process_group()")
+
+
+def get_rank(group: Any = None) -> int:
+    return get_comm(group).rank if group is None else _tdist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    return get_comm(group).world_size if group is None else _tdist.get_world_size(group)
+
+
+def _peer(group: Any, peer: int | None, group_peer: int | None, what: str) -> tuple[Communicator, int]:
+    comm = get_comm(group)
+    if group_peer is not None:
+        if peer is not None:
+            raise ValueError(f"pass {what} or group_{what}, not both")
+        return comm, int(group_peer)
+    if peer is None:
+        raise ValueError(f"{what} is required (receiving from any source is not supported)")
+    if group is None:
+        return comm, int(peer)
+    return comm, _tdist.get_group_rank(group, int(peer))
+
+
+# ---------------------------------------------------------------------------
+# point-to-point
+
+
+def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> None:
+    """Send ``tensor`` (any shape, dtype: they travel with it); returns when it may be reused."""
+    comm, peer = _peer(group, dst, group_dst, "dst")
+    comm.send(tensor, peer, tag)
+
+
+def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
+         group_src: int | None = None) -> Any:
+    """Receive one message and return it: a new tensor of the sender's shape and
+    dtype, or, with ``tensor`` (a bound: at least the message's size, same
+    dtype), a view of its front with the sender's shape."""
+    comm, peer = _peer(group, src, group_src, "src")
+    if tensor is None or _contiguous(tensor):
+        return comm.recv(peer, tag, out=tensor)
+    return _copy_into(tensor, comm.recv(peer, tag))
+
+
+def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> Any:
+    """Start a send; ``tensor`` must not change until ``wait()``."""
+    comm, peer = _peer(group, dst, group_dst, "dst")
+    return comm.isend(tensor, peer, tag)
+
+
+def irecv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
+          group_src: int | None = None) -> Any:
+    """Start a receive; ``wait()`` returns the received tensor (as recv does)."""
+    comm, peer = _peer(group, src, group_src, "src")
+    if tensor is None or _contiguous(tensor):
+        return comm.irecv(peer, tag, out=tensor)
+    return _CopyInto(comm.irecv(peer, tag), tensor)
+
+
+class P2POp:
+    """torch.distributed.P2POp's shape: ``op`` is this module's isend or irecv
+    (torch.distributed's are accepted too); for irecv, ``tensor`` may be None."""
+
+    def __init__(self, op: Any, tensor: Any, peer: int | None = None, group: Any = None, tag: int = 0,
+                 group_peer: int | None = None):
+        if op in (isend, _tdist.isend):
+            self.op = isend
+        elif op in (irecv, _tdist.irecv):
+            self.op = irecv
+        else:
+            raise ValueError("P2POp.op must be isend or irecv")
+        if tensor is None and self.op is isend:
+            raise ValueError("P2POp(isend, ...) needs a tensor")
+        self.tensor = tensor
+        self.peer = peer
+        self.group = group
+        self.tag = tag
+        self.group_peer = group_peer
+
+    def __repr__(self) -> str:
+        t = None if self.tensor is None else tuple(self.tensor.shape)
+        return f"P2POp({self.op.__name__}, {t}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Any]:
+    """Post every op at once (receives first, so rings cannot deadlock); the
+    works come back in the list's order."""
+    ops = list(p2p_op_list)
+    works: list[Any] = [None] * len(ops)
+    for want_recv in (True, False):
+        for i, op in enumerate(ops):
+            if not isinstance(op, P2POp):
+                raise TypeError(f"batch_isend_irecv takes varcomm.distributed.P2POp, got {type(op).__name__}")
+            if (op.op is irecv) == want_recv:
+                key = "group_src" if want_recv else "group_dst"
+                works[i] = op.op(op.tensor, op.peer, op.group, op.tag, **{key: op.group_peer})
+    return works
+
+
+# ---------------------------------------------------------------------------
+# all-to-all
+
+
+def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002 - torch's name
+                      input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+    """torch.distributed.all_to_all_single over varcomm (each chunk one message)."""
+    comm = get_comm(group)
+    if _a2a is None or not hasattr(_a2a, "all_to_all_single"):
+        return _tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                        group=group, async_op=async_op)
+    return _a2a.all_to_all_single(comm, output, input, output_split_sizes, input_split_sizes, async_op=async_op)
+
+
+def all_to_all(output_tensor_list: Any, input_tensor_list: Any, group: Any = None, async_op: bool = False) -> Any:
+    """torch.distributed.all_to_all over varcomm; outputs may be None (allocated
+    from the arriving shapes) and the list is returned."""
+    comm = get_comm(group)
+    if _a2a is None or not hasattr(_a2a, "all_to_all"):
+        return _tdist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    return _a2a.all_to_all(comm, output_tensor_list, input_tensor_list, async_op=async_op)
+
+
+def all_to_all_v(input: Any, send_splits: Any, group: Any = None, async_op: bool = False,  # noqa: A002
+                 out: Any = None) -> Any:
+    """Variable-size all-to-all: rows ``input[off[d]:off[d] + send_splits[d]]``
+    go to rank d; returns ``(received, recv_splits)`` (the chunks from every
+    rank, concatenated in rank order, and their row counts) with no count
+    exchange: each chunk's shape travels in its message. ``out``: optional
+    bound-sized buffer (the result is a view of its front)."""
+    comm = get_comm(group)
+    if _a2a is not None and hasattr(_a2a, "all_to_all_v"):
+        return _a2a.all_to_all_v(comm, input, send_splits, out=out, async_op=async_op)
+    result = _all_to_all_v_torch(input, send_splits, group, out)  # counts first, then the payload (gloo)
+    return _Done(result) if async_op else result
+
+
+def _all_to_all_v_torch(x: torch.Tensor, send_splits: Any, group: Any, out: Any) -> tuple[torch.Tensor, list[int]]:
+    splits = [int(s) for s in (send_splits.tolist() if isinstance(send_splits, torch.Tensor) else send_splits)]
+    counts = torch.tensor(splits, dtype=torch.int64)
+    recv_counts = torch.empty_like(counts)
+    _tdist.all_to_all_single(recv_counts, counts, group=group)
+    rows = recv_counts.tolist()
+    shape = (sum(rows),) + tuple(x.shape[1:])
+    result = torch.empty(shape, dtype=x.dtype) if out is None else out.reshape(-1)[:_numel(shape)].view(shape)
+    _tdist.all_to_all_single(result, x.contiguous(), rows, splits, group=group)
+    return result, rows
+
+
+def barrier(group: Any = None, async_op: bool = False) -> Any:
+    get_comm(group).barrier()
+    return _Done(None) if async_op else None
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _contiguous(t: Any) -> bool:
+    return bool(t.is_contiguous()) if isinstance(t, torch.Tensor) else bool(getattr(t, "flags", {"C": True})["C"])
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _copy_into(tensor: torch.Tensor, x: Any) -> torch.Tensor:
+    """A received message into a non-contiguous tensor: same size only (no prefix of a strided tensor)."""
+    if x.numel() != tensor.numel():
+        raise InvalidArgument(f"recv into a non-contiguous tensor of shape {tuple(tensor.shape)}: the message has "
+                              f"shape {tuple(x.shape)}; pass a contiguous bound-sized tensor (or none) instead")
+    with torch.no_grad():
+        tensor.copy_(x.reshape(tensor.shape))
+    return tensor
+
+
+class _CopyInto:
+    """A pending receive into a non-contiguous tensor."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor):
+        self._work, self._tensor, self._result = work, tensor, None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self._result is None:
+            self._result = _copy_into(self._tensor, self._work.wait(timeout))
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._work.is_completed()
+
+
+class _Done:
+    def __init__(self, result: Any):
+        self._result = result
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def __getattr__(name: str) -> Any:
+    # Everything else (all_reduce, new_group, ReduceOp, get_backend, ...) is torch.distributed's.
+    try:
+        return getattr(_tdist, name)
+    except AttributeError:
+        raise AttributeError(f"module 'varcomm.distributed' has no attribute {name!r}") from None

@@ -1,0 +1,165 @@
+"""Expert-parallel MoE dispatch and combine over varcomm's all-to-all-v.
+
+Experts are sharded contiguously over ranks: with E experts on n ranks, rank
+r owns experts [r * E/n, (r + 1) * E/n). Every (token, k) assignment is sent
+to the rank owning expert ``topk_ids[token, k]``; there it is grouped by
+local expert. One message per rank pair: no count exchange. Each routed row
+carries its local expert index in 4 extra bytes appended to the token's
+bytes, so the receiver can group rows per expert without a second message.
+
+    expert_tokens, tokens_per_expert, handle = dispatch(comm, tokens, topk_ids, topk_weights, E)
+    # expert_tokens[: tokens_per_expert[0]] go to local expert 0, and so on
+    outputs = run_local_experts(expert_tokens, tokens_per_expert)
+    y = combine(comm, outputs, handle)  # [T, H']: sum_k weight[t, k] * output of (t, k)
+
+Both are differentiable (torch.autograd.Function): the backward of dispatch
+is a combine-like all-to-all-v of the gradients and vice versa, and the
+gradient reaches ``topk_weights`` through combine's weighted sum. Like every
+collective, the backward all-to-alls must run on every rank: tokens (and the
+expert outputs) must require grad on all ranks or on none.
+
+CPU tensors (host memory): the routing metadata (counts per destination) is
+computed on the host; on a GPU build this is where a device-side count would
+replace ``bincount().tolist()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import alltoall
+from .errors import InvalidArgument
+
+__all__ = ["dispatch", "combine", "MoEHandle"]
+
+
+@dataclass
+class MoEHandle:
+    """What combine (and both backwards) need to undo a dispatch."""
+
+    comm: Any
+    num_tokens: int  # T on this rank
+    topk: int  # K
+    order: torch.Tensor  # [T*K] flat (t, k) indices sorted by expert: the send order
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    perm: torch.Tensor  # [R] received row index of each expert_tokens row
+    tokens_per_expert: torch.Tensor  # [E/n] int64
+    topk_weights: torch.Tensor  # [T, K], as given (may require grad)
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise InvalidArgument(f"topk_ids must lie in [0, {num_experts})")
+    order = torch.sort(flat, stable=True).indices
+    per_rank = num_experts // n
+    splits = torch.bincount(flat // per_rank, minlength=n).tolist()
+    return flat, order, splits
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, handle_box: list, topk_ids: torch.Tensor,
+                num_experts: int, comm: Any) -> Any:
+        n = comm.world_size
+        per_rank = num_experts // n
+        T, H = tokens.shape
+        K = topk_ids.shape[1]
+        flat, order, send_splits = _route(topk_ids, num_experts, n)
+        src_rows = order // K
+        local_expert = (flat[order] % per_rank).to(torch.int32)
+        # One row per (token, k): the token's bytes, then its local expert index.
+        x = tokens.detach().contiguous()
+        hb = H * x.element_size()
+        packed = torch.empty((order.numel(), hb + 4), dtype=torch.uint8)
+        packed[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
+        packed[:, hb:] = local_expert.view(torch.uint8).reshape(-1, 4)
+        recv, recv_splits = alltoall.all_to_all_v(comm, packed, send_splits)
+        le = recv[:, hb:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        perm = torch.sort(le, stable=True).indices
+        tokens_per_expert = torch.bincount(le, minlength=per_rank)
+        expert_tokens = recv[:, :hb].index_select(0, perm).view(x.dtype).reshape(-1, H)
+        handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K))
+        ctx.comm = comm
+        ctx.meta = (order, send_splits, recv_splits, perm, T, K)
+        ctx.mark_non_differentiable(tokens_per_expert)
+        return expert_tokens, tokens_per_expert
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _g_counts: Any) -> Any:
+        order, send_splits, recv_splits, perm, T, K = ctx.meta
+        g = _unpermute(grad, perm)
+        back, _ = alltoall.all_to_all_v(ctx.comm, g, recv_splits)  # rows in this rank's send order
+        gtok = torch.zeros((T,) + tuple(grad.shape[1:]), dtype=grad.dtype)
+        gtok.index_add_(0, order // K, back)
+        return gtok, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, expert_outputs: torch.Tensor, comm: Any, order: torch.Tensor, send_splits: list[int],
+                recv_splits: list[int], perm: torch.Tensor, T: int, K: int) -> torch.Tensor:
+        y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
+        back, _ = alltoall.all_to_all_v(comm, y, recv_splits)  # [T*K, H'] in send (expert-sorted) order
+        tk = torch.empty_like(back)
+        tk[order] = back  # (t, k) order
+        ctx.comm = comm
+        ctx.meta = (order, send_splits, perm)
+        return tk.reshape((T, K) + tuple(back.shape[1:]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        order, send_splits, perm = ctx.meta
+        g = grad.reshape((-1,) + tuple(grad.shape[2:])).index_select(0, order).contiguous()
+        recv, _ = alltoall.all_to_all_v(ctx.comm, g, send_splits)  # received order
+        return (recv.index_select(0, perm),) + (None,) * 7
+
+
+def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out[perm] = x
+    return out
+
+
+def dispatch(comm: Any, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
+    """Send each (token, k) to the rank owning expert ``topk_ids[token, k]``.
+
+    tokens [T, H] (any fixed-size dtype), topk_ids [T, K] ints in [0, E),
+    topk_weights [T, K] (kept for combine). Returns ``expert_tokens`` [R, H]
+    grouped by local expert (rows for local expert 0 first, ...; within an
+    expert, by source rank then by (token, k)), ``tokens_per_expert`` [E/n]
+    int64, and the handle combine needs. ``num_experts`` must be a multiple of
+    the world size."""
+    n = comm.world_size
+    if num_experts <= 0 or num_experts % n:
+        raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of the world size {n}")
+    if tokens.dim() != 2:
+        raise InvalidArgument(f"tokens must be [T, H], got shape {tuple(tokens.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens.shape[0]:
+        raise InvalidArgument(f"topk_ids must be [T, K] with T={tokens.shape[0]}, got {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    box: list = []
+    expert_tokens, tokens_per_expert = _Dispatch.apply(tokens, box, topk_ids, num_experts, comm)
+    order, send_splits, recv_splits, perm, tpe, T, K = box[0]
+    handle = MoEHandle(comm, T, K, order, send_splits, recv_splits, perm, tpe, topk_weights)
+    return expert_tokens, tokens_per_expert, handle
+
+
+def combine(comm: Any, expert_outputs: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+    """Return every expert output to its token's rank and reduce it:
+    ``y[t] = sum_k topk_weights[t, k] * output(t, k)``, tokens in their
+    original order. ``expert_outputs`` [R, H'] rows match dispatch's
+    ``expert_tokens`` rows (H' may differ from H). Differentiable in
+    ``expert_outputs`` and in ``topk_weights``."""
+    if expert_outputs.shape[0] != handle.perm.numel():
+        raise InvalidArgument(f"expert_outputs has {expert_outputs.shape[0]} rows; dispatch delivered "
+                              f"{handle.perm.numel()}")
+    h = handle
+    per_tk = _Combine.apply(expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk)
+    w = h.topk_weights.to(per_tk.dtype)
+    return (per_tk * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1)

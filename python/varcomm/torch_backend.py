@@ -1,0 +1,524 @@
+"""The ``"varcomm"`` backend of torch.distributed.
+
+``import varcomm.torch`` (or this module) registers it; then::
+
+    dist.init_process_group("varcomm")          # env:// (torchrun, varcomm-run), or init_method=/store=
+
+and ``dist.send/recv/isend/irecv/batch_isend_irecv``, ``dist.all_to_all_single``,
+``dist.all_to_all`` and ``dist.barrier`` on CPU tensors go through varcomm, in
+every group: the default one, ``new_group`` ones and DeviceMesh dimensions
+(one varcomm Communicator per group, whose ranks are the group ranks, met
+through the store torch hands the backend).
+
+Everything varcomm does not implement (all_reduce, all_gather, broadcast,
+reduce_scatter, gather, scatter, the coalesced and functional forms, object
+collectives, monitored_barrier) runs on a gloo backend made underneath from
+the same store, and CUDA tensors run on an NCCL backend (when torch has CUDA and
+NCCL; ``VARCOMM_TORCH_NCCL=0`` turns it off): both are registered as the
+group's per-device backends, so torch's own dispatch finds them.
+
+Semantics are torch's: ``dist.recv`` receives into the given tensor, whose
+size must equal the message's (the same number of bytes and the same dtype;
+a different shape with the same size is accepted, as gloo and NCCL do), and a
+message of another size is refused with an error naming both sizes. The
+variable-size forms (receive without knowing the size) are in
+``varcomm.distributed``. Messages over varcomm's receive bound
+(``VARCOMM_BOUND``, which must be the same on every rank) travel as a small
+header plus bound-sized chunks, so any size works.
+"""
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import dtypes
+from .comm import Communicator
+from .comm import init as _init
+from .errors import MessageMismatch, MessageTooLarge, VarcommError
+
+try:  # the all-to-all module; without it, all-to-all runs on gloo
+    from . import alltoall as _a2a
+except ImportError:  # pragma: no cover - depends on the checkout
+    _a2a = None  # type: ignore[assignment]
+
+BACKEND = "varcomm"
+#: A message over the bound travels as a 0-byte header of shape (0, nbytes, _MAGIC) and the tensor's dtype,
+#: then bound-sized uint8 chunks.
+_MAGIC = 0x5643
+
+__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of"]
+
+
+# ---------------------------------------------------------------------------
+# works
+
+
+def _seconds(timeout: Any) -> float | None:
+    """A torch wait timeout (timedelta, 0 = the group's default) in seconds, or None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    return None if timeout <= 0 else float(timeout)
+
+
+class VarcommWork(dist.Work):
+    """A torch.distributed Work over pending varcomm operations.
+
+    ``wait()`` finishes them (raising what they raised) and returns True."""
+
+    def __init__(self, finish: Callable[[float | None], Any] | None, poll: Callable[[], bool] | None = None,
+                 result: Sequence[torch.Tensor] = (), source: int = -1):
+        super().__init__()
+        self._finish = finish
+        self._poll = poll
+        self._result = list(result)
+        self._source = source
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._finish is not None:
+            f, self._finish = self._finish, None
+            try:
+                f(_seconds(timeout))
+            except BaseException as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if self._finish is None:
+            return True
+        if self._poll is not None and self._poll():
+            try:
+                self.wait()
+            except BaseException:
+                pass  # kept in _error; is_success() and wait() tell
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future (the work is finished first: varcomm has no progress thread)."""
+        fut: torch.futures.Future = torch.futures.Future()
+        try:
+            self.wait()
+            fut.set_result(self._result)
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+
+def _done(result: Sequence[torch.Tensor] = ()) -> VarcommWork:
+    return VarcommWork(None, result=result)
+
+
+def _all_done(works: Sequence[Any]) -> Callable[[], bool]:
+    return lambda: all(w.is_completed() for w in works)
+
+
+# ---------------------------------------------------------------------------
+# making a communicator for a group
+
+
+def _communicator(store: Any, rank: int, size: int, timeout: float | None) -> Communicator:
+    """A Communicator over `size` ranks meeting in `store` (timeout: seconds, None = none, -1 = VARCOMM_TIMEOUT)."""
+    # The group's store is already unique to the group: no instance count.
+    return _init(rank=rank, world_size=size, store=store, prefix="varcomm/", timeout=timeout)
+
+
+def _want_nccl() -> bool:
+    if os.environ.get("VARCOMM_TORCH_NCCL", "1") in ("0", "false", "no", "off"):
+        return False
+    return bool(dist.is_nccl_available() and torch.cuda.is_available())
+
+
+# ---------------------------------------------------------------------------
+# the process group
+
+
+class VarcommProcessGroup(dist.ProcessGroup):
+    """One torch.distributed group on varcomm: point-to-point, all-to-all and
+    barrier through ``self.comm`` (a varcomm Communicator over the group's
+    ranks); every other collective through the per-device backends registered
+    underneath (gloo for CPU, NCCL for CUDA)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, *,
+                 global_ranks: Sequence[int] | None = None, group_id: str = ""):
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._pg_timeout = timeout
+        self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
+        self.comm = _communicator(store, rank, size, timeout.total_seconds() if timeout else None)
+        self._closed = False
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        _name_backend(self._gloo, self.global_ranks, group_id)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._nccl: Any = None
+        if _want_nccl():
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            opts.is_high_priority_stream = False
+            _name_backend(opts, self.global_ranks, group_id, on_options=True)
+            self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self._nccl)
+
+    # ---- identity -------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"VarcommProcessGroup(rank={self._rank}, size={self._size}, comm={self.comm!r})"
+
+    def _device_backend(self, t: torch.Tensor, op: str) -> Any:
+        """The backend for a tensor varcomm does not carry (not on CPU)."""
+        if t.device.type == "cuda" and self._nccl is not None:
+            return self._nccl
+        raise RuntimeError(f"varcomm backend: {op} of a tensor on {t.device}: varcomm carries CPU tensors here, "
+                           "and no NCCL backend was made for this group (needs torch with CUDA and NCCL, and "
+                           "VARCOMM_TORCH_NCCL not 0)")
+
+    # ---- point-to-point -------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work:  # noqa: N803
+        t = _single(tensors, "send")
+        if t.device.type != "cpu":
+            return self._device_backend(t, "send").send(tensors, dstRank, tag)
+        comm = self.comm
+        if t.nbytes <= comm.bound:
+            works = [comm.isend(t, dstRank, tag)]
+        else:  # header (0 bytes: the size is in its shape), then bound-sized chunks
+            header = torch.empty((0, t.nbytes, _MAGIC), dtype=t.dtype)
+            flat = _bytes_of(t.contiguous())
+            works = [comm.isend(header, dstRank, tag)]
+            works += [comm.isend(flat[o:o + comm.bound], dstRank, tag) for o in range(0, t.nbytes, comm.bound)]
+
+        def finish(timeout: float | None) -> None:
+            for w in works:
+                w.wait(timeout)
+
+        return VarcommWork(finish, _all_done(works), [t])
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work:  # noqa: N803
+        t = _single(tensors, "recv")
+        if t.device.type != "cpu":
+            return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
+        comm, src = self.comm, srcRank
+        dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+
+        def refuse(what: str) -> RuntimeError:
+            return RuntimeError(
+                f"varcomm backend: recv from rank {src} (tag {tag}) into a tensor of shape {tuple(t.shape)} and "
+                f"dtype {t.dtype} ({t.nbytes} bytes): {what}. torch.distributed.recv needs a tensor of exactly the "
+                "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
+                "which returns it")
+
+        if t.nbytes <= comm.bound:
+            works = [comm.irecv(src, tag, out=dst)]
+
+            def finish(timeout: float | None) -> None:
+                try:
+                    got = works[0].wait(timeout)
+                except MessageTooLarge as e:
+                    raise refuse(f"the message is larger ({e})") from e
+                except MessageMismatch as e:
+                    raise refuse(f"the message has another dtype ({_dtype_names(str(e))})") from e
+                if got.numel() != t.numel() or (_is_header(got) and tuple(got.shape) != tuple(t.shape)):
+                    raise refuse(f"the message has shape {_shape_of(got)}, {_nbytes_of(got)} bytes")
+                if dst is not t:
+                    with torch.no_grad():
+                        t.copy_(dst)
+        else:
+            works = [comm.irecv(src, tag)]  # the header; the chunks are received once it is checked
+
+            def finish(timeout: float | None) -> None:
+                head = works[0].wait(timeout)
+                if not _is_header(head) or head.shape[1] != t.nbytes or head.dtype != t.dtype:
+                    raise refuse(f"the message has shape {_shape_of(head)}, {_nbytes_of(head)} bytes")
+                flat = _bytes_of(dst)
+                chunks = [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, t.nbytes, comm.bound)]
+                for w in chunks:
+                    w.wait(timeout)
+                if dst is not t:
+                    with torch.no_grad():
+                        t.copy_(dst)
+
+        return VarcommWork(finish, _all_done(works), [t], source=src)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        t = _single(tensors, "recv")
+        if t.device.type != "cpu":
+            return self._device_backend(t, "recv").recv_anysource(tensors, tag)
+        raise RuntimeError("varcomm backend: recv without src (from any source) is not supported; pass src=")
+
+    # ---- all-to-all -------------------------------------------------------------
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - torch's name
+                          output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        if opts is None:
+            opts = dist.AllToAllOptions()
+        if output.device.type != "cpu" or input.device.type != "cpu":
+            return self._device_backend(output, "all_to_all_single").alltoall_base(
+                output, input, output_split_sizes, input_split_sizes, opts)
+        if _a2a is None or not hasattr(_a2a, "all_to_all_single"):
+            return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        dst = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype)
+        w = _a2a.all_to_all_single(self.comm, dst, input, list(output_split_sizes) or None,
+                                   list(input_split_sizes) or None, async_op=True)
+
+        def finish(timeout: float | None) -> None:
+            w.wait(timeout)
+            if dst is not output:
+                with torch.no_grad():
+                    output.copy_(dst)
+
+        return VarcommWork(finish, None, [output])
+
+    # torch calls it by both names (dist.all_to_all_single; functional collectives)
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> dist.Work:
+        if opts is None:
+            opts = dist.AllToAllOptions()
+        if any(x.device.type != "cpu" for x in [*output_tensors, *input_tensors]):
+            return self._device_backend(output_tensors[0], "all_to_all").alltoall(output_tensors, input_tensors, opts)
+        if _a2a is None or not hasattr(_a2a, "all_to_all"):
+            return self._gloo.alltoall(output_tensors, input_tensors, opts)
+        dsts = [o if o.is_contiguous() else torch.empty(o.shape, dtype=o.dtype) for o in output_tensors]
+        w = _a2a.all_to_all(self.comm, list(dsts), list(input_tensors), async_op=True)
+
+        def finish(timeout: float | None) -> None:
+            w.wait(timeout)
+            with torch.no_grad():
+                for o, d in zip(output_tensors, dsts):
+                    if d is not o:
+                        o.copy_(d)
+
+        return VarcommWork(finish, None, list(output_tensors))
+
+    # ---- everything else: gloo (CPU) or NCCL (CUDA) ------------------------------
+    # Each collective is delegated here, in Python, rather than left to torch's
+    # C++ ProcessGroup, which would dispatch to the registered backend while
+    # holding the GIL: a gloo worker freeing a finished work's tensors needs
+    # the GIL under its queue lock, and that deadlocks against the next enqueue.
+    # Calling the backend's own binding releases the GIL first.
+
+    def _delegate(self, name: str, args: tuple[Any, ...]) -> dist.Work:
+        t = _first_tensor(args)
+        backend = self._gloo if t is None or t.device.type == "cpu" else self._device_backend(t, name)
+        return getattr(backend, name)(*args)
+
+    def allreduce(self, *args: Any) -> dist.Work:
+        return self._delegate("allreduce", args)
+
+    def allreduce_coalesced(self, *args: Any) -> dist.Work:
+        return self._delegate("allreduce_coalesced", args)
+
+    def allgather(self, *args: Any) -> dist.Work:
+        return self._delegate("allgather", args)
+
+    def allgather_coalesced(self, *args: Any) -> dist.Work:
+        return self._delegate("allgather_coalesced", args)
+
+    def _allgather_base(self, *args: Any) -> dist.Work:
+        return self._delegate("_allgather_base", args)
+
+    all_gather_single = _allgather_base
+
+    def reduce_scatter(self, *args: Any) -> dist.Work:
+        return self._delegate("reduce_scatter", args)
+
+    def _reduce_scatter_base(self, *args: Any) -> dist.Work:
+        return self._delegate("_reduce_scatter_base", args)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce(self, *args: Any) -> dist.Work:
+        return self._delegate("reduce", args)
+
+    def broadcast(self, *args: Any) -> dist.Work:
+        return self._delegate("broadcast", args)
+
+    def gather(self, *args: Any) -> dist.Work:
+        return self._delegate("gather", args)
+
+    def scatter(self, *args: Any) -> dist.Work:
+        return self._delegate("scatter", args)
+
+    def monitored_barrier(self, *args: Any) -> Any:
+        return self._gloo.monitored_barrier(*args)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        return self._coalesced("_allgather_base", "allgather_into_tensor_coalesced", outputs, inputs, opts,
+                               dist.AllgatherOptions)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        return self._coalesced("_reduce_scatter_base", "reduce_scatter_tensor_coalesced", outputs, inputs, opts,
+                               dist.ReduceScatterOptions)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _coalesced(self, single: str, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   opts: Any, make_opts: Callable[[], Any]) -> dist.Work:
+        """One backend call per tensor pair, where the backend has no coalesced form (gloo)."""
+        opts = make_opts() if opts is None else opts
+        t = _first_tensor((outputs, inputs))
+        backend = self._gloo if t is None or t.device.type == "cpu" else self._device_backend(t, name)
+        if hasattr(backend, name):
+            return getattr(backend, name)(outputs, inputs, opts)
+        works = [getattr(backend, single)(o, i, opts) for o, i in zip(outputs, inputs)]
+
+        def finish(timeout: float | None) -> None:
+            for w in works:
+                w.wait()
+
+        return VarcommWork(finish, _all_done(works), list(outputs))
+
+    # ---- barrier and lifetime ---------------------------------------------------
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        self.comm.barrier()
+        return _done()
+
+    def shutdown(self) -> None:
+        self._close()
+        super().shutdown()
+
+    def abort(self) -> None:
+        self._close()
+        super().abort()
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.comm.close()
+            except (VarcommError, RuntimeError, OSError):
+                pass  # the store's host (rank 0) may be gone already: nothing left to tell
+
+
+def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
+    """What torch sets on the backends it makes itself (flight recorder, debug output)."""
+    opts = obj if on_options else getattr(obj, "options", None)
+    for attr, value in (("global_ranks_in_group", global_ranks), ("group_name", group_id)):
+        try:
+            setattr(opts, attr, value)
+        except (AttributeError, TypeError, RuntimeError):
+            pass
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def _single(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise RuntimeError(f"varcomm backend: {op} takes exactly one tensor, got {len(tensors)}")
+    return tensors[0]
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (shares it)."""
+    flat = t.detach().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _is_header(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 0 and x.shape[2] == _MAGIC
+
+
+def _dtype_names(msg: str) -> str:
+    """The engine names dtypes by code: name them as torch does."""
+    def name(m: re.Match) -> str:
+        try:
+            return f"{m.group(1)} {dtypes.to_torch(int(m.group(2)))}"
+        except Exception:
+            return m.group(0)
+
+    return re.sub(r"(dtype) code (\d+)", name, msg)
+
+
+def _shape_of(x: Any) -> Any:
+    if _is_header(x):
+        return f"{tuple(x.shape)} (the header of a {x.shape[1]}-byte message of {x.dtype}, sent in chunks)"
+    return tuple(x.shape)
+
+
+def _nbytes_of(x: Any) -> int:
+    if _is_header(x):
+        return int(x.shape[1])
+    return int(x.nbytes)
+
+
+# ---------------------------------------------------------------------------
+# registration
+
+
+def _create(opts: Any, backend_options: Any = None) -> VarcommProcessGroup:
+    return VarcommProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                               global_ranks=list(opts.global_ranks_in_group or []), group_id=str(opts.group_id))
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the ``"varcomm"`` backend with torch.distributed (idempotent)."""
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        _registered = True
+
+
+def comm_of(group: Any = None) -> Communicator:
+    """The varcomm Communicator of a torch.distributed group on the varcomm
+    backend (default: the default group). Its ranks are the group's ranks."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, VarcommProcessGroup):
+        raise ValueError(f"group {pg!r} is not on the varcomm backend (init_process_group('varcomm'))")
+    return pg.comm
+
+
+register()

@@ -1,0 +1,282 @@
+"""Variable-size all-to-all (varcomm.alltoall), on every transport this build
+has and on the fallback, on 2, 3 and 4 ranks. Every rank can rebuild every
+other rank's input from the seed, so each result is checked byte-for-byte
+against a single-process reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import varcomm
+from varcomm import alltoall as A
+from varcomm.testing import seeded, world
+
+from conftest import TRANSPORTS, make_tensor, same_bytes
+
+BOUND = 64 * 1024
+# Every transport, plus shm running the conventional two-phase algorithm (counts
+# first, then payload: what the fallback runs) so that path is checked natively too.
+MODES = TRANSPORTS + ["shm/two-phase"]
+
+
+def _init(mode: str, **kw):
+    transport, _, algorithm = mode.partition("/")
+    A.ALGORITHM = algorithm or "auto"  # ranks are forked: this stays in the rank
+    return varcomm.init(transport=transport, **kw)
+
+
+def _x(seed: int, it: int, src: int, rows: int, trailing: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+    return make_tensor(dt, (rows,) + trailing, seed=hash((seed, it, src)) & 0x7FFFFFFF)
+
+
+def _reference(seed: int, it: int, splits: np.ndarray, me: int, trailing: tuple[int, ...],
+               dt: torch.dtype) -> torch.Tensor:
+    """What rank `me` must receive: rows from every source, in source order."""
+    parts = []
+    for s in range(splits.shape[0]):
+        x = _x(seed, it, s, int(splits[s].sum()), trailing, dt)
+        off = int(splits[s, :me].sum())
+        parts.append(x[off:off + int(splits[s, me])])
+    return torch.cat(parts)
+
+
+def _check(got, want: torch.Tensor, recv_splits, splits: np.ndarray, me: int, what: str) -> None:
+    assert list(recv_splits) == splits[:, me].tolist(), (what, recv_splits, splits[:, me])
+    assert same_bytes(got, want), f"{what}: payload differs from the single-process reference"
+
+
+def _random_splits(g: np.random.Generator, n: int, max_rows: int) -> np.ndarray:
+    m = g.integers(0, max_rows + 1, size=(n, n))
+    m[g.random((n, n)) < 0.3] = 0  # plenty of empty chunks
+    return m
+
+
+CASES = [(torch.float32, (3,)), (torch.bfloat16, (2, 5)), (torch.int64, ()), (torch.uint8, (7,))]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("transport", MODES)
+def test_random_splits_match_reference(transport, n):
+    @world(n, timeout=120)
+    def body():
+        seed = seeded()
+        iters = 24 if transport != "fallback" else 8
+        with _init(transport, bound=BOUND, slots=4, timeout=60) as comm:
+            r = comm.rank
+            for it in range(iters):
+                g = np.random.default_rng([seed, it])
+                dt, trailing = CASES[it % len(CASES)]
+                splits = _random_splits(g, n, 40)
+                x = _x(seed, it, r, int(splits[r].sum()), trailing, dt)
+                want = _reference(seed, it, splits, r, trailing, dt)
+                mode = it % 4
+                sp = splits[r].tolist() if it % 2 else torch.tensor(splits[r])
+                if mode == 0:  # plain, splits as a CPU tensor
+                    got, rs = A.all_to_all_v(comm, x, sp)
+                    assert isinstance(got, torch.Tensor)
+                elif mode == 1:  # into a bound-sized out: a view of its prefix
+                    out = torch.full((BOUND // x.element_size(),), 0, dtype=dt)
+                    got, rs = A.all_to_all_v(comm, x, sp, out=out)
+                    assert got.data_ptr() == out.data_ptr() or got.numel() == 0
+                elif mode == 2:  # async
+                    work = A.all_to_all_v(comm, x, sp, async_op=True)
+                    got, rs = work.wait()
+                    assert work.is_completed()
+                else:  # numpy in, numpy out (bfloat16 has no numpy dtype: go through uint8 rows)
+                    if dt == torch.bfloat16:
+                        xn = x.view(torch.uint8).numpy()
+                        got_n, rs = A.all_to_all_v(comm, xn, sp)
+                        got = torch.from_numpy(got_n).view(dt)
+                    else:
+                        got_n, rs = A.all_to_all_v(comm, x.numpy(), sp)
+                        assert isinstance(got_n, np.ndarray)
+                        got = torch.from_numpy(got_n)
+                _check(got, want, rs, splits, r, f"seed {seed} iteration {it} mode {mode}")
+
+    body()
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(4, timeout=120)
+def test_skewed_zipf_and_all_to_one(transport):
+    """MoE-like routing: token -> expert drawn from a Zipf law (one rank gets
+    most tokens), then every token to one rank, then everything to itself."""
+    seed = seeded()
+    with _init(transport, bound=1 << 20, slots=4, timeout=60) as comm:
+        r, n = comm.rank, comm.world_size
+        hidden = 16
+        for it in range(6):
+            g = np.random.default_rng([seed, it])
+            tokens = 512 if transport != "fallback" else 128
+            splits = np.zeros((n, n), dtype=np.int64)
+            for s in range(n):
+                dest = np.minimum(g.zipf(1.6, size=tokens) - 1, 4 * n - 1) // 4  # 4 experts per rank
+                splits[s] = np.bincount(dest, minlength=n)
+            if it == 4:
+                splits[:] = 0
+                splits[:, 2] = tokens  # all to one
+            if it == 5:
+                splits[:] = np.diag([tokens] * n)  # everyone to itself
+            x = _x(seed, it, r, tokens, (hidden,), torch.float32)
+            got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
+            _check(got, _reference(seed, it, splits, r, (hidden,), torch.float32), rs, splits, r,
+                   f"seed {seed} iteration {it}")
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=120)
+def test_many_iterations_changing_sizes_and_back_to_back(transport):
+    """Sizes change every step; several collectives are in flight at once and
+    waited on out of order; user point-to-point traffic on tag 0 in between
+    never matches a collective."""
+    seed = seeded()
+    iters = 120 if transport != "fallback" else 20
+    with _init(transport, bound=BOUND, slots=8, timeout=60) as comm:
+        r, n = comm.rank, comm.world_size
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        for it in range(0, iters, 3):
+            works, wants = [], []
+            p2p = comm.isend(torch.tensor([r, it]), nxt, tag=0)
+            for k in range(3):
+                g = np.random.default_rng([seed, it + k])
+                splits = g.integers(0, 30, size=(n, n))
+                x = _x(seed, it + k, r, int(splits[r].sum()), (4,), torch.float32)
+                works.append(A.all_to_all_v(comm, x, splits[r].tolist(), async_op=True))
+                wants.append((splits, _reference(seed, it + k, splits, r, (4,), torch.float32)))
+            assert comm.recv(prv, tag=0).tolist() == [prv, it]
+            p2p.wait()
+            for k in (2, 0, 1):
+                got, rs = works[k].wait()
+                _check(got, wants[k][1], rs, wants[k][0], r, f"seed {seed} iteration {it + k}")
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(4, timeout=120)
+def test_over_bound_chunk_errors_everywhere_then_recovers(transport):
+    """Rank 1's chunk for rank 3 is over rank 3's bound: rank 1 raises
+    MessageTooLarge (nothing written), rank 3 gets a VarcommError naming rank 1,
+    nobody hangs, and all ranks then run more collectives successfully."""
+    bound = 4096
+    with _init(transport, bound=bound, slots=4, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        for attempt in range(2):
+            splits = [2] * n
+            if r == 1:
+                splits[3] = bound // 4 + 1  # one float32 row too many
+            x = torch.arange(sum(splits), dtype=torch.float32) + 1000 * r
+            if r == 1:
+                with pytest.raises(varcomm.MessageTooLarge, match="rank 3") as ei:
+                    A.all_to_all_v(comm, x, splits)
+                assert ei.value.peer == 3
+            elif r == 3:
+                with pytest.raises(varcomm.VarcommError, match="rank 1") as ei:
+                    A.all_to_all_v(comm, x, splits)
+                assert not isinstance(ei.value, varcomm.MessageTooLarge) and ei.value.peer == 1
+            else:
+                got, rs = A.all_to_all_v(comm, x, splits)  # unaffected pairs complete
+                assert rs == [2] * n
+            # The very next collective works on every rank, with the right data.
+            y = torch.arange(n, dtype=torch.int64) + 10 * r
+            got, rs = A.all_to_all_v(comm, y, [1] * n)
+            assert rs == [1] * n and got.tolist() == [10 * s + r for s in range(n)]
+        # The list form reports the same way.
+        ins = [torch.zeros(bound // 8 + 1 if (r == 0 and d == 2) else 1, dtype=torch.int64) for d in range(n)]
+        if r == 0:
+            with pytest.raises(varcomm.MessageTooLarge):
+                A.all_to_all(comm, None, ins)
+        elif r == 2:
+            with pytest.raises(varcomm.VarcommError, match="rank 0"):
+                A.all_to_all(comm, None, ins)
+        else:
+            A.all_to_all(comm, None, ins)
+        got, rs = A.all_to_all_v(comm, torch.full((n,), r), [1] * n)
+        assert got.tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90)
+def test_dtype_and_trailing_shape_mismatch(transport):
+    with _init(transport, bound=BOUND, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        x = torch.zeros(n * 2, 4, dtype=torch.float64 if r == 2 else torch.float32)
+        with pytest.raises(varcomm.MessageMismatch, match="rank 0" if r == 2 else "rank 2"):
+            A.all_to_all_v(comm, x, [2] * n)
+        x = torch.zeros(n, 5 if r == 1 else 4)
+        with pytest.raises(varcomm.MessageMismatch, match="rank 0" if r == 1 else "rank 1"):
+            A.all_to_all_v(comm, x, [1] * n)
+        # Still usable.
+        got, rs = A.all_to_all_v(comm, torch.full((n, 2), float(r)), [1] * n)
+        assert got[:, 0].tolist() == [float(s) for s in range(n)]
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90)
+def test_all_to_all_single_and_list_forms(transport):
+    seed = seeded()
+    with _init(transport, bound=BOUND, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        # equal splits
+        inp = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
+        out = torch.empty(n * 2, 3)
+        assert A.all_to_all_single(comm, out, inp) is None
+        want = torch.cat([(torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * s)[2 * r:2 * r + 2]
+                          for s in range(n)])
+        assert torch.equal(out, want)
+        # uneven, known output splits: received straight into output's slices
+        g = np.random.default_rng(seed)
+        splits = g.integers(0, 6, size=(n, n))
+        x = _x(seed, 0, r, int(splits[r].sum()), (2,), torch.int32)
+        out = torch.full((int(splits[:, r].sum()), 2), -1, dtype=torch.int32)
+        work = A.all_to_all_single(comm, out, x, splits[:, r].tolist(), splits[r].tolist(), async_op=True)
+        work.wait()
+        assert torch.equal(out, _reference(seed, 0, splits, r, (2,), torch.int32))
+        # wrong output_split_sizes: MessageMismatch naming the source, then usable
+        bad = splits[:, r].tolist()
+        wrong = (r + 1) % n
+        bad[wrong] += 1
+        out = torch.zeros(sum(bad), 2, dtype=torch.int32)
+        with pytest.raises(varcomm.MessageMismatch, match=f"rank {wrong}"):
+            A.all_to_all_single(comm, out, x, bad, splits[r].tolist())
+        # list form: any shapes and dtypes, 0-d included; None outputs allocated
+        ins = [torch.full((d + 1, r + 1), float(10 * r + d)) for d in range(n)]
+        ins[(r + 1) % n] = torch.tensor(r * 7, dtype=torch.int16)  # a 0-d int16
+        outs = A.all_to_all(comm, None, ins)
+        for s in range(n):
+            if r == (s + 1) % n:
+                assert outs[s].dtype == torch.int16 and outs[s].shape == () and int(outs[s]) == s * 7
+            else:
+                assert outs[s].shape == (r + 1, s + 1) and bool((outs[s] == 10 * s + r).all())
+        given = [torch.empty(tuple(o.shape), dtype=o.dtype) for o in outs]
+        res = A.all_to_all(comm, given, ins)
+        assert all(a is b for a, b in zip(res, given))
+        assert all(torch.equal(a, b) for a, b in zip(given, outs))
+        # numpy list form
+        res = A.all_to_all(comm, None, [np.arange(d + r, dtype=np.int64) for d in range(n)])
+        assert [x.tolist() for x in res] == [list(range(r + s)) for s in range(n)]
+
+
+@world(2, timeout=60)
+def test_argument_errors():
+    with varcomm.init(bound=BOUND, timeout=30) as comm:
+        n = comm.world_size
+        x = torch.zeros(4, 2)
+        with pytest.raises(varcomm.InvalidArgument, match="sums to"):
+            A.all_to_all_v(comm, x, [1, 1])
+        with pytest.raises(varcomm.InvalidArgument, match="entries"):
+            A.all_to_all_v(comm, x, [4])
+        with pytest.raises(varcomm.InvalidArgument, match="negative"):
+            A.all_to_all_v(comm, x, [5, -1])
+        with pytest.raises(varcomm.InvalidArgument, match="dimension"):
+            A.all_to_all_v(comm, torch.tensor(1.0), [1, 0])
+        with pytest.raises(varcomm.InvalidArgument, match="dtype"):
+            A.all_to_all_v(comm, x, [2, 2], out=torch.zeros(100, dtype=torch.int32))
+        # out too small: every rank consumed its messages, so the next call works
+        with pytest.raises(varcomm.MessageTooLarge, match="out holds"):
+            A.all_to_all_v(comm, x, [2, 2], out=torch.zeros(3))
+        got, rs = A.all_to_all_v(comm, torch.arange(n) + 10 * comm.rank, [1] * n)
+        assert got.tolist() == [10 * s + comm.rank for s in range(n)]
+        # strided input is fine (copied once)
+        y = torch.arange(8).reshape(2, 4).t()
+        got, rs = A.all_to_all_v(comm, y, [2, 2])
+        assert got.shape == (4, 2)

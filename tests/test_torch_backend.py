@@ -1,0 +1,258 @@
+"""The "varcomm" backend of torch.distributed, and varcomm.distributed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch._dynamo  # noqa: F401 - functional collectives import it on first use: once here, not in every rank
+import torch.distributed._functional_collectives as fc
+
+import varcomm.torch  # noqa: F401 - registers the backend
+from varcomm.testing import world
+from varcomm.torch_backend import VarcommProcessGroup, comm_of
+
+SMALL_BOUND = str(64 * 1024)  # small receive slots, so the chunked path (messages over the bound) is cheap to test
+
+
+def _spy(comm, calls):
+    """Count what goes through a Communicator's isend/irecv."""
+    for name in ("isend", "irecv"):
+        real = getattr(comm, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        setattr(comm, name, spy)
+
+
+@world(2, timeout=60)
+def test_send_recv_exact_sizes_and_refusals():
+    os.environ["VARCOMM_BOUND"] = SMALL_BOUND
+    dist.init_process_group("varcomm")
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        assert isinstance(pg, VarcommProcessGroup) and dist.get_backend() == "varcomm"
+        assert pg.comm.bound == 64 * 1024
+        calls: list[str] = []
+        _spy(pg.comm, calls)
+        r = dist.get_rank()
+        big = torch.arange(100_000, dtype=torch.float64)  # 800 KB: a header and 13 chunks of 64 KiB
+        cases = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.tensor(7, dtype=torch.int64),
+                 torch.tensor([True, False, True]), torch.randn(5, dtype=torch.bfloat16), torch.empty(0, 3), big]
+        if r == 0:
+            for c in cases:
+                dist.send(c, dst=1)
+            dist.isend(torch.full((6,), 2.5), dst=1, tag=3).wait()
+            dist.send(torch.ones(5), dst=1)  # refused by a 4-element recv, then received properly
+            dist.send(torch.ones(3), dst=1)  # refused by a 4-element recv (too small)
+            dist.send(torch.ones(4, dtype=torch.int32), dst=1)  # refused: dtype
+            dist.send(big, dst=1)  # chunked, refused by a small recv
+            dist.send(torch.ones(4), dst=1)  # into a non-contiguous tensor
+        else:
+            for c in cases:
+                got = torch.full_like(c, 0) if c.numel() else torch.empty_like(c)
+                assert dist.recv(got, src=0) == 0
+                assert torch.equal(got, c), (got, c)
+            x = torch.zeros(6)
+            w = dist.irecv(x, src=0, tag=3)
+            assert isinstance(w, dist.Work) and w.wait() is True and x.tolist() == [2.5] * 6
+            with pytest.raises(RuntimeError, match=r"shape \(4,\).*16 bytes.*larger.*20 bytes"):
+                dist.recv(torch.zeros(4), src=0)
+            y = torch.zeros(5)
+            dist.recv(y, src=0)  # the refused message was kept
+            assert y.tolist() == [1.0] * 5
+            with pytest.raises(RuntimeError, match=r"16 bytes.*shape \(3,\), 12 bytes"):
+                dist.recv(torch.zeros(4), src=0)
+            with pytest.raises(RuntimeError, match="another dtype.*int32 does not match.*float32"):
+                dist.recv(torch.zeros(4), src=0)
+            assert dist.recv(torch.zeros(4, dtype=torch.int32), src=0) == 0  # the kept int32 message
+            with pytest.raises(RuntimeError, match="800000-byte message of torch.float64, sent in chunks"):
+                dist.recv(torch.zeros(10, dtype=torch.float64), src=0)
+            for _ in range(len(big) * 8 // (64 * 1024) + 1):  # drop the refused message's chunks
+                pg.comm.recv(0)
+            z = torch.zeros(4, 2)[:, 0]
+            dist.recv(z, src=0)
+            assert z.tolist() == [1.0] * 4
+        assert calls and all(c in ("isend", "irecv") for c in calls), "p2p did not go through varcomm"
+    finally:
+        dist.destroy_process_group()
+
+
+@world(4, timeout=60)
+def test_batch_ring_all_to_all_barrier_and_delegated_collectives():
+    dist.init_process_group("varcomm")
+    try:
+        r, n = dist.get_rank(), dist.get_world_size()
+        pg = dist.distributed_c10d._get_default_group()
+        calls: list[str] = []
+        _spy(pg.comm, calls)
+        # a ring in both directions, one batch
+        right, left = torch.full((3,), float(r)), torch.full((2, 2), -float(r))
+        from_left, from_right = torch.zeros(3), torch.zeros(2, 2)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.irecv, from_left, (r - 1) % n), dist.P2POp(dist.isend, right, (r + 1) % n),
+            dist.P2POp(dist.isend, left, (r - 1) % n), dist.P2POp(dist.irecv, from_right, (r + 1) % n)])
+        assert [w.wait() for w in works] == [True] * 4
+        assert from_left.tolist() == [float((r - 1) % n)] * 3
+        assert (from_right == -float((r + 1) % n)).all()
+        assert calls.count("isend") == 2 and calls.count("irecv") == 2
+        # all_to_all_single: equal splits, then uneven ones (rank r sends d+1 rows to rank d)
+        out = torch.zeros(n, dtype=torch.int64)
+        dist.all_to_all_single(out, torch.arange(n) + 10 * r)
+        assert out.tolist() == [10 * s + r for s in range(n)]
+        in_splits = [d + 1 for d in range(n)]
+        x = torch.cat([torch.full((d + 1, 2), 100 * r + d) for d in range(n)])
+        out2 = torch.zeros((r + 1) * n, 2, dtype=torch.int64)
+        dist.all_to_all_single(out2, x, [r + 1] * n, in_splits)
+        assert out2[:, 0].tolist() == [100 * s + r for s in range(n) for _ in range(r + 1)]
+        w = dist.all_to_all_single(out, torch.arange(n) * r, async_op=True)
+        assert w.wait() and out.tolist() == [s * r for s in range(n)]
+        outs = [torch.zeros(s + 1) for s in range(n)]
+        dist.all_to_all(outs, [torch.full((r + 1,), float(r)) for _ in range(n)])
+        assert [o.tolist() for o in outs] == [[float(s)] * (s + 1) for s in range(n)]
+        got = fc.wait_tensor(fc.all_to_all_single(torch.arange(n) + 10 * r, None, None, pg))
+        assert got.tolist() == [10 * s + r for s in range(n)]
+        dist.barrier()
+        # what varcomm does not do: gloo underneath
+        t = torch.tensor([float(r)])
+        dist.all_reduce(t)
+        assert t.item() == sum(range(n))
+        g = [torch.zeros(1) for _ in range(n)]
+        dist.all_gather(g, torch.tensor([float(r)]))
+        assert [v.item() for v in g] == list(map(float, range(n)))
+        b = torch.tensor([float(r)])
+        dist.broadcast(b, src=2)
+        assert b.item() == 2.0
+        objs: list = [None] * n
+        dist.all_gather_object(objs, {"rank": r})
+        assert objs == [{"rank": s} for s in range(n)]
+        assert fc.wait_tensor(fc.all_reduce(torch.ones(2), "sum", pg)).tolist() == [float(n)] * 2
+    finally:
+        dist.destroy_process_group()
+
+
+@world(4, timeout=60)
+def test_new_group_and_device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        # Groups made one after another: ranks 2 and 3 are not in the first, so they make
+        # fewer communicators than ranks 0 and 1 before the third.
+        g01 = dist.new_group([0, 1])
+        g23 = dist.new_group([2, 3])
+        g02 = dist.new_group([0, 2])
+        mine = g01 if r < 2 else g23
+        assert isinstance(mine, VarcommProcessGroup) and comm_of(mine).world_size == 2
+        assert comm_of(mine).rank == dist.get_group_rank(mine, r)
+        peer = r ^ 1
+        got = torch.zeros(2)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((2,), float(r)), peer, mine),
+                                        dist.P2POp(dist.irecv, got, peer, mine)])
+        for w in works:
+            w.wait()
+        assert got.tolist() == [float(peer)] * 2
+        if r in (0, 2):
+            x = torch.zeros(3)
+            if r == 0:
+                dist.send(torch.arange(3.0), group=g02, group_dst=1)
+            else:
+                dist.recv(x, group=g02, group_src=0)
+                assert x.tolist() == [0.0, 1.0, 2.0]
+            t = torch.tensor([1.0])
+            dist.all_reduce(t, group=g02)
+            assert t.item() == 2.0
+        dist.barrier(group=mine)
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+        assert isinstance(pp, VarcommProcessGroup) and isinstance(dp, VarcommProcessGroup)
+        me = mesh.get_local_rank("pp")
+        nxt = torch.zeros(1)
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, torch.tensor([float(r)]), group=pp, group_peer=1 - me),
+            dist.P2POp(dist.irecv, nxt, group=pp, group_peer=1 - me)])
+        for w in works:
+            w.wait()
+        assert nxt.item() == float(dist.get_global_rank(pp, 1 - me))
+        t = torch.tensor([float(r)])
+        dist.all_reduce(t, group=dp)
+        assert t.item() == float(sum(dist.get_process_group_ranks(dp)))
+        out = torch.zeros(2)
+        dist.all_to_all_single(out, torch.tensor([float(r), float(r)]), group=dp)
+        assert out.tolist() == [float(g) for g in dist.get_process_group_ranks(dp)]
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_device_mesh_1d():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("varcomm")
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        g = mesh.get_group()
+        assert isinstance(g, VarcommProcessGroup)
+        r = dist.get_rank()
+        if r == 0:
+            dist.send(torch.tensor([5, 6]), dst=1, group=g)
+        else:
+            x = torch.zeros(2, dtype=torch.int64)
+            dist.recv(x, src=0, group=g)
+            assert x.tolist() == [5, 6]
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_varcomm_distributed_module():
+    import varcomm.distributed as vdist
+
+    vdist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        r = vdist.get_rank()
+        assert vdist.get_world_size() == 2 and dist.get_backend() == "varcomm"
+        if r == 0:
+            for n in (3, 17, 4, 0):
+                vdist.send(torch.arange(n * 2, dtype=torch.float32).reshape(n, 2), dst=1)
+            vdist.send(torch.ones(5, dtype=torch.int16), dst=1)
+            vdist.isend(torch.tensor([1, 2, 3]), dst=1, tag=4).wait()
+        else:
+            for n in (3, 17):
+                got = vdist.recv(src=0)  # the size is the sender's
+                assert got.shape == (n, 2) and torch.equal(got, torch.arange(n * 2.0).reshape(n, 2))
+            buf = torch.full((64,), -1.0)
+            v = vdist.recv(buf, src=0)  # a bound-sized buffer: a prefix view
+            assert v.shape == (4, 2) and v.data_ptr() == buf.data_ptr() and buf[8] == -1.0
+            assert v.flatten().tolist() == list(map(float, range(8)))
+            assert vdist.recv(src=0).shape == (0, 2)
+            assert vdist.recv(src=0).tolist() == [1] * 5
+            assert vdist.irecv(src=0, tag=4).wait().tolist() == [1, 2, 3]
+        works = vdist.batch_isend_irecv([vdist.P2POp(vdist.irecv, None, 1 - r),
+                                         vdist.P2POp(dist.isend, torch.full((r + 2,), float(r)), 1 - r)])
+        assert works[0].wait().tolist() == [float(1 - r)] * (3 - r)
+        works[1].wait()
+        x = torch.arange(3 + r, dtype=torch.float32)  # rank 0 keeps 1 row and sends 2; rank 1 keeps 1, sends 3
+        recvd, splits = vdist.all_to_all_v(x.unsqueeze(1), [1, 2] if r == 0 else [3, 1])
+        assert splits == ([1, 3] if r == 0 else [2, 1])
+        assert recvd.squeeze(1).tolist() == ([0.0, 0.0, 1.0, 2.0] if r == 0 else [1.0, 2.0, 3.0])
+        out = torch.zeros(2)
+        vdist.all_to_all_single(out, torch.tensor([float(r), 10.0 + r]))
+        assert out.tolist() == ([0.0, 1.0] if r == 0 else [10.0, 11.0])
+        t = torch.ones(1)
+        vdist.all_reduce(t)  # not ours: torch.distributed's, on gloo underneath
+        assert t.item() == 2.0
+        vdist.barrier()
+        g = vdist.new_group([0, 1])
+        if r == 0:
+            vdist.send(torch.tensor([42]), group=g, group_dst=1)
+        else:
+            assert vdist.recv(group=g, src=0).tolist() == [42]
+    finally:
+        vdist.destroy_process_group()
+    assert not dist.is_initialized() and not vdist.is_initialized()

@@ -1,0 +1,267 @@
+// A CPU stand-in for the NVIDIA driver (libcuda.so.1), for testing the nvlink
+// transport's protocol on machines without a GPU: "device memory" is shared
+// host memory (memfd, so CUDA IPC handles work across processes), each stream
+// is a worker thread running its operations in order, and stream memory
+// operations are atomic loads and stores. Not part of the package build
+// (setup.py compiles *.cpp and *.cu); tests/test_gpu.py builds it with
+//   g++ -std=c++17 -O1 -shared -fPIC -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_libcuda.cc -lpthread
+// and loads it before varcomm does, so dlopen("libcuda.so.1") finds it.
+// Only what transport/nvlink uses is here, with the driver's signatures.
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace {
+
+// FAKE_CUDA_DELAY_US: each stream operation starts this late (exposes races
+// that real GPUs, slower than the host, would show).
+const int g_delay_us = [] {
+  const char* v = getenv("FAKE_CUDA_DELAY_US");
+  return v ? atoi(v) : 0;
+}();
+
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+struct Ctx {};
+Ctx g_ctx;
+
+struct Stream {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> q;
+  int busy = 0;
+  bool stop = false;
+  std::thread worker;
+  Stream() {
+    worker = std::thread([this] {
+      std::unique_lock<std::mutex> g(mu);
+      for (;;) {
+        cv.wait(g, [this] { return stop || !q.empty(); });
+        if (q.empty()) return;
+        auto op = std::move(q.front());
+        q.pop_front();
+        busy = 1;
+        g.unlock();
+        if (g_delay_us) usleep(g_delay_us);
+        op();
+        g.lock();
+        busy = 0;
+        cv.notify_all();
+      }
+    });
+  }
+  ~Stream() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    worker.join();
+  }
+  void push(std::function<void()> op) {
+    std::lock_guard<std::mutex> g(mu);
+    q.push_back(std::move(op));
+    cv.notify_all();
+  }
+  void sync() {
+    std::unique_lock<std::mutex> g(mu);
+    cv.wait(g, [this] { return q.empty() && !busy; });
+  }
+};
+
+struct Alloc {
+  size_t size;
+  int fd;          // memfd of our own allocations, -1 for opened ones
+  bool device;     // false: registered host memory
+};
+
+std::mutex g_mu;
+std::map<uintptr_t, Alloc> g_allocs;  // base -> allocation (device, opened, or registered host)
+Stream* g_legacy = nullptr;
+thread_local Ctx* t_ctx = nullptr;
+thread_local std::deque<Ctx*> t_stack;
+
+Stream* stream_of(void* s) {
+  if (s) return static_cast<Stream*>(s);
+  std::lock_guard<std::mutex> g(g_mu);
+  if (!g_legacy) g_legacy = new Stream();
+  return g_legacy;
+}
+
+const Alloc* find(uintptr_t p, uintptr_t* base) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.upper_bound(p);
+  if (it == g_allocs.begin()) return nullptr;
+  --it;
+  if (p >= it->first + it->second.size) return nullptr;
+  if (base) *base = it->first;
+  return &it->second;
+}
+
+struct IpcHandle {
+  int32_t magic, pid, fd, pad;
+  uint64_t size;
+  char rest[40];
+};
+static_assert(sizeof(IpcHandle) == 64, "handle size");
+
+}  // namespace
+
+extern "C" {
+#define API __attribute__((visibility("default")))
+API CUresult cuInit(unsigned int) { return 0; }
+API CUresult cuDriverGetVersion(int* v) { *v = 13000; return 0; }
+API CUresult cuGetErrorName(CUresult e, const char** s) { *s = e ? "CUDA_ERROR_FAKE" : "CUDA_SUCCESS"; return 0; }
+API CUresult cuGetErrorString(CUresult e, const char** s) { *s = e ? "fake driver error" : "no error"; return 0; }
+API CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
+API CUresult cuDeviceGet(int* d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
+API CUresult cuDeviceGetName(char* name, int len, int) { snprintf(name, len, "fake GPU (varcomm test driver)"); return 0; }
+API CUresult cuDeviceGetAttribute(int* v, int attr, int) { *v = (attr == 41 || attr == 122) ? 1 : 0; return 0; }
+API CUresult cuDeviceGetPCIBusId(char* bus, int len, int) { snprintf(bus, len, "0000:00:00.0"); return 0; }
+API CUresult cuDeviceCanAccessPeer(int* can, int, int) { *can = 1; return 0; }
+API CUresult cuDevicePrimaryCtxRetain(Ctx** c, int) { *c = &g_ctx; return 0; }
+API CUresult cuDevicePrimaryCtxRelease_v2(int) { return 0; }
+API CUresult cuCtxGetCurrent(Ctx** c) { *c = t_ctx; return 0; }
+API CUresult cuCtxPushCurrent_v2(Ctx* c) { t_stack.push_back(t_ctx); t_ctx = c; return 0; }
+API CUresult cuCtxPopCurrent_v2(Ctx** c) {
+  if (t_stack.empty()) return 201;
+  if (c) *c = t_ctx;
+  t_ctx = t_stack.back();
+  t_stack.pop_back();
+  return 0;
+}
+static CUresult need_ctx() { return t_ctx == &g_ctx ? 0 : 201; }  // CUDA_ERROR_INVALID_CONTEXT
+
+API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+  if (CUresult r = need_ctx()) return r;
+  int fd = memfd_create("fake-cuda", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, off_t(n)) != 0) return 2;
+  void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) return 2;
+  std::memset(m, 0xa5, n);  // garbage, like fresh device memory
+  std::lock_guard<std::mutex> g(g_mu);
+  g_allocs[uintptr_t(m)] = {n, fd, true};
+  *p = uintptr_t(m);
+  return 0;
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) {
+  Alloc a;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_allocs.find(uintptr_t(p));
+    if (it == g_allocs.end() || it->second.fd < 0) return 1;
+    a = it->second;
+    g_allocs.erase(it);
+  }
+  munmap(reinterpret_cast<void*>(p), a.size);
+  close(a.fd);
+  return 0;
+}
+API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void* s) {
+  if (CUresult r = need_ctx()) return r;
+  stream_of(s)->push([=] { std::memset(reinterpret_cast<void*>(p), v, n); });
+  return 0;
+}
+API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
+  if (CUresult r = need_ctx()) return r;
+  stream_of(s)->push([=] { std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n); });
+  return 0;
+}
+API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_allocs.count(uintptr_t(p))) return 712;  // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+  g_allocs[uintptr_t(p)] = {n, -1, false};
+  return 0;
+}
+API CUresult cuMemHostUnregister(void* p) {
+  std::lock_guard<std::mutex> g(g_mu);
+  return g_allocs.erase(uintptr_t(p)) ? 0 : 713;
+}
+API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned int) {
+  const Alloc* a = find(uintptr_t(p), nullptr);
+  if (!a || a->device) return 1;
+  *d = uintptr_t(p);
+  return 0;
+}
+API CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
+  if (attr != 2) return 1;
+  const Alloc* a = find(uintptr_t(p), nullptr);
+  if (!a) return 1;  // unregistered host memory: CUDA_ERROR_INVALID_VALUE
+  *static_cast<unsigned int*>(data) = a->device ? 2 : 1;
+  return 0;
+}
+API CUresult cuIpcGetMemHandle(IpcHandle* h, CUdeviceptr p) {
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_allocs.find(uintptr_t(p));
+  if (it == g_allocs.end() || it->second.fd < 0) return 1;
+  std::memset(h, 0, sizeof *h);
+  h->magic = 0x46414b45;
+  h->pid = getpid();
+  h->fd = it->second.fd;
+  h->size = it->second.size;
+  return 0;
+}
+API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* p, IpcHandle h, unsigned int) {
+  if (CUresult r = need_ctx()) return r;
+  if (h.magic != 0x46414b45) return 400;
+  if (h.pid == getpid()) return 201;  // as the real driver: not within one process
+  std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+  int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return 400;
+  void* m = mmap(nullptr, h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED) return 2;
+  std::lock_guard<std::mutex> g(g_mu);
+  g_allocs[uintptr_t(m)] = {h.size, -1, true};
+  *p = uintptr_t(m);
+  return 0;
+}
+API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+  size_t n;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_allocs.find(uintptr_t(p));
+    if (it == g_allocs.end()) return 1;
+    n = it->second.size;
+    g_allocs.erase(it);
+  }
+  munmap(reinterpret_cast<void*>(p), n);
+  return 0;
+}
+API CUresult cuStreamCreate(void** s, unsigned int) { *s = new Stream(); return 0; }
+API CUresult cuStreamDestroy_v2(void* s) { delete static_cast<Stream*>(s); return 0; }
+API CUresult cuStreamSynchronize(void* s) { stream_of(s)->sync(); return 0; }
+API CUresult cuStreamGetCtx(void*, Ctx** c) { *c = &g_ctx; return 0; }
+API CUresult cuStreamIsCapturing(void*, int* st) { *st = 0; return 0; }
+API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
+  if (CUresult r = need_ctx()) return r;
+  if (!find(uintptr_t(addr), nullptr)) return 1;  // must be device or registered memory
+  stream_of(s)->push([=] { __atomic_store_n(reinterpret_cast<uint64_t*>(addr), v, __ATOMIC_RELEASE); });
+  return 0;
+}
+API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
+  if (CUresult r = need_ctx()) return r;
+  if (!find(uintptr_t(addr), nullptr)) return 1;
+  stream_of(s)->push([=] {
+    while (int64_t(__atomic_load_n(reinterpret_cast<uint64_t*>(addr), __ATOMIC_ACQUIRE) - v) < 0) sched_yield();
+  });
+  return 0;
+}
+// For tests: copies between "device" and host memory, synchronously.
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) { std::memcpy(reinterpret_cast<void*>(dst), src, n); return 0; }
+API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) { std::memcpy(dst, reinterpret_cast<void*>(src), n); return 0; }
+API CUresult cuCtxSetCurrent(Ctx* c) { t_ctx = c; return 0; }
+}

@@ -1,0 +1,471 @@
+// The nvlink transport: the shm protocol with slot payloads in GPU memory.
+//
+//   receiver's host region (memfd, mapped by peers, as with shm)
+//     ctl | credit rows | per sender, per slot: [ready word | data flag*] [header] [payload unused]
+//   receiver's device allocation (CUDA IPC, opened by peers), same offsets, from rings_off:
+//     per sender, per slot: [  | data flag ] [ ] [payload]
+//   (* the data flag lives in device memory by default, in the host region's
+//      slot control block with VARCOMM_NVLINK_FLAGS=host)
+//
+// Send, on the caller's stream: copy payload -> peer's device slot; write seq to
+// the slot's data flag (a stream memory operation, fenced after the copy);
+// then, on the CPU, header + release store of the ready word in the peer's
+// host region. Receive, on the caller's stream: wait flag >= seq; copy slot ->
+// dst; write seq to the sender's credit word (host memory, registered with
+// the driver and written by the GPU). No CPU waits on GPU work.
+#include "nvlink.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <unordered_map>
+
+#include "cuda_driver.h"
+#include "errors.h"
+
+namespace varcomm {
+namespace {
+
+using namespace cu;  // driver types and constants (cuda_driver.h)
+
+// The data-ready flag of a slot: the second cache line of its control block
+// (the first holds the host ready word).
+constexpr size_t kFlagOff = 64;
+static_assert(kFlagOff + 8 <= kSlotCtlBytes, "flag must fit the slot control block");
+
+enum class FlagMem { Device, Host };
+
+// Field 22 of /proc/<pid>/stat (start time): a recycled pid is not the peer.
+std::string proc_state(int pid, unsigned long long* start) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(f, line)) return "";
+  auto close = line.rfind(')');
+  if (close == std::string::npos) return "";
+  std::istringstream rest(line.substr(close + 2));
+  std::string state, tok;
+  rest >> state;
+  for (int field = 4; field < 22 && rest >> tok; ++field) {
+  }
+  rest >> *start;
+  return state;
+}
+
+std::string to_hex(const void* p, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  const auto* b = static_cast<const unsigned char*>(p);
+  std::string s(2 * n, '0');
+  for (size_t i = 0; i < n; ++i) {
+    s[2 * i] = digits[b[i] >> 4];
+    s[2 * i + 1] = digits[b[i] & 15];
+  }
+  return s;
+}
+
+bool from_hex(const std::string& s, void* out, size_t n) {
+  if (s.size() != 2 * n) return false;
+  auto* b = static_cast<unsigned char*>(out);
+  auto nib = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    int hi = nib(s[2 * i]), lo = nib(s[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    b[i] = static_cast<unsigned char>(hi << 4 | lo);
+  }
+  return true;
+}
+
+std::string device_label(const cu::Driver& d, CUdevice dev) {
+  char name[128] = {0}, bus[32] = {0};
+  if (d.DeviceGetName(name, sizeof name, dev) != CUDA_SUCCESS) std::strcpy(name, "?");
+  if (d.DeviceGetPCIBusId(bus, sizeof bus, dev) != CUDA_SUCCESS) std::strcpy(bus, "?");
+  return std::string(name) + " at " + bus;
+}
+
+FlagMem flag_mode() {
+  const char* v = std::getenv("VARCOMM_NVLINK_FLAGS");
+  if (!v || !*v || !std::strcmp(v, "device")) return FlagMem::Device;
+  if (!std::strcmp(v, "host")) return FlagMem::Host;
+  throw Error(ErrorKind::Invalid, std::string("VARCOMM_NVLINK_FLAGS=") + v + ": use 'device' or 'host'");
+}
+
+// Makes `ctx` current for the scope when another (or none) is, and restores it.
+class CtxScope {
+ public:
+  CtxScope(const cu::Driver& d, CUcontext ctx) : d_(d) {
+    CUcontext cur = nullptr;
+    d_.CtxGetCurrent(&cur);
+    if (cur != ctx) pushed_ = d_.CtxPushCurrent(ctx) == CUDA_SUCCESS;
+  }
+  ~CtxScope() {
+    if (pushed_) {
+      CUcontext old;
+      d_.CtxPopCurrent(&old);
+    }
+  }
+  CtxScope(const CtxScope&) = delete;
+  CtxScope& operator=(const CtxScope&) = delete;
+
+ private:
+  const cu::Driver& d_;
+  bool pushed_ = false;
+};
+
+class NvlinkTransport : public Transport {
+ public:
+  NvlinkTransport(const cu::Driver& d, Region& local, const Layout& L, int device)
+      : d_(d), local_(local), mode_(flag_mode()) {
+    if (local.size() != L.total()) throw Error(ErrorKind::Invalid, "nvlink: region size does not match its layout");
+    rings_off_ = L.rings_off();
+    dev_bytes_ = L.total() - rings_off_;
+    int count = 0;
+    d_.DeviceGetCount(&count);
+    if (device < 0 || device >= count)
+      throw Error(ErrorKind::Invalid, "nvlink: CUDA device " + std::to_string(device) + " does not exist (" +
+                                          std::to_string(count) + " visible)");
+    check(d_.DeviceGet(&dev_, device), "cuDeviceGet");
+    ordinal_ = device;
+    check(d_.DevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
+    retained_ = true;
+    try {
+      CtxScope scope(d_, ctx_);
+      int v = 1;
+      if (d_.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev_) == CUDA_SUCCESS && !v)
+        throw Error(ErrorKind::Invalid, "nvlink: " + device_label(d_, dev_) +
+                                            " does not support 64-bit stream memory operations (cuStreamWaitValue64)");
+      v = 0;
+      if (d_.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev_) == CUDA_SUCCESS && !v)
+        throw Error(ErrorKind::Invalid, "nvlink: " + device_label(d_, dev_) + " has no unified addressing");
+      check(d_.StreamCreate(&priv_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      CUresult r = d_.MemAlloc(&alloc_, dev_bytes_);
+      if (r != CUDA_SUCCESS)
+        throw Error(ErrorKind::Invalid,
+                    "nvlink: cannot allocate " + std::to_string(dev_bytes_) + " bytes of GPU memory for the receive "
+                    "slots (world_size x slots x bound) on " + device_label(d_, dev_) + ": " +
+                    cu::error_string(d_, r, "cuMemAlloc") + "; lower bound or slots");
+      // Data flags start at 0 (sequence numbers start at 1). Done before the
+      // descriptor leaves this process, so no peer can race it.
+      check(d_.MemsetD8Async(alloc_, 0, dev_bytes_, priv_), "cuMemsetD8Async");
+      check(d_.StreamSynchronize(priv_), "cuStreamSynchronize");
+      dev_base_ = alloc_ - rings_off_;  // same offsets as the host region; never dereferenced below rings_off
+      check(d_.IpcGetMemHandle(&ipc_, alloc_), "cuIpcGetMemHandle");
+      if (mode_ == FlagMem::Host) own_flags_dev_ = host_devptr(local_.base(), local_.size());
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  ~NvlinkTransport() override { release(); }
+
+  std::string name() const override { return "nvlink"; }
+  std::string describe() const override {
+    return "nvlink (same host, CUDA IPC: receive slots in GPU memory of " + device_label(d_, dev_) +
+           ", stream-ordered copies, data flags in " + (mode_ == FlagMem::Device ? "device" : "host") + " memory)";
+  }
+  bool device() const override { return true; }
+
+  std::string expose(void* base, size_t size) override {
+    unsigned long long start = 0;
+    proc_state(getpid(), &start);
+    char bus[32] = {0};
+    if (d_.DeviceGetPCIBusId(bus, sizeof bus, dev_) != CUDA_SUCCESS || !bus[0]) std::strcpy(bus, "?");
+    std::ostringstream o;
+    o << "nvlink1 " << getpid() << ' ' << local_.fd() << ' ' << size << ' ' << start << ' ' << rings_off_ << ' '
+      << dev_bytes_ << ' ' << (mode_ == FlagMem::Device ? "device" : "host") << ' ' << bus << ' '
+      << to_hex(&ipc_, sizeof ipc_);
+    return o.str();
+  }
+
+  void connect(int peer, const std::string& desc) override {
+    std::istringstream in(desc);
+    std::string magic, mode, bus, handle;
+    Peer p;
+    int fd = -1;
+    size_t dev_bytes = 0;
+    in >> magic >> p.pid >> fd >> p.host_size >> p.start >> p.rings_off >> dev_bytes >> mode >> bus >> handle;
+    CUipcMemHandle h;
+    if (!in || magic != "nvlink1" || !from_hex(handle, &h, sizeof h))
+      throw Error(ErrorKind::Invalid, "bad nvlink descriptor from rank " + std::to_string(peer));
+    if (mode != (mode_ == FlagMem::Device ? "device" : "host"))
+      throw Error(ErrorKind::Invalid, "rank " + std::to_string(peer) + " keeps nvlink data flags in " + mode +
+                                          " memory, this rank does not: set VARCOMM_NVLINK_FLAGS alike on every rank");
+    if (peers_.count(peer)) throw Error(ErrorKind::Invalid, "nvlink: rank " + std::to_string(peer) + " connected twice");
+    CtxScope scope(d_, ctx_);
+    try {
+      if (p.pid == getpid()) {
+        p.host = local_.base();
+        p.dev = dev_base_;
+      } else {
+        std::string err;
+        p.host = map_peer_region(p.pid, fd, p.host_size, &err);
+        if (!p.host)
+          throw Error(ErrorKind::PeerFailure, "nvlink: cannot map rank " + std::to_string(peer) + "'s region: " + err,
+                      peer);
+        p.mapped = true;
+        CUresult r = d_.IpcOpenMemHandle(&p.opened, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+        if (r != CUDA_SUCCESS)
+          throw Error(ErrorKind::Invalid,
+                      "nvlink: cannot open rank " + std::to_string(peer) + "'s GPU memory (GPU at " + bus +
+                          ") from " + device_label(d_, dev_) + ": " + cu::error_string(d_, r, "cuIpcOpenMemHandle") +
+                          " (the two GPUs need peer access over NVLink or PCIe)");
+        p.dev = p.opened - p.rings_off;
+      }
+      // The GPU writes the peer's credit words (and, with host flags, its data flags).
+      p.host_dev = host_devptr(p.host, mode_ == FlagMem::Host ? p.host_size : p.rings_off);
+    } catch (...) {
+      if (p.opened) d_.IpcCloseMemHandle(p.opened);
+      if (p.mapped) unmap_region(p.host, p.host_size);
+      throw;
+    }
+    peers_[peer] = p;
+  }
+
+  // Host payloads (unused by the engine, which sends host memory over shm).
+  uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload, size_t n,
+                         uint64_t seq) override {
+    char* slot = peers_.at(peer).host + ready_off;
+    std::memcpy(slot + kHeaderOff, hdr, hdr_len);
+    if (n) std::memcpy(slot + kPayloadOff, payload, n);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
+    return 1;
+  }
+
+  void write_u64(int peer, size_t off, uint64_t value) override {
+    __atomic_store_n(reinterpret_cast<uint64_t*>(peers_.at(peer).host + off), value, __ATOMIC_RELEASE);
+  }
+
+  std::string peer_error(int peer) override {
+    auto& p = peers_.at(peer);
+    if (p.pid == getpid()) return "";
+    unsigned long long start = 0;
+    std::string st = proc_state(p.pid, &start);
+    if (st.empty() || st == "Z" || st == "X" || start != p.start)
+      return "rank " + std::to_string(peer) + " (pid " + std::to_string(p.pid) + ") has exited";
+    return "";
+  }
+
+  uint64_t write_message_async(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload,
+                               size_t n, uint64_t seq, uintptr_t stream) override {
+    Peer& p = peers_.at(peer);
+    CtxScope scope(d_, ctx_);
+    CUstream s = reinterpret_cast<CUstream>(stream);
+    check_stream(s, "send");
+    if (n) check(d_.MemcpyAsync(p.dev + ready_off + kPayloadOff, reinterpret_cast<CUdeviceptr>(payload), n, s),
+                 "cuMemcpyAsync (send: payload into the peer's GPU slot)");
+    // Default flags: the write is fenced after the copy (system scope).
+    check(d_.StreamWriteValue64(s, flag_of(p, ready_off), seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "cuStreamWriteValue64 (send: data flag)");
+    // The header travels on the host path at once: the receiver can match,
+    // allocate and enqueue its wait before the data has landed.
+    char* slot = p.host + ready_off;
+    std::memcpy(slot + kHeaderOff, hdr, hdr_len);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
+    return 1;  // stream-ordered: the caller's stream protects the source
+  }
+
+  void read_and_free_async(int peer, size_t payload_off, void* dst, size_t n, uint64_t seq, size_t credit_off,
+                           uintptr_t stream) override {
+    Peer& p = peers_.at(peer);
+    CtxScope scope(d_, ctx_);
+    const size_t ready_off = payload_off - kPayloadOff;
+    const auto* h = reinterpret_cast<const MsgHeader*>(local_.base() + ready_off + kHeaderOff);
+    CUstream s = reinterpret_cast<CUstream>(stream);
+    if (!(h->flags & kDevicePayload)) {
+      // A host-memory message received into device memory (slow path): the
+      // payload sits in our host slot; copy it, wait, free the slot.
+      if (n) {
+        check_stream(s, "recv");
+        check(d_.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(local_.base() + payload_off),
+                             n, s),
+              "cuMemcpyAsync (recv: host slot to GPU)");
+        check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv: host slot to GPU)");
+      }
+      write_u64(peer, credit_off, seq);
+      return;
+    }
+    // Nothing to copy (an empty message, or one dropped unread): free the
+    // slot once the sender's flag write has landed, off the caller's stream.
+    // A device message into host memory (slow path): our own stream, then wait for it.
+    const bool host_dst = n && is_host(dst);
+    if (!n || host_dst)
+      s = priv_;
+    else
+      check_stream(s, "recv");
+    check(d_.StreamWaitValue64(s, own_flag(ready_off), seq, CU_STREAM_WAIT_VALUE_GEQ),
+          "cuStreamWaitValue64 (recv: data flag)");
+    if (n) check(d_.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), dev_base_ + payload_off, n, s),
+                 "cuMemcpyAsync (recv: GPU slot to out)");
+    // Fenced after the copy: the sender reuses the slot only once we read it.
+    check(d_.StreamWriteValue64(s, p.host_dev + credit_off, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+          "cuStreamWriteValue64 (recv: credit)");
+    if (host_dst) check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv into host memory)");
+  }
+
+ private:
+  struct Peer {
+    char* host = nullptr;       // the peer's host region, mapped here
+    size_t host_size = 0;
+    bool mapped = false;        // false for ourselves (our own region)
+    size_t rings_off = 0;       // the peer's layout
+    CUdeviceptr dev = 0;        // the peer's device slots, at host-region offsets
+    CUdeviceptr opened = 0;     // cuIpcOpenMemHandle's result (0 for ourselves)
+    CUdeviceptr host_dev = 0;   // device address of `host` (registered)
+    int pid = 0;
+    unsigned long long start = 0;
+  };
+
+  void check(CUresult r, const char* what) const {
+    if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, "nvlink: " + cu::error_string(d_, r, what));
+  }
+
+  // The caller's stream must be ours (same GPU) and not capturing a graph:
+  // sequence numbers and credits are host state, so a replayed capture would
+  // reuse this send's slot and sequence number.
+  void check_stream(CUstream s, const char* op) const {
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult r = d_.StreamIsCapturing(s, &st);
+    if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (r == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
+      throw Error(ErrorKind::Invalid, std::string("varcomm ") + op +
+                                          " cannot be captured in a CUDA graph: sequence numbers and credits are "
+                                          "host state, so a replay would repeat this message's slot and number");
+    check(r, "cuStreamIsCapturing");
+    CUcontext sc = nullptr;
+    if (d_.StreamGetCtx(s, &sc) == CUDA_SUCCESS && sc && sc != ctx_)
+      throw Error(ErrorKind::Invalid, std::string("varcomm ") + op + ": the tensor's CUDA stream belongs to another "
+                                          "GPU than the one this communicator's nvlink transport uses (cuda:" +
+                                          std::to_string(ordinal_) + "); keep tensors on the device that was current "
+                                          "at varcomm.init");
+  }
+
+  bool is_host(const void* p) const {
+    unsigned int type = 0;
+    CUresult r = d_.PointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, reinterpret_cast<CUdeviceptr>(p));
+    return r != CUDA_SUCCESS || type == CU_MEMORYTYPE_HOST;  // unregistered pageable memory is an error
+  }
+
+  CUdeviceptr flag_of(const Peer& p, size_t ready_off) const {
+    return (mode_ == FlagMem::Device ? p.dev : p.host_dev) + ready_off + kFlagOff;
+  }
+  CUdeviceptr own_flag(size_t ready_off) const {
+    return (mode_ == FlagMem::Device ? dev_base_ : own_flags_dev_) + ready_off + kFlagOff;
+  }
+
+  // Register [base, base+len) for GPU access once per mapping (ourselves as a
+  // peer shares our own region's registration).
+  CUdeviceptr host_devptr(char* base, size_t len) {
+    auto it = regs_.find(base);
+    if (it != regs_.end()) {
+      if (it->second.len < len) throw Error(ErrorKind::Invalid, "nvlink: host region registered with a smaller size");
+      return it->second.dev;
+    }
+    CUresult r = d_.MemHostRegister(base, len, cu::kHostRegisterDeviceMap | cu::kHostRegisterPortable);
+    if (r != CUDA_SUCCESS)
+      throw Error(ErrorKind::Invalid, "nvlink: cannot register " + std::to_string(len) +
+                                          " bytes of shared host memory with the GPU: " +
+                                          cu::error_string(d_, r, "cuMemHostRegister"));
+    CUdeviceptr dp = 0;
+    r = d_.MemHostGetDevicePointer(&dp, base, 0);
+    if (r != CUDA_SUCCESS) {
+      d_.MemHostUnregister(base);
+      check(r, "cuMemHostGetDevicePointer");
+    }
+    regs_[base] = {len, dp};
+    return dp;
+  }
+
+  void release() {
+    if (!retained_) return;
+    {
+      CtxScope scope(d_, ctx_);
+      for (auto& kv : peers_)
+        if (kv.second.opened) d_.IpcCloseMemHandle(kv.second.opened);
+      for (auto& kv : regs_) d_.MemHostUnregister(kv.first);
+      regs_.clear();
+      for (auto& kv : peers_)
+        if (kv.second.mapped) unmap_region(kv.second.host, kv.second.host_size);
+      peers_.clear();
+      if (alloc_) d_.MemFree(alloc_);
+      alloc_ = 0;
+      if (priv_) d_.StreamDestroy(priv_);
+      priv_ = nullptr;
+    }
+    d_.DevicePrimaryCtxRelease(dev_);
+    retained_ = false;
+  }
+
+  struct Reg {
+    size_t len;
+    CUdeviceptr dev;
+  };
+
+  const cu::Driver& d_;
+  Region& local_;
+  FlagMem mode_;
+  int ordinal_ = 0;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
+  bool retained_ = false;
+  CUstream priv_ = nullptr;  // device -> host receives
+  size_t rings_off_ = 0, dev_bytes_ = 0;
+  CUdeviceptr alloc_ = 0, dev_base_ = 0, own_flags_dev_ = 0;
+  CUipcMemHandle ipc_{};
+  std::unordered_map<int, Peer> peers_;
+  std::map<char*, Reg> regs_;
+};
+
+}  // namespace
+
+std::string nvlink_unavailable_reason() {
+  std::string why;
+  cu::driver(&why);
+  return why;
+}
+
+std::string nvlink_info() {
+  std::string why;
+  const cu::Driver* d = cu::driver(&why);
+  if (!d) return "nvlink: unavailable: " + why;
+  std::ostringstream o;
+  o << "nvlink: CUDA driver " << d->version / 1000 << "." << (d->version % 1000) / 10;
+  int n = 0;
+  d->DeviceGetCount(&n);
+  o << ", " << n << " GPU" << (n == 1 ? "" : "s");
+  for (int i = 0; i < n; ++i) {
+    CUdevice dev;
+    if (d->DeviceGet(&dev, i) != CUDA_SUCCESS) continue;
+    int memops = -1;
+    d->DeviceGetAttribute(&memops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev);
+    o << "\n  cuda:" << i << " " << device_label(*d, dev)
+      << (memops == 0 ? " (no 64-bit stream memory operations: nvlink unusable)" : "");
+    std::string peers;
+    for (int j = 0; j < n; ++j) {
+      CUdevice other;
+      int can = 0;
+      if (j == i || d->DeviceGet(&other, j) != CUDA_SUCCESS) continue;
+      d->DeviceCanAccessPeer(&can, dev, other);
+      peers += (peers.empty() ? "" : ", ") + std::string("cuda:") + std::to_string(j) + (can ? " yes" : " no");
+    }
+    if (!peers.empty()) o << "; peer access: " << peers;
+  }
+  const char* flags = std::getenv("VARCOMM_NVLINK_FLAGS");
+  o << "\n  data flags in " << (flags && *flags ? flags : "device") << " memory (VARCOMM_NVLINK_FLAGS)";
+  return o.str();
+}
+
+std::shared_ptr<Transport> make_nvlink_transport(Region& local, const Layout& layout, int device) {
+  std::string why;
+  const cu::Driver* d = cu::driver(&why);
+  if (!d) throw Error(ErrorKind::Invalid, "nvlink transport unavailable: " + why);
+  return std::make_shared<NvlinkTransport>(*d, local, layout, device);
+}
+
+}  // namespace varcomm

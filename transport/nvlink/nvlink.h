@@ -1,0 +1,31 @@
+// Same host, GPU memory: each receiver's bound-sized slots live in a device
+// allocation exported with CUDA IPC; a sender copies into the peer's slot on
+// its own CUDA stream and then writes a per-slot data-ready flag that the
+// receiver's stream waits on. Headers, ready words and credits stay in the
+// host regions (as with shm), so a receiver's CPU sees a message's size,
+// dtype and shape as soon as the send is enqueued. See transport/nvlink/README.md.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "protocol.h"
+#include "region.h"
+#include "transport.h"
+
+namespace varcomm {
+
+// Empty when this process can use the nvlink transport (the NVIDIA driver
+// loads and reports a GPU), else why not. Loads the driver and calls cuInit:
+// do not call it in a process that forks CUDA-using children afterwards.
+std::string nvlink_unavailable_reason();
+
+// A human-readable summary: driver version, GPUs, peer access between them.
+std::string nvlink_info();
+
+// The transport for `local` (this rank's host region, laid out as `layout`)
+// with its device slots on CUDA device ordinal `device` (as torch numbers
+// them). Allocates layout.total() - layout.rings_off() bytes of device memory.
+// Throws Error(Invalid) with the reason when CUDA is unusable.
+std::shared_ptr<Transport> make_nvlink_transport(Region& local, const Layout& layout, int device);
+
+}  // namespace varcomm
