@@ -136,17 +136,17 @@ void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbyt
 // posted (FIFO: the caller must queue behind them).
 bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
                    std::optional<double> timeout, Mem mem = {}) {
-  if (c.engine->has_posted(src)) return false;
-  if (c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem)) return true;
+  int r = c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem);
+  if (r != 0) return r > 0;
   auto deadline = deadline_of(timeout);
   for (;;) {
     auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
-    bool got;
+    int got;
     {
       py::gil_scoped_release nogil;
       got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice, mem);
     }
-    if (got) return true;
+    if (got != 0) return got > 0;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     if (Clock::now() >= deadline) {
       char secs[32];

@@ -102,12 +102,12 @@ class Engine {
   static constexpr uint64_t kSentDone = 1;
   uint64_t send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                     uint32_t ndim, Mem mem = {});
-  // Blocks until a message from `peer` with `tag` is copied into out, or the
-  // deadline passes (false). Only when no irecv for `peer` is posted (FIFO).
-  bool recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
+  // Blocks until a message from `peer` with `tag` is copied into out (1), or
+  // the deadline passes (0); -1 at once when irecvs from `peer` are posted
+  // (FIFO: the caller must queue an irecv behind them).
+  int recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                    std::chrono::steady_clock::time_point deadline, Mem mem = {});
   bool test(uint64_t id);
-  bool has_posted(int peer);
   // Empty while `peer` is usable, else why not (asks the transport now).
   std::string peer_error(int peer);
   // A recv matched without an output buffer: its header, then copy or view.
@@ -167,6 +167,7 @@ class Engine {
     std::deque<uint64_t> posted;    // recvs in posting order
     std::string dead;               // why the peer is unusable, empty while fine
     std::chrono::steady_clock::time_point last_check{};
+    uint32_t sends_unchecked = 0;
   };
 
   int rank_, world_;
