@@ -1,11 +1,18 @@
 """Builds varcomm._C with ninja: parallel and incremental, C++17, no torch.
 
 Optional parts are detected here and reported in one line:
-libfabric (pkg-config) -> rdma transport, nvcc -> nvlink transport.
+libfabric (pkg-config) -> rdma transport; the nvlink transport needs no CUDA
+to build (it loads the driver at run time), and nvcc adds its small-message
+kernel (transport/nvlink/kernels.cu -> a fatbin embedded in the extension).
+
+CUDA knobs: VARCOMM_NO_CUDA=1 (no nvlink transport), VARCOMM_NVCC=path (or
+"none"), VARCOMM_CUDA_ARCHS (default "80;90": sm_80 and sm_90 machine code,
+compute_90 PTX for newer GPUs; entries like "8.6", "90a", "80+PTX").
 """
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,19 +38,80 @@ def _pkg_config(name: str) -> tuple[list[str], list[str], str] | None:
     return shlex.split(cflags), shlex.split(libs), ver.strip()
 
 
-def _nvcc() -> str | None:
-    if os.environ.get("VARCOMM_NO_CUDA"):
-        return None
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    cands = [Path(home) / "bin" / "nvcc"] if home else []
-    which = shutil.which("nvcc")
-    if which:
-        cands.append(Path(which))
-    cands.append(Path("/usr/local/cuda/bin/nvcc"))
+def _real_nvcc(path: Path) -> Path:
+    """`path`, or the nvcc that it execs when it is a wrapper script (a
+    /usr/local/bin/nvcc that runs /usr/local/cuda-X/bin/nvcc)."""
+    path = path.resolve()
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return path
+    if not head.startswith(b"#!"):
+        return path
+    for m in re.finditer(rb"(/[^\s\"'`;|&<>()$]*/bin/nvcc)(?![\w.-])", head):
+        cand = Path(m.group(1).decode(errors="replace"))
+        try:
+            if cand.is_file() and cand.resolve() != path and not cand.read_bytes()[:2] == b"#!":
+                return cand.resolve()
+        except OSError:
+            continue
+    return path  # a wrapper we cannot see through: it still runs
+
+
+def _nvcc() -> tuple[str | None, str]:
+    """(the real nvcc or None, its version or why none). Order: VARCOMM_NVCC,
+    CUDA_HOME / CUDA_PATH, /usr/local/cuda/bin/nvcc, then nvcc on PATH."""
+    forced = os.environ.get("VARCOMM_NVCC")
+    if forced is not None:
+        if forced.lower() in ("", "0", "none", "no"):
+            return None, "VARCOMM_NVCC=none"
+        cands = [Path(forced)]
+    else:
+        cands = [Path(os.environ[v]) / "bin" / "nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+        cands.append(Path("/usr/local/cuda/bin/nvcc"))
+        which = shutil.which("nvcc")
+        if which:
+            cands.append(Path(which))
     for c in cands:
-        if c.exists():
-            return str(c.resolve())
-    return None
+        if not c.is_file():
+            continue
+        real = _real_nvcc(c)
+        try:
+            ver = subprocess.run([str(real), "--version"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        m = re.search(r"release (\d+\.\d+)", ver.stdout)
+        if ver.returncode == 0 and m:
+            return str(real), m.group(1)
+    return None, (f"VARCOMM_NVCC={forced} is not a usable nvcc" if forced is not None else "no nvcc")
+
+
+def _cuda_archs(spec: str) -> tuple[list[str], list[str]]:
+    """VARCOMM_CUDA_ARCHS -> (nvcc -gencode flags, images). Machine code for each
+    entry; PTX for those marked +PTX, or else for the last one (newer GPUs JIT it)."""
+    items = [x for x in re.split(r"[;,\s]+", spec) if x]
+    archs = []
+    for it in items:
+        ptx = it.upper().endswith("+PTX")
+        core = (it[:-4] if ptx else it).lower()
+        for pre in ("sm_", "compute_"):
+            core = core[len(pre):] if core.startswith(pre) else core
+        core = core.replace(".", "")
+        if not re.fullmatch(r"\d{2,3}[af]?", core):
+            raise SystemExit(f"VARCOMM_CUDA_ARCHS={spec!r}: bad entry {it!r} "
+                             "(use e.g. '80;90', '8.6', '90a', '90+PTX')")
+        archs.append([core, ptx])
+    if not archs:
+        raise SystemExit(f"VARCOMM_CUDA_ARCHS={spec!r}: no architecture")
+    if not any(ptx for _, ptx in archs):
+        archs[-1][1] = True
+    flags, images = [], []
+    for core, ptx in archs:
+        codes = [f"sm_{core}"] + ([f"compute_{core}"] if ptx else [])
+        flags.append(f"-gencode=arch=compute_{core},code=[{','.join(codes)}]")
+        images += codes
+    return flags, images
 
 
 def sources() -> dict[str, list[Path]]:
@@ -80,23 +148,28 @@ class NinjaBuildExt(build_ext):
         else:
             notes.append("rdma: no (libfabric-dev not found by pkg-config)" if not fab else "rdma: no sources")
 
-        nvcc = _nvcc()
-        cu_files: list[Path] = []
-        cu_src = [p for p in src["nvlink"] if p.suffix == ".cu"]
         # The nvlink transport loads the CUDA driver at run time (dlopen) and
-        # needs no CUDA header or library to build: only .cu files need nvcc.
-        if src["nvlink"] and not os.environ.get("VARCOMM_NO_CUDA") and (nvcc or not cu_src):
-            archs = os.environ.get("VARCOMM_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
-            parts.append(f"nvlink (nvcc {nvcc}, sm_{'/'.join(archs)})" if cu_src else "nvlink (driver loaded at run time)")
+        # needs no CUDA header or library to build. nvcc, when found, adds its
+        # kernels: kernels.cu -> a fatbin -> bytes in a generated .cpp, loaded
+        # with cuModuleLoadData (no libcudart), so the package still imports
+        # and builds without a GPU, a driver or nvcc.
+        cu_src = ROOT / "transport" / "nvlink" / "kernels.cu"
+        fatbin_images: list[str] = []
+        gencode: list[str] = []
+        nvcc: str | None = None
+        if src["nvlink"] and not os.environ.get("VARCOMM_NO_CUDA"):
             defines.append("-DVARCOMM_HAVE_CUDA")
             ldflags += ["-ldl"]
-            cu_files = cu_src
             files += [p for p in src["nvlink"] if p.suffix == ".cpp"]
+            nvcc, nvcc_note = _nvcc() if cu_src.exists() else (None, "no kernels.cu")
+            if nvcc:
+                gencode, fatbin_images = _cuda_archs(os.environ.get("VARCOMM_CUDA_ARCHS", "80;90"))
+                parts.append(f"nvlink (driver loaded at run time; kernels: nvcc {nvcc_note} {nvcc}, "
+                             f"{' '.join(fatbin_images)})")
+            else:
+                parts.append(f"nvlink (driver loaded at run time; {nvcc_note}: copy-engine path only)")
         else:
-            archs = []
-            notes.append("nvlink: no sources" if not src["nvlink"] else
-                         "nvlink: no (VARCOMM_NO_CUDA)" if os.environ.get("VARCOMM_NO_CUDA") else
-                         "nvlink: no (nvcc not found)")
+            notes.append("nvlink: no sources" if not src["nvlink"] else "nvlink: no (VARCOMM_NO_CUDA)")
 
         print(f"varcomm: building transports: {', '.join(parts)}" + (f"; {'; '.join(notes)}" if notes else ""),
               flush=True)
@@ -126,26 +199,39 @@ class NinjaBuildExt(build_ext):
             "  command = $cxx $in -o $out $ldflags",
             "  description = LINK $out",
         ]
-        if cu_files:
-            gencode = " ".join(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)
-            lines += [
-                f"nvcc = {nvcc}",
-                f"nvccflags = -std=c++17 -O2 -Xcompiler -fPIC {gencode} " + " ".join(includes + defines),
-                "rule nvcc",
-                "  command = $nvcc -MD -MF $out.d $nvccflags -c $in -o $out",
-                "  depfile = $out.d",
-                "  deps = gcc",
-                "  description = NVCC $in",
-            ]
         objs = []
         for f in files:
             obj = build_dir / (f.relative_to(ROOT).as_posix().replace("/", "_") + ".o")
             lines.append(f"build {obj}: cxx {f}")
+            if nvcc and f.name == "nvlink.cpp":  # only it sees the embedded fatbin
+                lines.append("  cxxflags = $cxxflags -DVARCOMM_HAVE_FATBIN")
             objs.append(obj)
-        for f in cu_files:
-            obj = build_dir / (f.relative_to(ROOT).as_posix().replace("/", "_") + ".o")
-            lines.append(f"build {obj}: nvcc {f}")
-            objs.append(obj)
+        if nvcc:
+            # kernels.cu -> kernels.fatbin (device code only, one image per
+            # architecture) -> a .cpp holding its bytes -> an object in the link.
+            embed = ROOT / "transport" / "nvlink" / "embed_fatbin.py"
+            fatbin = build_dir / "transport_nvlink_kernels.fatbin"
+            fatbin_cpp = build_dir / "transport_nvlink_kernels.fatbin.cpp"
+            fatbin_obj = build_dir / "transport_nvlink_kernels.fatbin.cpp.o"
+            lines += [
+                f"nvcc = {shlex.quote(nvcc)}",
+                f"nvccflags = -std=c++17 -O3 {' '.join(map(shlex.quote, gencode))} -I{ROOT / 'transport' / 'nvlink'}",
+                f"python = {shlex.quote(sys.executable)}",
+                "rule fatbin",
+                "  command = $nvcc -MD -MF $out.d -MT $out $nvccflags -fatbin $in -o $out",
+                "  depfile = $out.d",
+                "  deps = gcc",
+                f"  description = NVCC $in ({' '.join(fatbin_images)})",
+                "rule embed",
+                "  command = $python $embed $in $out $images",
+                "  description = EMBED $in",
+                f"build {fatbin}: fatbin {cu_src}",
+                f"build {fatbin_cpp}: embed {fatbin} | {embed}",
+                f"  embed = {embed}",
+                f"  images = {shlex.quote(' '.join(fatbin_images))}",
+                f"build {fatbin_obj}: cxx {fatbin_cpp}",
+            ]
+            objs.append(fatbin_obj)
         lines.append(f"build {out}: link {' '.join(map(str, objs))}")
         text = "\n".join(lines) + "\n"
         ninja_file = build_dir / "build.ninja"

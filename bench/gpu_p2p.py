@@ -23,6 +23,12 @@ slot -> out). On one GPU both share its memory bandwidth, so `nvlink stream`
 is bounded by about half of `d2d` there (`stream/(d2d/2)` shows how close it
 gets); between two GPUs the sender's copy crosses NVLink, the receiver's is local.
 
+Small messages, copy engine vs kernel (--kernel-sizes, 8 B .. 64 KiB): the
+same ping-pong and one-way stream on two more communicators, one with
+VARCOMM_NVLINK_KERNEL_MAX=0 (cuMemcpyAsync + cuStreamWriteValue64 per
+message) and one with the copy-and-flag kernel for every size measured (one
+launch per message); the report suggests a VARCOMM_NVLINK_KERNEL_MAX.
+
 Then the host-block check: 100 isends enqueued behind ~0.5 s of GPU work
 (torch.cuda._sleep) must return in a small fraction of that time.
 """
@@ -63,6 +69,8 @@ def _iters(size: int, budget_s: float, bw: float, lat: float, lo: int = 5, hi: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8,4K,64K,1M,16M,64M")
+    ap.add_argument("--kernel-sizes", default="8,64,512,4K,8K,16K,64K",
+                    help="sizes for copy engine vs kernel ('' to skip)")
     ap.add_argument("--gloo-max", type=parse_bytes, default=16 << 20, help="largest gloo size (slow; default 16M)")
     ap.add_argument("--budget", type=float, default=0.25, help="seconds per point and method (approx)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_p2p.json / gpu_p2p.md here")
@@ -184,6 +192,11 @@ def ranks(a: argparse.Namespace) -> int:
         if r == 0:
             print(f"gpu_p2p: {fmt_bytes(size)} done", flush=True)
 
+    # -- small messages: copy engine vs the copy-and-flag kernel -----------------
+    ksizes = [parse_bytes(s) for s in a.kernel_sizes.split(",") if s.strip()]
+    if ksizes:
+        res["kernel"] = kernel_vs_copy_engine(varcomm, torch, dev, r, ksizes, a.budget, sync_all)
+
     # -- host-block check: 100 sends behind ~0.5 s of GPU work --------------------
     # Enough slots that every send is written at once (with fewer, later sends
     # wait on the host for credits, which come back from the receiver's stream).
@@ -225,6 +238,128 @@ def ranks(a: argparse.Namespace) -> int:
     return 0
 
 
+def _pingpong(comm, x, out, r: int, iters: int) -> float:
+    """Seconds per half round trip (both hosts run ahead; the streams chain)."""
+    import torch
+
+    for k in (3, iters):
+        torch.cuda.synchronize()
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            if r == 0:
+                comm.send(x, dst=1)
+                comm.recv(src=1, out=out)
+            else:
+                comm.send(comm.recv(src=0, out=out), dst=0)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    if r == 0:
+        assert torch.equal(out[:x.numel()], x), f"ping-pong payload differs at {x.numel()} bytes"
+    return dt / iters / 2
+
+
+def _oneway(comm, x, out, r: int, iters: int) -> float:
+    """Seconds per message, rank 0 -> rank 1 back to back, until rank 1's
+    stream has finished."""
+    import torch
+
+    ack = torch.zeros(1)
+    for k in (4, iters):
+        torch.cuda.synchronize()
+        comm.barrier()
+        t0 = time.perf_counter()
+        if r == 0:
+            for _ in range(k):
+                comm.send(x, dst=1)
+            comm.recv(src=1, out=ack)
+        else:
+            for _ in range(k):
+                comm.recv(src=0, out=out)
+            torch.cuda.synchronize()
+            comm.send(ack, dst=0)
+        dt = time.perf_counter() - t0
+    if r == 1:
+        assert torch.equal(out[:x.numel()], x), f"streamed payload differs at {x.numel()} bytes"
+    return dt / iters
+
+
+def kernel_vs_copy_engine(varcomm, torch, dev, r: int, sizes: list[int], budget: float, sync_all) -> dict:
+    """Ping-pong and one-way stream at small sizes on two communicators:
+    VARCOMM_NVLINK_KERNEL_MAX=0 (copy engine) and = the largest size (kernel)."""
+    bound, peer = max(sizes), 1 - r
+    comms = {}
+    old = os.environ.get("VARCOMM_NVLINK_KERNEL_MAX")
+    try:
+        for mode, kmax in (("ce", 0), ("kernel", bound)):
+            os.environ["VARCOMM_NVLINK_KERNEL_MAX"] = str(kmax)  # read when the transport is created
+            comms[mode] = varcomm.init(transport="shm", bound=bound, slots=4, timeout=120)
+    finally:
+        if old is None:
+            os.environ.pop("VARCOMM_NVLINK_KERNEL_MAX", None)
+        else:
+            os.environ["VARCOMM_NVLINK_KERNEL_MAX"] = old
+    desc = comms["kernel"].describe_transport(peer)
+    out: dict = {"transport": desc, "points": {}}
+    ok = torch.tensor([int("copy-and-flag kernel" in desc and "unavailable" not in desc)])
+    c = comms["ce"]  # both ranks must agree to measure
+    if r == 0:
+        c.send(ok, dst=1)
+        both = int(c.recv(src=1)[0]) and int(ok[0])
+    else:
+        both = int(c.recv(src=0)[0]) and int(ok[0])
+        c.send(ok, dst=0)
+    if not both:
+        from varcomm import _C
+
+        out["unavailable"] = _C.nvlink_info()
+        if r == 0:
+            print(f"gpu_p2p: no kernel rows (kernel unavailable on a rank): {desc}", flush=True)
+        for c in comms.values():
+            c.close()
+        return out
+    out_buf = torch.empty(bound, dtype=torch.uint8, device=dev)
+    for size in sizes:
+        x = (torch.arange(size, device=dev) % 251).to(torch.uint8)
+        pt = {}
+        for mode, c in comms.items():
+            sync_all()
+            pt[f"{mode}_pp_us"] = _pingpong(c, x, out_buf, r, _iters(size, budget, 1e11, 2e-5)) * 1e6
+            sync_all()
+            pt[f"{mode}_oneway_us"] = _oneway(c, x, out_buf, r, _iters(size, budget, 2e11, 1e-5, lo=8)) * 1e6
+        out["points"][size] = pt
+    for c in comms.values():
+        c.close()
+    if r == 0:
+        print("gpu_p2p: copy engine vs kernel done", flush=True)
+    return out
+
+
+def kernel_report(k: dict) -> list[str]:
+    lines = ["", "Small messages: copy engine (cuMemcpyAsync + cuStreamWriteValue64) vs one copy-and-flag "
+             "kernel launch", f"kernel communicator: {k['transport']}"]
+    if k.get("unavailable"):
+        return lines + ["kernel unavailable, no rows:", k["unavailable"]]
+    lines += ["", "| size | CE pp lat | kernel pp lat | kernel/CE | CE one-way us/msg | kernel one-way us/msg "
+              "| kernel/CE |", "|---|---|---|---|---|---|---|"]
+    wins = []
+    for size, p in k["points"].items():
+        pp = p["kernel_pp_us"] / p["ce_pp_us"]
+        ow = p["kernel_oneway_us"] / p["ce_oneway_us"]
+        lines.append(f"| {fmt_bytes(int(size))} | {p['ce_pp_us']:.1f} us | {p['kernel_pp_us']:.1f} us | {pp:.2f} | "
+                     f"{p['ce_oneway_us']:.2f} | {p['kernel_oneway_us']:.2f} | {ow:.2f} |")
+        wins.append((int(size), pp < 0.97 and ow < 1.03))
+    best = 0
+    for size, win in sorted(wins):  # the largest size up to which the kernel wins throughout
+        if not win:
+            break
+        best = size
+    lines.append(f"suggested VARCOMM_NVLINK_KERNEL_MAX={best}"
+                 + (" (the kernel does not win at the smallest size: keep it off)" if not best else
+                    " (kernel: >= 3% lower ping-pong latency, one-way no worse, at every size up to it)"))
+    return lines
+
+
 def report(res: dict) -> str:
     m = res["machine"]
     lines = [f"GPU p2p, {m['gpu']} x{m['devices']} "
@@ -258,6 +393,8 @@ def report(res: dict) -> str:
                      f"enqueue {hb['host_enqueue_ms']:.2f} ms, all waits {hb['host_wait_ms']:.1f} ms, "
                      f"GPU done at {hb['gpu_ms']:.0f} ms -> {'OK' if ok else 'BLOCKS'}")
     lines += [f"target: {t}" for t in targets]
+    if res.get("kernel"):
+        lines += kernel_report(res["kernel"])
     return "\n".join(lines)
 
 

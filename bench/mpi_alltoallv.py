@@ -1,16 +1,18 @@
-"""The MPI baseline for bench/alltoall.py: per iteration, comm.Alltoall of the
-row counts, allocate the output, then comm.Alltoallv of [T, 1024] bf16 rows
-(as bytes). Same routing plans, iteration counts and timing rules as the
-varcomm job.
+#!/usr/bin/env python3
+"""The MPI all-to-all-v baseline alone (needs numpy and mpi4py; `varcomm-bench
+alltoall` runs the same op in-process when it runs under mpirun): per iteration,
+comm.Alltoall of the row counts, allocate the output, then comm.Alltoallv of
+[T, hidden] rows as bytes, routed as in varcomm-bench.
 
-    mpirun -n 4 --oversubscribe --allow-run-as-root python bench/mpi_alltoallv.py --out r.json
+    mpirun -n 4 --oversubscribe --allow-run-as-root python bench/mpi_alltoallv.py \
+        [--sizes 8K,128K,1M,8M] [--routing uniform,zipf] [--iters 50] [--repeats 5] [--out r.json]
 
-(bench/alltoall.py runs this itself.)
+Prints one JSON line per point (rank 0): time per op (the slowest rank, median
+of --repeats samples, min and max), S and busbw as varcomm-bench counts them.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -20,62 +22,54 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-_spec = importlib.util.spec_from_file_location("_bench_alltoall", Path(__file__).resolve().parent / "alltoall.py")
-B = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(B)  # type: ignore[union-attr]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from varcomm.bench_alltoall import make_mpi_op, splits_matrix  # noqa: E402
+from varcomm.bench_core import parse_bytes  # noqa: E402
 
 
-def make_op(comm: "MPI.Comm", x: np.ndarray, counts: np.ndarray, row_bytes: int):
-    """One conventional all-to-all-v: Alltoall of the row counts, allocate the
-    output, Alltoallv of the rows (as bytes). Returns a callable -> output."""
-    n = comm.size
-    counts = np.ascontiguousarray(counts, dtype=np.int64)
-    sdispl = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) * row_bytes
-    scounts = counts * row_bytes
-    xb = x.reshape(-1).view(np.uint8)
-
-    def once() -> np.ndarray:
-        rc = np.empty(n, dtype=np.int64)
-        comm.Alltoall(counts, rc)  # the count exchange
-        out = np.empty((int(rc.sum()), row_bytes), dtype=np.uint8)
-        rdispl = np.concatenate([[0], np.cumsum(rc)[:-1]]) * row_bytes
-        comm.Alltoallv([xb, (scounts, sdispl), MPI.BYTE], [out, (rc * row_bytes, rdispl), MPI.BYTE])
-        return out
-
-    return once
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--sizes", default=B.DEFAULT_SIZES)
-    p.add_argument("--sample-s", type=float, default=0.2)
-    args = p.parse_args()
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="8K,128K,1M,8M", help="bytes a rank sends, comma list")
+    p.add_argument("--routing", default="uniform,zipf")
+    p.add_argument("--row-bytes", type=int, default=4096, help="bytes per token row (default 1024 x float32)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="also write the points here (JSON)")
+    a = p.parse_args()
     comm = MPI.COMM_WORLD
     r, n = comm.rank, comm.size
-    rb = B.ROW_BYTES
-    results: dict[str, dict[str, list[float]]] = {}
-    for pattern, size, m in B.points([B.parse_bytes(s) for s in args.sizes.split(",")], n):
-        counts = np.ascontiguousarray(m[r])
-        x = np.full((int(counts.sum()), rb), r, dtype=np.uint8)
-        once = make_op(comm, x, counts, rb)
-        got = once()
-        want = np.repeat(np.arange(n, dtype=np.uint8), m[:, r])
-        assert (got[:, 0] == want).all() and (got[:, -1] == want).all(), f"mpi {pattern} {size}: wrong result"
-        iters = B.iterations("mpi4py", float(m.sum()) * rb / n, args.sample_s)
-        for _ in range(min(iters, 5)):
-            once()
-        samples = []
-        for _ in range(B.SAMPLES):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
+    rb = a.row_bytes
+    points = []
+    for rt in a.routing.split(","):
+        for s in (parse_bytes(x) for x in a.sizes.split(",")):
+            m = splits_matrix(rt, s, n, rb)
+            x = np.full((int(m[r].sum()), rb), r, dtype=np.uint8)
+            once = make_mpi_op(comm, x, m[r], rb)
+            got = once()
+            want = np.repeat(np.arange(n, dtype=np.uint8), m[:, r])
+            assert (got == want[:, None]).all(), f"mpi {rt} {s}: wrong result"
+            for _ in range(a.warmup):
                 once()
-            dt = (time.perf_counter() - t0) / iters
-            samples.append(comm.allreduce(dt, op=MPI.MAX))
-        results[f"{pattern}/{size}"] = {"mpi4py": [statistics.median(samples)]}
-    if r == 0:
-        Path(args.out).write_text(json.dumps(results))
+            samples = []
+            for _ in range(a.repeats):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    once()
+                samples.append(comm.allreduce((time.perf_counter() - t0) / a.iters, op=MPI.MAX))
+            S = float(m.sum()) * rb / n
+            med = statistics.median(samples)
+            pt = {"routing": rt, "size": S, "time_us": {"median": med * 1e6, "min": min(samples) * 1e6,
+                                                        "max": max(samples) * 1e6},
+                  "busbw_gbps": S / med / 1e9 * (n - 1) / n}
+            points.append(pt)
+            if r == 0:
+                print(json.dumps(pt), flush=True)
+    if r == 0 and a.out:
+        Path(a.out).write_text(json.dumps(points, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -194,6 +194,85 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda):
         comm.barrier()
 
 
+@world(2, timeout=120)
+def test_fake_close_waits_for_the_private_stream(fake_cuda):
+    """An empty message's flag wait and credit run on the transport's private
+    stream; closing right after must let them finish before the slots and
+    mappings go (they used to be freed under them: a crash, seen as a flaky
+    segfault in the fake driver's stream thread)."""
+    os.environ["FAKE_CUDA_DELAY_US"] = "50000"  # the private stream is still busy at close
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    with comm:
+        if r == 0:
+            c.send(1, 0, gpu.alloc(1), 0, U8, (0,), 30.0, s)
+            gpu.sync(s)
+        else:
+            assert c.recv_into(0, 0, gpu.alloc(16), 16, U8, 30.0, s)[2] == 0
+        comm.barrier()
+
+
+def _has_fatbin() -> bool:
+    from varcomm import _C
+
+    return "copy-and-flag kernel: built for" in _C.nvlink_info()
+
+
+@world(2, timeout=120)
+@pytest.mark.parametrize("modules", ["ok", "refused"])
+def test_fake_small_message_kernel(fake_cuda, modules):
+    """VARCOMM_NVLINK_KERNEL_MAX: messages up to it go as one launch of the
+    copy-and-flag kernel (the fake driver runs its effect: copy, then the
+    flag), larger ones by the copy engine; odd sizes and offsets, self-sends.
+    When the module cannot be loaded (or the build has no nvcc), every size
+    takes the copy engine and the reason is in describe() and nvlink_info()."""
+    os.environ["VARCOMM_NVLINK_KERNEL_MAX"] = "8K"
+    if modules == "refused":
+        os.environ["FAKE_CUDA_NO_MODULES"] = "1"
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    from varcomm import _C
+
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    launches = gpu.lib.fake_cuda_launches
+    launches.restype = ctypes.c_ulonglong
+    kernel = modules == "ok" and _has_fatbin()
+    desc, info = comm.describe_transport(1 - r), _C.nvlink_info()
+    if kernel:
+        assert "up to 8192 bytes as one copy-and-flag kernel" in desc, desc
+        assert "copy-and-flag kernel loaded" in info, info
+    else:
+        assert "copy-and-flag kernel unavailable" in desc, desc
+        assert "copy-and-flag kernel not used" in info, info
+    sizes = [1, 7, 8, 15, 16, 17, 255, 4095, 8191, 8192, 8193, 40000, 0, 3]
+    with comm:
+        if r == 0:
+            before = launches()
+            for i, n in enumerate(sizes):
+                p = gpu.alloc(n + 32) + (i * 5) % 17  # unaligned sources too; copied later, on the stream
+                gpu.put(p, _payload(i, n))
+                c.send(1, 0, p, n, U8, (n,), 30.0, s)
+            base = gpu.alloc(100)
+            gpu.put(base, _payload(50, 100))  # self-send
+            c.send(0, 1, base, 100, U8, (100,), 30.0, s)
+            out = gpu.alloc(BOUND)
+            c.recv_into(0, 1, out, BOUND, U8, 30.0, s)
+            gpu.sync(s)
+            assert gpu.get(out, 100) == _payload(50, 100)
+            small = sum(1 for n in sizes if 0 < n <= 8192) + 1
+            assert launches() - before == (small if kernel else 0), (launches() - before, small, kernel)
+        else:
+            out = gpu.alloc(BOUND + 64)
+            for i, n in enumerate(sizes):
+                dst = out + (i * 3) % 13  # unaligned destinations too
+                h = c.recv_into(0, 0, dst, BOUND, U8, 30.0, s)
+                assert h[2] == n, (i, h)
+                gpu.sync(s)
+                assert gpu.get(dst, n) == _payload(i, n), f"message {i} ({n} bytes) differs"
+        comm.barrier()
+
+
 # ---------------------------------------------------------------------------
 # torch CUDA tensors on a real GPU
 
@@ -317,4 +396,32 @@ def test_gpu_graph_capture_is_refused():
             comm.send(x, dst=peer)
         else:
             assert comm.recv(src=peer, out=out).sum().item() == 16
+        comm.barrier()
+
+
+@world(2, timeout=120, requires=GPU_REQ)
+def test_gpu_small_message_kernel():
+    """VARCOMM_NVLINK_KERNEL_MAX=8K: small messages as one copy-and-flag kernel
+    launch, larger ones by the copy engine, mixed, behind GPU work, from
+    unaligned views; the data must arrive whole (the flag after the bytes)."""
+    os.environ["VARCOMM_NVLINK_KERNEL_MAX"] = "8K"
+    with _gpu_comm(bound=BOUND, slots=4) as comm:
+        from varcomm import _C
+
+        peer = 1 - comm.rank
+        if _has_fatbin():
+            assert "copy-and-flag kernel" in comm.describe_transport(peer), comm.describe_transport(peer)
+            assert "unavailable" not in comm.describe_transport(peer), _C.nvlink_info()
+        sizes = [1, 3, 8, 16, 17, 100, 1000, 4096, 8191, 8192, 8193, 40000, BOUND]
+        base = torch.arange(BOUND + 64, dtype=torch.int64, device="cuda").to(torch.uint8)
+        for rep in range(3):
+            for i, n in enumerate(sizes):
+                off = (i + rep) % 7
+                if comm.rank == 0:
+                    torch.cuda._sleep(100_000)  # the copy waits for earlier work on the stream
+                    comm.send(base[off:off + n], dst=1, tag=i)
+                else:
+                    out = torch.full((BOUND + 16,), 255, dtype=torch.uint8, device="cuda")
+                    got = comm.recv(src=0, tag=i, out=out[off % 3:])
+                    assert got.shape == (n,) and torch.equal(got, base[off:off + n]), (rep, i, n)
         comm.barrier()

@@ -166,7 +166,8 @@ def test_sigterm_forwarded(tmp_path: Path) -> None:
         p.kill()
         p.wait()
     assert p.returncode == 128 + signal.SIGTERM
-    assert "killed by signal SIGTERM" in err
+    # Either the launcher reports the signal it got first, or the ranks' deaths by it.
+    assert "interrupted by SIGTERM" in err or "killed by signal SIGTERM" in err, err
 
 
 def test_main_in_process_and_usage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,8 @@ using CUdevice = ::CUdevice;
 using CUdeviceptr = ::CUdeviceptr;
 using CUcontext = ::CUcontext;
 using CUstream = ::CUstream;
+using CUmodule = ::CUmodule;
+using CUfunction = ::CUfunction;
 using CUdevice_attribute = ::CUdevice_attribute;
 using CUpointer_attribute = ::CUpointer_attribute;
 using CUstreamCaptureStatus = ::CUstreamCaptureStatus;
@@ -57,15 +59,22 @@ CHECK_FN(IpcCloseMemHandle, cuIpcCloseMemHandle)
 CHECK_FN(StreamCreate, cuStreamCreate)
 CHECK_FN(StreamDestroy, cuStreamDestroy_v2)
 CHECK_FN(StreamSynchronize, cuStreamSynchronize)
+CHECK_FN(StreamQuery, cuStreamQuery)
 CHECK_FN(StreamGetCtx, cuStreamGetCtx)
 CHECK_FN(StreamIsCapturing, cuStreamIsCapturing)
 CHECK_FN(StreamWriteValue64, cuStreamWriteValue64_v2)
 CHECK_FN(StreamWaitValue64, cuStreamWaitValue64_v2)
+CHECK_FN(ModuleLoadData, cuModuleLoadData)
+CHECK_FN(ModuleUnload, cuModuleUnload)
+CHECK_FN(ModuleGetFunction, cuModuleGetFunction)
+CHECK_FN(LaunchKernel, cuLaunchKernel)
 
 // Our types are ABI-identical to <cuda.h>'s.
 namespace mine = varcomm::cu;
 static_assert(std::is_same<mine::CUcontext, ::CUcontext>::value, "CUcontext");
 static_assert(std::is_same<mine::CUstream, ::CUstream>::value, "CUstream");
+static_assert(std::is_same<mine::CUmodule, ::CUmodule>::value, "CUmodule");
+static_assert(std::is_same<mine::CUfunction, ::CUfunction>::value, "CUfunction");
 static_assert(std::is_same<mine::CUdeviceptr, ::CUdeviceptr>::value, "CUdeviceptr");
 static_assert(std::is_same<mine::CUdevice, ::CUdevice>::value, "CUdevice");
 static_assert(std::is_same<mine::cuuint64_t, ::cuuint64_t>::value, "cuuint64_t");
@@ -79,8 +88,11 @@ static_assert(alignof(mine::CUipcMemHandle) == alignof(::CUipcMemHandle), "CUipc
 // And so are the constants.
 #define CHECK_EQ(name) static_assert(long(mine::name) == long(::name), #name);
 CHECK_EQ(CUDA_SUCCESS)
+CHECK_EQ(CUDA_ERROR_NOT_READY)
 CHECK_EQ(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
 CHECK_EQ(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)
+CHECK_EQ(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+CHECK_EQ(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
 CHECK_EQ(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
 CHECK_EQ(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
 CHECK_EQ(CU_MEMORYTYPE_HOST)

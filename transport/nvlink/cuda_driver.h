@@ -12,6 +12,8 @@
 
 struct CUctx_st;     // as in <cuda.h>: opaque handles
 struct CUstream_st;
+struct CUmod_st;
+struct CUfunc_st;
 
 namespace varcomm {
 namespace cu {
@@ -21,6 +23,8 @@ using CUdevice = int;
 using CUdeviceptr = unsigned long long;
 using CUcontext = ::CUctx_st*;
 using CUstream = ::CUstream_st*;
+using CUmodule = ::CUmod_st*;
+using CUfunction = ::CUfunc_st*;
 using CUdevice_attribute = int;
 using CUpointer_attribute = int;
 using CUstreamCaptureStatus = int;
@@ -30,8 +34,11 @@ struct CUipcMemHandle {
 };
 
 constexpr CUresult CUDA_SUCCESS = 0;
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr CUresult CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906;
 constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41;
+constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
+constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
 constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 122;
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
 constexpr unsigned int CU_MEMORYTYPE_HOST = 1;
@@ -46,49 +53,59 @@ constexpr unsigned int CU_STREAM_WAIT_VALUE_GEQ = 0;
 
 // X(member, return type, parameters, symbols to try in order). The symbols are
 // the versioned names that <cuda.h>'s macros select (cuMemAlloc -> cuMemAlloc_v2).
-#define VARCOMM_CU_FUNCTIONS(X)                                                                                  \
-  X(Init, CUresult, (unsigned int flags), "cuInit")                                                              \
-  X(DriverGetVersion, CUresult, (int* version), "cuDriverGetVersion")                                            \
-  X(GetErrorName, CUresult, (CUresult error, const char** str), "cuGetErrorName")                                \
-  X(GetErrorString, CUresult, (CUresult error, const char** str), "cuGetErrorString")                            \
-  X(DeviceGetCount, CUresult, (int* count), "cuDeviceGetCount")                                                  \
-  X(DeviceGet, CUresult, (CUdevice * device, int ordinal), "cuDeviceGet")                                        \
-  X(DeviceGetName, CUresult, (char* name, int len, CUdevice dev), "cuDeviceGetName")                             \
-  X(DeviceGetAttribute, CUresult, (int* pi, CUdevice_attribute attrib, CUdevice dev), "cuDeviceGetAttribute")    \
-  X(DeviceGetPCIBusId, CUresult, (char* bus, int len, CUdevice dev), "cuDeviceGetPCIBusId")                      \
-  X(DeviceCanAccessPeer, CUresult, (int* can, CUdevice dev, CUdevice peer), "cuDeviceCanAccessPeer")             \
-  X(DevicePrimaryCtxRetain, CUresult, (CUcontext * pctx, CUdevice dev), "cuDevicePrimaryCtxRetain")              \
-  X(DevicePrimaryCtxRelease, CUresult, (CUdevice dev), "cuDevicePrimaryCtxRelease_v2",                           \
-    "cuDevicePrimaryCtxRelease")                                                                                 \
-  X(CtxGetCurrent, CUresult, (CUcontext * pctx), "cuCtxGetCurrent")                                              \
-  X(CtxPushCurrent, CUresult, (CUcontext ctx), "cuCtxPushCurrent_v2")                                            \
-  X(CtxPopCurrent, CUresult, (CUcontext * pctx), "cuCtxPopCurrent_v2")                                           \
-  X(MemAlloc, CUresult, (CUdeviceptr * dptr, size_t bytesize), "cuMemAlloc_v2")                                  \
-  X(MemFree, CUresult, (CUdeviceptr dptr), "cuMemFree_v2")                                                       \
-  X(MemsetD8Async, CUresult, (CUdeviceptr dst, unsigned char uc, size_t n, CUstream stream), "cuMemsetD8Async")  \
-  X(MemcpyAsync, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream), "cuMemcpyAsync")       \
-  X(MemHostRegister, CUresult, (void* p, size_t bytesize, unsigned int flags), "cuMemHostRegister_v2",           \
-    "cuMemHostRegister")                                                                                         \
-  X(MemHostUnregister, CUresult, (void* p), "cuMemHostUnregister")                                               \
-  X(MemHostGetDevicePointer, CUresult, (CUdeviceptr * pdptr, void* p, unsigned int flags),                       \
-    "cuMemHostGetDevicePointer_v2")                                                                              \
-  X(PointerGetAttribute, CUresult, (void* data, CUpointer_attribute attribute, CUdeviceptr ptr),                 \
-    "cuPointerGetAttribute")                                                                                     \
-  X(IpcGetMemHandle, CUresult, (CUipcMemHandle * handle, CUdeviceptr dptr), "cuIpcGetMemHandle")                 \
-  X(IpcOpenMemHandle, CUresult, (CUdeviceptr * pdptr, CUipcMemHandle handle, unsigned int flags),                \
-    "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")                                                               \
-  X(IpcCloseMemHandle, CUresult, (CUdeviceptr dptr), "cuIpcCloseMemHandle")                                      \
-  X(StreamCreate, CUresult, (CUstream * pstream, unsigned int flags), "cuStreamCreate")                          \
-  X(StreamDestroy, CUresult, (CUstream stream), "cuStreamDestroy_v2")                                            \
-  X(StreamSynchronize, CUresult, (CUstream stream), "cuStreamSynchronize")                                       \
-  X(StreamGetCtx, CUresult, (CUstream stream, CUcontext * pctx), "cuStreamGetCtx")                               \
-  X(StreamIsCapturing, CUresult, (CUstream stream, CUstreamCaptureStatus * status), "cuStreamIsCapturing")       \
-  /* The _v2 stream memory operations (driver 11.7+) need no opt-in; the first */                               \
-  /* ones needed CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS. */                                                  \
-  X(StreamWriteValue64, CUresult, (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags),     \
-    "cuStreamWriteValue64_v2", "cuStreamWriteValue64")                                                           \
-  X(StreamWaitValue64, CUresult, (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags),      \
-    "cuStreamWaitValue64_v2", "cuStreamWaitValue64")
+#define VARCOMM_CU_FUNCTIONS(X)                                                                                   \
+  X(Init, CUresult, (unsigned int flags), "cuInit")                                                               \
+  X(DriverGetVersion, CUresult, (int* version), "cuDriverGetVersion")                                             \
+  X(GetErrorName, CUresult, (CUresult error, const char** str), "cuGetErrorName")                                 \
+  X(GetErrorString, CUresult, (CUresult error, const char** str), "cuGetErrorString")                             \
+  X(DeviceGetCount, CUresult, (int* count), "cuDeviceGetCount")                                                   \
+  X(DeviceGet, CUresult, (CUdevice * device, int ordinal), "cuDeviceGet")                                         \
+  X(DeviceGetName, CUresult, (char* name, int len, CUdevice dev), "cuDeviceGetName")                              \
+  X(DeviceGetAttribute, CUresult, (int* pi, CUdevice_attribute attrib, CUdevice dev), "cuDeviceGetAttribute")     \
+  X(DeviceGetPCIBusId, CUresult, (char* bus, int len, CUdevice dev), "cuDeviceGetPCIBusId")                       \
+  X(DeviceCanAccessPeer, CUresult, (int* can, CUdevice dev, CUdevice peer), "cuDeviceCanAccessPeer")              \
+  X(DevicePrimaryCtxRetain, CUresult, (CUcontext * pctx, CUdevice dev), "cuDevicePrimaryCtxRetain")               \
+  X(DevicePrimaryCtxRelease, CUresult, (CUdevice dev), "cuDevicePrimaryCtxRelease_v2",                            \
+    "cuDevicePrimaryCtxRelease")                                                                                  \
+  X(CtxGetCurrent, CUresult, (CUcontext * pctx), "cuCtxGetCurrent")                                               \
+  X(CtxPushCurrent, CUresult, (CUcontext ctx), "cuCtxPushCurrent_v2")                                             \
+  X(CtxPopCurrent, CUresult, (CUcontext * pctx), "cuCtxPopCurrent_v2")                                            \
+  X(MemAlloc, CUresult, (CUdeviceptr * dptr, size_t bytesize), "cuMemAlloc_v2")                                   \
+  X(MemFree, CUresult, (CUdeviceptr dptr), "cuMemFree_v2")                                                        \
+  X(MemsetD8Async, CUresult, (CUdeviceptr dst, unsigned char uc, size_t n, CUstream stream), "cuMemsetD8Async")   \
+  X(MemcpyAsync, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream), "cuMemcpyAsync")        \
+  X(MemHostRegister, CUresult, (void* p, size_t bytesize, unsigned int flags), "cuMemHostRegister_v2",            \
+    "cuMemHostRegister")                                                                                          \
+  X(MemHostUnregister, CUresult, (void* p), "cuMemHostUnregister")                                                \
+  X(MemHostGetDevicePointer, CUresult, (CUdeviceptr * pdptr, void* p, unsigned int flags),                        \
+    "cuMemHostGetDevicePointer_v2")                                                                               \
+  X(PointerGetAttribute, CUresult, (void* data, CUpointer_attribute attribute, CUdeviceptr ptr),                  \
+    "cuPointerGetAttribute")                                                                                      \
+  X(IpcGetMemHandle, CUresult, (CUipcMemHandle * handle, CUdeviceptr dptr), "cuIpcGetMemHandle")                  \
+  X(IpcOpenMemHandle, CUresult, (CUdeviceptr * pdptr, CUipcMemHandle handle, unsigned int flags),                 \
+    "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")                                                                \
+  X(IpcCloseMemHandle, CUresult, (CUdeviceptr dptr), "cuIpcCloseMemHandle")                                       \
+  X(StreamCreate, CUresult, (CUstream * pstream, unsigned int flags), "cuStreamCreate")                           \
+  X(StreamDestroy, CUresult, (CUstream stream), "cuStreamDestroy_v2")                                             \
+  X(StreamSynchronize, CUresult, (CUstream stream), "cuStreamSynchronize")                                        \
+  X(StreamQuery, CUresult, (CUstream stream), "cuStreamQuery")                                                    \
+  X(StreamGetCtx, CUresult, (CUstream stream, CUcontext * pctx), "cuStreamGetCtx")                                \
+  X(StreamIsCapturing, CUresult, (CUstream stream, CUstreamCaptureStatus * status), "cuStreamIsCapturing")        \
+  /* The _v2 stream memory operations (driver 11.7+) need no opt-in; the first */                                 \
+  /* ones needed CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS. */                                                   \
+  X(StreamWriteValue64, CUresult, (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags),      \
+    "cuStreamWriteValue64_v2", "cuStreamWriteValue64")                                                            \
+  X(StreamWaitValue64, CUresult, (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags),       \
+    "cuStreamWaitValue64_v2", "cuStreamWaitValue64")                                                              \
+  /* The small-message kernel (kernels.cu, embedded as a fatbin): no libcudart. */                                \
+  X(ModuleLoadData, CUresult, (CUmodule * module, const void* image), "cuModuleLoadData")                         \
+  X(ModuleUnload, CUresult, (CUmodule module), "cuModuleUnload")                                                  \
+  X(ModuleGetFunction, CUresult, (CUfunction * fn, CUmodule module, const char* name), "cuModuleGetFunction")     \
+  X(LaunchKernel, CUresult,                                                                                       \
+    (CUfunction f, unsigned int gridX, unsigned int gridY, unsigned int gridZ, unsigned int blockX,               \
+     unsigned int blockY, unsigned int blockZ, unsigned int sharedMemBytes, CUstream stream, void** kernelParams, \
+     void** extra),                                                                                               \
+    "cuLaunchKernel")
 
 struct Driver {
 #define VARCOMM_CU_MEMBER(member, ret, params, ...) ret(*member) params = nullptr;

@@ -6,7 +6,8 @@
 // (setup.py compiles *.cpp and *.cu); tests/test_gpu.py builds it with
 //   g++ -std=c++17 -O1 -shared -fPIC -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_libcuda.cc -lpthread
 // and loads it before varcomm does, so dlopen("libcuda.so.1") finds it.
-// Only what transport/nvlink uses is here, with the driver's signatures.
+// Only what transport/nvlink uses is here, with the driver's signatures
+// (kernel launches: only the one kernel nvlink launches, emulated).
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -76,6 +77,10 @@ struct Stream {
     q.push_back(std::move(op));
     cv.notify_all();
   }
+  bool idle() {
+    std::lock_guard<std::mutex> g(mu);
+    return q.empty() && !busy;
+  }
   void sync() {
     std::unique_lock<std::mutex> g(mu);
     cv.wait(g, [this] { return q.empty() && !busy; });
@@ -129,7 +134,10 @@ API CUresult cuGetErrorString(CUresult e, const char** s) { *s = e ? "fake drive
 API CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
 API CUresult cuDeviceGet(int* d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
 API CUresult cuDeviceGetName(char* name, int len, int) { snprintf(name, len, "fake GPU (varcomm test driver)"); return 0; }
-API CUresult cuDeviceGetAttribute(int* v, int attr, int) { *v = (attr == 41 || attr == 122) ? 1 : 0; return 0; }
+API CUresult cuDeviceGetAttribute(int* v, int attr, int) {
+  *v = attr == 75 ? 9 : (attr == 41 || attr == 122) ? 1 : 0;  // compute capability 9.0, UVA, 64-bit stream memops
+  return 0;
+}
 API CUresult cuDeviceGetPCIBusId(char* bus, int len, int) { snprintf(bus, len, "0000:00:00.0"); return 0; }
 API CUresult cuDeviceCanAccessPeer(int* can, int, int) { *can = 1; return 0; }
 API CUresult cuDevicePrimaryCtxRetain(Ctx** c, int) { *c = &g_ctx; return 0; }
@@ -244,6 +252,7 @@ API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
 API CUresult cuStreamCreate(void** s, unsigned int) { *s = new Stream(); return 0; }
 API CUresult cuStreamDestroy_v2(void* s) { delete static_cast<Stream*>(s); return 0; }
 API CUresult cuStreamSynchronize(void* s) { stream_of(s)->sync(); return 0; }
+API CUresult cuStreamQuery(void* s) { return stream_of(s)->idle() ? 0 : 600; }  // CUDA_ERROR_NOT_READY
 API CUresult cuStreamGetCtx(void*, Ctx** c) { *c = &g_ctx; return 0; }
 API CUresult cuStreamIsCapturing(void*, int* st) { *st = 0; return 0; }
 API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
@@ -260,6 +269,51 @@ API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsig
   });
   return 0;
 }
+// The copy-and-flag kernel (kernels.cu): a module is accepted when it is a
+// fatbin (magic 0xBA55ED50), and a launch of varcomm_copy_signal runs its
+// effect on the stream: copy, then a release store of the flag.
+// FAKE_CUDA_NO_MODULES=1: cuModuleLoadData fails as on a GPU without an image.
+struct Module {};
+struct Function { int which; };
+Function g_copy_signal{1};
+std::atomic<unsigned long long> g_launches{0};
+API CUresult cuModuleLoadData(Module** m, const void* image) {
+  if (CUresult r = need_ctx()) return r;
+  const char* no = getenv("FAKE_CUDA_NO_MODULES");
+  if (no && *no && *no != '0') return 209;  // CUDA_ERROR_NO_BINARY_FOR_GPU
+  uint32_t magic;
+  std::memcpy(&magic, image, 4);
+  if (magic != 0xBA55ED50u) return 200;  // CUDA_ERROR_INVALID_IMAGE
+  *m = new Module();
+  return 0;
+}
+API CUresult cuModuleUnload(Module* m) { delete m; return 0; }
+API CUresult cuModuleGetFunction(Function** f, Module*, const char* name) {
+  if (std::strcmp(name, "varcomm_copy_signal")) return 500;  // CUDA_ERROR_NOT_FOUND
+  *f = &g_copy_signal;
+  return 0;
+}
+API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                            unsigned bz, unsigned shmem, void* s, void** params, void** extra) {
+  if (CUresult r = need_ctx()) return r;
+  if (f != &g_copy_signal || !params || extra) return 1;
+  if (gx != 1 || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
+  CUdeviceptr dst = *static_cast<CUdeviceptr*>(params[0]), src = *static_cast<CUdeviceptr*>(params[1]);
+  size_t n = *static_cast<size_t*>(params[2]);
+  CUdeviceptr flag = *static_cast<CUdeviceptr*>(params[3]);
+  unsigned long long seq = *static_cast<unsigned long long*>(params[4]);
+  if (!find(uintptr_t(dst), nullptr) || !find(uintptr_t(dst + n - 1), nullptr) || !find(uintptr_t(src), nullptr) ||
+      !find(uintptr_t(flag), nullptr) || flag % 8)
+    return 700;  // CUDA_ERROR_ILLEGAL_ADDRESS (the real driver reports it later)
+  g_launches.fetch_add(1);
+  stream_of(s)->push([=] {
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(flag), seq, __ATOMIC_RELEASE);
+  });
+  return 0;
+}
+// For tests: how many kernels were launched in this process.
+API unsigned long long fake_cuda_launches() { return g_launches.load(); }
 // For tests: copies between "device" and host memory, synchronously.
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) { std::memcpy(reinterpret_cast<void*>(dst), src, n); return 0; }
 API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) { std::memcpy(dst, reinterpret_cast<void*>(src), n); return 0; }

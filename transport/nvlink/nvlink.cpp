@@ -13,20 +13,28 @@
 // host region. Receive, on the caller's stream: wait flag >= seq; copy slot ->
 // dst; write seq to the sender's credit word (host memory, registered with
 // the driver and written by the GPU). No CPU waits on GPU work.
+//
+// Small messages (n <= VARCOMM_NVLINK_KERNEL_MAX, off by default) may instead
+// go as one kernel launch that copies and then writes the flag (kernels.cu,
+// embedded in the build as a fatbin and loaded with cuModuleLoadData).
 #include "nvlink.h"
 
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <unordered_map>
 
 #include "cuda_driver.h"
 #include "errors.h"
+#include "kernels.h"
 
 namespace varcomm {
 namespace {
@@ -97,6 +105,64 @@ FlagMem flag_mode() {
   throw Error(ErrorKind::Invalid, std::string("VARCOMM_NVLINK_FLAGS=") + v + ": use 'device' or 'host'");
 }
 
+// VARCOMM_NVLINK_KERNEL_MAX: the largest message (bytes; K/M suffixes) sent
+// with the copy-and-flag kernel instead of cuMemcpyAsync + cuStreamWriteValue64.
+// 0 (the default) keeps the copy engine for every size.
+size_t kernel_max() {
+  const char* v = std::getenv("VARCOMM_NVLINK_KERNEL_MAX");
+  if (!v || !*v) return 0;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  if (end != v) {
+    if (*end == 'k' || *end == 'K') x <<= 10, ++end;
+    else if (*end == 'm' || *end == 'M') x <<= 20, ++end;
+    if (*end == 'i' || *end == 'I') ++end;
+    if (*end == 'b' || *end == 'B') ++end;
+  }
+  if (end == v || *end || v[0] == '-')
+    throw Error(ErrorKind::Invalid, std::string("VARCOMM_NVLINK_KERNEL_MAX=") + v +
+                                        ": use a size in bytes (e.g. 8192 or 8K; 0 turns the kernel off)");
+  return static_cast<size_t>(x);
+}
+
+// The fatbin's image for a GPU of compute capability major.minor: "sm_90"
+// (machine code), "compute_90" (PTX, compiled by the driver at load), or ""
+// (none fits). Images are listed as in varcomm_fatbin_archs: "sm_80 sm_90 compute_90".
+std::string kernel_image_for(const std::string& images, int major, int minor) {
+  const int cc = major * 10 + minor;
+  std::string sass, ptx;
+  int ptx_cc = -1;
+  std::istringstream in(images);
+  for (std::string img; in >> img;) {
+    const bool is_sm = img.rfind("sm_", 0) == 0, is_ptx = img.rfind("compute_", 0) == 0;
+    if (!is_sm && !is_ptx) continue;
+    const std::string num = img.substr(is_sm ? 3 : 8);
+    const int a = std::atoi(num.c_str());
+    const bool exact = !num.empty() && num.back() == 'a';  // sm_90a: that GPU only
+    if (is_sm && (exact ? a == cc : a / 10 == major && a <= cc)) sass = img;
+    if (is_ptx && !exact && a <= cc && a > ptx_cc) ptx = img, ptx_cc = a;
+  }
+  return !sass.empty() ? sass : ptx;
+}
+
+std::string built_kernel_images() {
+#ifdef VARCOMM_HAVE_FATBIN
+  return varcomm_fatbin_archs;
+#else
+  return "";
+#endif
+}
+
+// What the last transport created in this process found when it loaded the
+// kernel, for nvlink_info().
+std::mutex g_kernel_mu;
+std::string g_kernel_note;  // guarded by g_kernel_mu
+
+void note_kernel(const std::string& s) {
+  std::lock_guard<std::mutex> g(g_kernel_mu);
+  g_kernel_note = s;
+}
+
 // Makes `ctx` current for the scope when another (or none) is, and restores it.
 class CtxScope {
  public:
@@ -145,6 +211,8 @@ class NvlinkTransport : public Transport {
       if (d_.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev_) == CUDA_SUCCESS && !v)
         throw Error(ErrorKind::Invalid, "nvlink: " + device_label(d_, dev_) + " has no unified addressing");
       check(d_.StreamCreate(&priv_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      kernel_max_ = kernel_max();
+      if (kernel_max_) load_kernel();
       CUresult r = d_.MemAlloc(&alloc_, dev_bytes_);
       if (r != CUDA_SUCCESS)
         throw Error(ErrorKind::Invalid,
@@ -168,8 +236,16 @@ class NvlinkTransport : public Transport {
 
   std::string name() const override { return "nvlink"; }
   std::string describe() const override {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> g(kernel_mu_);
+      why = kernel_why_;
+    }
     return "nvlink (same host, CUDA IPC: receive slots in GPU memory of " + device_label(d_, dev_) +
-           ", stream-ordered copies, data flags in " + (mode_ == FlagMem::Device ? "device" : "host") + " memory)";
+           ", stream-ordered copies, data flags in " + (mode_ == FlagMem::Device ? "device" : "host") + " memory" +
+           (kernel_on() ? ", messages up to " + std::to_string(kernel_max_) + " bytes as one copy-and-flag kernel"
+                        : kernel_max_ ? ", copy-and-flag kernel unavailable: " + why : std::string()) +
+           ")";
   }
   bool device() const override { return true; }
 
@@ -259,11 +335,15 @@ class NvlinkTransport : public Transport {
     CtxScope scope(d_, ctx_);
     CUstream s = reinterpret_cast<CUstream>(stream);
     check_stream(s, "send");
-    if (n) check(d_.MemcpyAsync(p.dev + ready_off + kPayloadOff, reinterpret_cast<CUdeviceptr>(payload), n, s),
-                 "cuMemcpyAsync (send: payload into the peer's GPU slot)");
-    // Default flags: the write is fenced after the copy (system scope).
-    check(d_.StreamWriteValue64(s, flag_of(p, ready_off), seq, CU_STREAM_WRITE_VALUE_DEFAULT),
-          "cuStreamWriteValue64 (send: data flag)");
+    if (!(n && n <= kernel_max_ && launch_copy_signal(p.dev + ready_off + kPayloadOff,
+                                                      reinterpret_cast<CUdeviceptr>(payload), n,
+                                                      flag_of(p, ready_off), seq, s))) {
+      if (n) check(d_.MemcpyAsync(p.dev + ready_off + kPayloadOff, reinterpret_cast<CUdeviceptr>(payload), n, s),
+                   "cuMemcpyAsync (send: payload into the peer's GPU slot)");
+      // Default flags: the write is fenced after the copy (system scope).
+      check(d_.StreamWriteValue64(s, flag_of(p, ready_off), seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+            "cuStreamWriteValue64 (send: data flag)");
+    }
     // The header travels on the host path at once: the receiver can match,
     // allocate and enqueue its wait before the data has landed.
     char* slot = p.host + ready_off;
@@ -352,6 +432,70 @@ class NvlinkTransport : public Transport {
     return r != CUDA_SUCCESS || type == CU_MEMORYTYPE_HOST;  // unregistered pageable memory is an error
   }
 
+  bool kernel_on() const { return copy_signal_.load(std::memory_order_acquire) != nullptr; }
+
+  // Loads the embedded fatbin into our context (the caller made it current).
+  // On any failure the copy engine carries every size; the reason goes to
+  // describe() and nvlink_info().
+  void load_kernel() {
+    const std::string where = "cuda:" + std::to_string(ordinal_);
+#ifdef VARCOMM_HAVE_FATBIN
+    int major = 0, minor = 0;
+    d_.DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev_);
+    d_.DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev_);
+    const std::string image = kernel_image_for(varcomm_fatbin_archs, major, minor);
+    CUresult r = d_.ModuleLoadData(&module_, varcomm_fatbin);
+    CUfunction fn = nullptr;
+    if (r == CUDA_SUCCESS) {
+      r = d_.ModuleGetFunction(&fn, module_, VARCOMM_KERNEL_COPY_SIGNAL);
+      if (r != CUDA_SUCCESS) {
+        kernel_why_ = cu::error_string(d_, r, "cuModuleGetFunction(" VARCOMM_KERNEL_COPY_SIGNAL ")");
+        d_.ModuleUnload(module_);
+        module_ = nullptr;
+      }
+    } else {
+      module_ = nullptr;
+      const std::string driver = std::to_string(d_.version / 1000) + "." + std::to_string(d_.version % 1000 / 10);
+      kernel_why_ = cu::error_string(d_, r, "cuModuleLoadData") + " (the build has " + varcomm_fatbin_archs +
+                    "; this GPU is compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+                    (image.empty() ? ": none fits, rebuild with VARCOMM_CUDA_ARCHS including it"
+                                   : ", driver " + driver + ": older than the nvcc that built varcomm?") +
+                    ")";
+    }
+    if (fn) {
+      copy_signal_.store(fn, std::memory_order_release);
+      note_kernel(where + ": copy-and-flag kernel loaded (" + (image.empty() ? "?" : image) +
+                  "), used for messages of 1.." + std::to_string(kernel_max_) + " bytes");
+      return;
+    }
+#else
+    kernel_why_ = "varcomm was built without nvcc (no CUDA kernels in this build)";
+#endif
+    note_kernel(where + ": copy-and-flag kernel not used: " + kernel_why_);
+  }
+
+  // The copy and the data flag as one launch on `s`; false (nothing enqueued)
+  // when the kernel is not loaded or the launch is refused.
+  bool launch_copy_signal(CUdeviceptr dst, CUdeviceptr src, size_t n, CUdeviceptr flag, uint64_t seq, CUstream s) {
+    CUfunction fn = copy_signal_.load(std::memory_order_acquire);
+    if (!fn) return false;
+    unsigned long long sq = seq;
+    void* args[] = {&dst, &src, &n, &flag, &sq};
+    // One block, a 16-byte word per thread per step, whole warps.
+    size_t threads = (n + 15) / 16;
+    if (threads > VARCOMM_KERNEL_MAX_THREADS) threads = VARCOMM_KERNEL_MAX_THREADS;
+    threads = (threads + 31) / 32 * 32;
+    CUresult r = d_.LaunchKernel(fn, 1, 1, 1, static_cast<unsigned>(threads), 1, 1, 0, s, args, nullptr);
+    if (r == CUDA_SUCCESS) return true;
+    // Not enqueued: this and later messages take the copy engine.
+    std::lock_guard<std::mutex> g(kernel_mu_);
+    if (copy_signal_.exchange(nullptr)) {
+      kernel_why_ = cu::error_string(d_, r, "cuLaunchKernel") + " (turned off after the first failed launch)";
+      note_kernel("cuda:" + std::to_string(ordinal_) + ": copy-and-flag kernel not used: " + kernel_why_);
+    }
+    return false;
+  }
+
   CUdeviceptr flag_of(const Peer& p, size_t ready_off) const {
     return (mode_ == FlagMem::Device ? p.dev : p.host_dev) + ready_off + kFlagOff;
   }
@@ -382,10 +526,34 @@ class NvlinkTransport : public Transport {
     return dp;
   }
 
+  // Our private stream may still hold waits for data flags (of empty or
+  // dropped messages) and the credit writes behind them, which touch our slots
+  // and the peers' regions: they must finish before those go away. True once
+  // it is idle; false when a peer has exited (its flag may never come) or
+  // after 10 s: then the caller leaks rather than frees memory still in use.
+  bool drain_private_stream() {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (int i = 0;; ++i) {
+      if (d_.StreamQuery(priv_) != CUDA_ERROR_NOT_READY) return true;  // idle (or broken: nothing more runs)
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      if (i % 64 == 63)
+        for (auto& kv : peers_)
+          if (!peer_error(kv.first).empty()) return false;
+      usleep(100);
+    }
+  }
+
   void release() {
     if (!retained_) return;
     {
       CtxScope scope(d_, ctx_);
+      if (priv_ && !drain_private_stream()) {
+        // Leak the slots, mappings and stream: a late flag or credit write
+        // then lands in memory that still exists.
+        copy_signal_.store(nullptr);
+        retained_ = false;  // and keep the context retained
+        return;
+      }
       for (auto& kv : peers_)
         if (kv.second.opened) d_.IpcCloseMemHandle(kv.second.opened);
       for (auto& kv : regs_) d_.MemHostUnregister(kv.first);
@@ -395,6 +563,9 @@ class NvlinkTransport : public Transport {
       peers_.clear();
       if (alloc_) d_.MemFree(alloc_);
       alloc_ = 0;
+      copy_signal_.store(nullptr);
+      if (module_) d_.ModuleUnload(module_);
+      module_ = nullptr;
       if (priv_) d_.StreamDestroy(priv_);
       priv_ = nullptr;
     }
@@ -418,6 +589,11 @@ class NvlinkTransport : public Transport {
   size_t rings_off_ = 0, dev_bytes_ = 0;
   CUdeviceptr alloc_ = 0, dev_base_ = 0, own_flags_dev_ = 0;
   CUipcMemHandle ipc_{};
+  size_t kernel_max_ = 0;  // VARCOMM_NVLINK_KERNEL_MAX; 0: copy engine for every size
+  CUmodule module_ = nullptr;
+  std::atomic<CUfunction> copy_signal_{nullptr};  // null: kernel not loaded, or turned off
+  mutable std::mutex kernel_mu_;
+  std::string kernel_why_;  // why the kernel is off while kernel_max_ is set (kernel_mu_ after construction)
   std::unordered_map<int, Peer> peers_;
   std::map<char*, Reg> regs_;
 };
@@ -458,6 +634,35 @@ std::string nvlink_info() {
   }
   const char* flags = std::getenv("VARCOMM_NVLINK_FLAGS");
   o << "\n  data flags in " << (flags && *flags ? flags : "device") << " memory (VARCOMM_NVLINK_FLAGS)";
+  const std::string images = built_kernel_images();
+  if (images.empty()) {
+    o << "\n  copy-and-flag kernel: not in this build (no nvcc at build time): copy engine for every size";
+  } else {
+    o << "\n  copy-and-flag kernel: built for " << images << " (";
+    for (int i = 0; i < n; ++i) {
+      CUdevice dev;
+      int major = 0, minor = 0;
+      if (d->DeviceGet(&dev, i) != CUDA_SUCCESS) continue;
+      d->DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+      d->DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+      std::string img = kernel_image_for(images, major, minor);
+      o << (i ? ", " : "") << "cuda:" << i << " cc " << major << "." << minor << ": "
+        << (img.empty() ? "no image" : img.rfind("sm_", 0) == 0 ? img : img + " JIT");
+    }
+    o << ")";
+    try {
+      if (size_t max = kernel_max())
+        o << "; used for messages up to " << max << " bytes (VARCOMM_NVLINK_KERNEL_MAX)";
+      else
+        o << "; off (VARCOMM_NVLINK_KERNEL_MAX=0): copy engine for every size";
+    } catch (const Error& e) {
+      o << "; " << e.what();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(g_kernel_mu);
+    if (!g_kernel_note.empty()) o << "\n  " << g_kernel_note;
+  }
   return o.str();
 }
 

@@ -1,0 +1,171 @@
+"""Tests for varcomm-bench (varcomm.bench): every subcommand on 2 ranks with tiny
+sizes (in-process through the harness), -c catching injected corruption, and the
+real command line (self-relaunch, JSON, plot) once as a subprocess."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from varcomm import bench
+from varcomm.bench_alltoall import splits_matrix
+from varcomm.bench_core import BenchError, fmt_bytes, parse_bytes, sweep
+from varcomm.bench_varlen import pool, read_sizes
+from varcomm.testing import rank, world
+
+PYTHONPATH = str(Path(bench.__file__).resolve().parents[1])
+TINY = ["-r", "1", "-n", "2", "-w", "1", "-q", "--op-timeout", "30"]
+
+
+# ---- pure helpers -------------------------------------------------------------------
+
+def test_sizes_and_units() -> None:
+    assert parse_bytes("64K") == 65536 and parse_bytes("1MiB") == 1 << 20 and parse_bytes("8") == 8
+    assert fmt_bytes(8 << 20) == "8M" and fmt_bytes(1536) == "1536"
+    assert sweep(8, 1024, 4) == [8, 32, 128, 512]
+    with pytest.raises(BenchError):
+        sweep(8, 4, 2)
+
+
+def test_varlen_distributions(tmp_path: Path) -> None:
+    for dist in ("uniform", "lognormal"):
+        p = pool(dist, 64 << 10, 512, 4)
+        assert len(p) == 512 and all(s % 4 == 0 and s >= 4 for s in p)
+        assert len(set(p)) > 100  # sizes really vary
+        assert 0.7 < np.mean(p) / (64 << 10) < 1.3  # around the requested mean
+    assert pool("lognormal", 4096, 16, 2) == pool("lognormal", 4096, 16, 2)  # seeded: same on every rank
+    f = tmp_path / "sizes.txt"
+    f.write_text("# comment\n1K\n\n100\n4096  # trailing\n")
+    assert read_sizes(str(f)) == [1024, 100, 4096]
+    assert pool(f"file:{f}", 0, 0, 4) == [1024, 100, 4096]
+    with pytest.raises(SystemExit):
+        read_sizes(str(tmp_path / "missing"))
+
+
+def test_routings() -> None:
+    n, rb = 4, 2048
+    u = splits_matrix("uniform", 1 << 20, n, rb)
+    assert (u == (1 << 20) // rb // n).all()
+    z = splits_matrix("zipf", 1 << 20, n, rb)
+    assert (z.sum(axis=1) == (1 << 20) // rb).all() and z[:, 0].sum() > z[:, -1].sum()
+    o = splits_matrix("all-to-one", 1 << 20, n, rb)
+    assert (o[:, 1:] == 0).all() and (o[:, 0] == (1 << 20) // rb).all()
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    for args in (["p2p", "--baselines", "nope"], ["p2p", "--tests", "nope"], ["alltoall", "--routing", "ring"],
+                 ["varlen", "--dist", "pareto"], ["varlen", "--dist", f"file:{tmp_path / 'missing'}"],
+                 ["p2p", "--dtype", "complex64"]):
+        with pytest.raises(SystemExit):
+            bench.main(args)
+
+
+def test_cuda_without_gpu_is_a_clear_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: is_available() would initialise CUDA in the pytest process")
+    with pytest.raises(SystemExit, match="--device cuda: torch.cuda.is_available"):
+        bench.main(["p2p", "--device", "cuda"])
+
+
+# ---- every subcommand on 2 ranks, in-process ----------------------------------------
+
+@world(2, timeout=90, requires=("torch",))
+def test_all_subcommands_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "all.json"
+    rc = bench.main(["all", "-b", "64", "-e", "4K", "-f", "64", *TINY, "-c", "--routing", "uniform,zipf,all-to-one",
+                     "--baselines", "two-phase,fallback,memcpy,mpi4py", "--dist", "uniform", "--json", str(out)])
+    if rank() != 0:
+        return
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    got = [(r["bench"], r["test"]) for r in doc["results"]]
+    assert got == [("p2p", "latency"), ("p2p", "unibw"), ("p2p", "bibw"), ("varlen", "uniform"),
+                   ("alltoall", "uniform"), ("alltoall", "zipf"), ("alltoall", "all-to-one")]
+    assert doc["wrong_total"] == 0 and doc["machine"]["cores"] and doc["machine"]["torch"]
+    for r in doc["results"]:
+        assert r["points"], r["test"]
+        for p in r["points"]:
+            v = p["methods"]["varcomm"]
+            assert v["wrong"] == 0 and v["time_us"]["median"] > 0 and v["repeats"] == 1
+            assert v["time_us"]["min"] <= v["time_us"]["median"] <= v["time_us"]["max"]
+            assert p["methods"]["fallback"]["wrong"] == 0 and p["ratios"]["fallback"] > 0
+            assert p["methods"]["memcpy"]["wrong"] is None  # nothing to check in a local copy
+        # skipped baselines say why
+        assert r["methods"]["mpi4py"]["status"] == "skipped" and "mpirun" in r["methods"]["mpi4py"]["reason"]
+        assert r["methods"]["d2d"]["status"] == "skipped"
+        if r["bench"] == "alltoall":
+            assert "two-phase" in r["points"][0]["methods"]
+    text = (tmp_path / "table.txt")
+    from varcomm import bench_report
+
+    text.write_text(bench_report.text(doc))
+    assert "algbw(GB/s)" in text.read_text() and "#wrong" in text.read_text()
+
+
+@world(2, timeout=60, requires=("torch",))
+def test_check_catches_corruption(tmp_path: Path) -> None:
+    os.environ["VARCOMM_BENCH_CORRUPT"] = "1"  # flip a byte of every received message before the check
+    out = tmp_path / "bad.json"
+    rc = bench.main(["all", "-b", "1K", "-e", "1K", *TINY, "-c", "--tests", "latency,bibw",
+                     "--baselines", "fallback", "--json", str(out)])
+    if rank() != 0:
+        return
+    assert rc == 1  # non-zero exit
+    doc = json.loads(out.read_text())
+    assert doc["wrong_total"] > 0
+    for r in doc["results"]:
+        for p in r["points"]:
+            assert p["methods"]["varcomm"]["wrong"] > 0, (r["test"], p["size"])
+            assert p["methods"]["fallback"]["wrong"] > 0, (r["test"], p["size"])
+
+
+@world(2, timeout=60, requires=("torch",))
+def test_without_check_nothing_is_verified(tmp_path: Path) -> None:
+    os.environ["VARCOMM_BENCH_CORRUPT"] = "1"
+    out = tmp_path / "nc.json"
+    rc = bench.main(["p2p", "--tests", "latency", "-b", "8", "-e", "8", *TINY, "--baselines", "none",
+                     "--json", str(out)])
+    if rank() == 0:
+        assert rc == 0
+        p = json.loads(out.read_text())["results"][0]["points"][0]
+        assert p["methods"]["varcomm"]["wrong"] is None  # shown as N/A, like nccl-tests without -c
+
+
+# ---- the real command line --------------------------------------------------------------
+
+def test_cli_relaunches_itself_and_plots(tmp_path: Path) -> None:
+    """No launcher: varcomm-bench starts its own 2 ranks (mpirun when mpi4py is there, so the
+    MPI baseline runs in the same job), prints the table, writes the JSON and the plot."""
+    j, png = tmp_path / "r.json", tmp_path / "r.png"
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "VARCOMM_BENCH_CORRUPT", "VARCOMM_BENCH_CMD", "VARCOMM_BENCH_LAUNCHER", "VARCOMM_BENCH_NO_MPI"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "varcomm.bench", "p2p", "--tests", "latency,unibw", "-b", "8", "-e", "512", "-f", "8",
+           "-r", "2", "-n", "3", "-c", "--baselines", "mpi4py,memcpy", "--json", str(j), "--plot", str(png),
+           "--timeout", "150"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "time(us)" in r.stdout and "p2p latency" in r.stdout
+    assert "p2p latency" in r.stderr and "(1/3," in r.stderr  # progress, one line per size
+    doc = json.loads(j.read_text())
+    assert [p["size"] for p in doc["results"][0]["points"]] == [8, 64, 512]
+    mpi_ok = importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None
+    lat = doc["results"][0]
+    if mpi_ok:
+        assert doc["launcher"].startswith("mpirun")
+        assert all(p["methods"]["mpi4py"]["wrong"] == 0 for p in lat["points"])
+        assert all(p["ratios"]["mpi4py"] > 0 for p in lat["points"])
+        assert doc["machine"]["mpi"]
+    else:
+        assert lat["methods"]["mpi4py"]["status"] == "skipped"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
