@@ -1,0 +1,817 @@
+// RDMA transport over libfabric (FI_EP_RDM, FI_RMA). See rdma.h.
+//
+// Data path. write_message is one fi_writemsg of header (padded to
+// kHeaderBytes) + payload into the peer's slot with FI_REMOTE_CQ_DATA = ready_off >> 8 (32 bits: the verbs/EFA
+// immediate). The receiver's progress() reads its CQ and, per remote
+// completion, copies the landed header's seq into the slot's ready word. The
+// ready word is written only from the completion, so providers that do not
+// order writes (EFA) never expose a header before its payload.
+//
+// Source buffers. The header, and payloads up to kStage bytes, are copied into
+// a per-op staging slot (registered once): a memcpy of a few KiB is cheaper
+// than a registration. Larger payloads are sent in place as a second iov; only
+// FI_MR_LOCAL providers (verbs, efa) need them registered, per message, which
+// the provider's own MR cache (with its memory monitor) makes cheap and safe
+// when the user frees and reuses memory. Credits (write_u64) are 8-byte
+// fi_writes from a staging slot, tracked like messages: fi_inject_write would
+// save a completion, but libfabric 1.17's tcp;ofi_rxm crashes (SIGSEGV in its
+// progress or in fi_close) when an injected write meets a closing connection.
+//
+// Liveness. Each pair keeps an idle TCP connection with aggressive keepalive
+// (VARCOMM_PEER_TIMEOUT seconds, default 5). The kernel answers keepalive
+// probes, so a peer busy computing for minutes is never reported dead, while
+// a killed process gives EOF/RST at once and a link that went down gives
+// ETIMEDOUT within the timeout. A heartbeat written from progress() would need
+// every rank to call progress() regularly (tcp has manual progress), and CQ
+// errors alone miss a dead peer we are only waiting on. CQ errors on writes
+// to a peer are reported too.
+#include "rdma.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "errors.h"
+#include "protocol.h"
+
+namespace varcomm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kApiVersion = FI_VERSION(1, 10);
+constexpr size_t kStage = 8192;  // header + payloads up to 8 KiB - 128 are copied
+constexpr size_t kMaxOps = 256;  // writes in flight per transport
+constexpr size_t kRxPosts = 64;  // receives posted for FI_RX_CQ_DATA providers
+constexpr uint64_t kMrModes = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+// Tried in order when no provider is named; the first that offers FI_RMA on an RDM endpoint wins.
+const char* const kDefaultProviders[] = {"verbs;ofi_rxm", "efa", "cxi", "tcp;ofi_rxm"};
+
+[[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorKind::Invalid, "rdma: " + msg); }
+[[noreturn]] void fail(const std::string& what, long rc) { invalid(what + ": " + fi_strerror(int(rc < 0 ? -rc : rc))); }
+#define FI_CHECK(call)                    \
+  do {                                    \
+    long rc_ = long(call);                \
+    if (rc_) fail(#call, rc_);            \
+  } while (0)
+
+std::string env(const char* k) {
+  const char* v = getenv(k);
+  return v ? v : "";
+}
+
+std::string hex(const void* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < n; i++) {
+    unsigned char c = static_cast<const unsigned char*>(p)[i];
+    s += d[c >> 4];
+    s += d[c & 15];
+  }
+  return s;
+}
+
+std::string unhex(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i + 1 < s.size(); i += 2) out += char(std::stoi(s.substr(i, 2), nullptr, 16));
+  return out;
+}
+
+fi_info* hints_for(const std::string& prov, const std::string& iface) {
+  fi_info* h = fi_allocinfo();
+  h->ep_attr->type = FI_EP_RDM;
+  // FI_MSG only so we can post receives if the provider has FI_RX_CQ_DATA.
+  h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
+  h->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+  h->domain_attr->mr_mode = kMrModes;  // FI_MR_RAW / FI_MR_HMEM providers are not offered
+  h->domain_attr->threading = FI_THREAD_DOMAIN;  // the engine serialises calls under its mutex
+  h->tx_attr->iov_limit = 2;                     // header + payload in one write
+  h->fabric_attr->prov_name = strdup(prov.c_str());
+  if (!iface.empty()) h->domain_attr->name = strdup(iface.c_str());
+  return h;
+}
+
+// fi_getinfo for one provider; nullptr when it offers nothing usable.
+fi_info* query(const std::string& prov, const std::string& iface, std::string* why) {
+  fi_info* hints = hints_for(prov, iface);
+  fi_info* list = nullptr;
+  int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list);
+  fi_freeinfo(hints);
+  if (rc) {
+    if (why) *why = fi_strerror(-rc);
+    return nullptr;
+  }
+  // Prefer IPv4 on a real interface: a loopback or link-local fabric cannot reach other hosts.
+  fi_info* best = nullptr;
+  int best_score = -1;
+  for (fi_info* i = list; i; i = i->next) {
+    if (i->domain_attr->cq_data_size < 4) continue;
+    // Layered providers (ofi_rxm 1.17) ignore the domain-name hint: filter here.
+    if (!iface.empty() && iface != i->domain_attr->name && iface != i->fabric_attr->name) continue;
+    int score = 0;
+    if (i->addr_format != FI_SOCKADDR_IN6) score += 1;
+    if (iface.empty() && strcmp(i->domain_attr->name, "lo") != 0) score += 2;
+    if (score > best_score) best = i, best_score = score;
+  }
+  fi_info* out = best ? fi_dupinfo(best) : nullptr;
+  fi_freeinfo(list);
+  if (!out && why) *why = iface.empty() ? "no domain with >= 4 bytes of remote CQ data" : "no domain named " + iface;
+  return out;
+}
+
+void set_keepalive(int fd, int timeout_s) {
+  int one = 1, idle = 1, intvl = 1, cnt = timeout_s > 1 ? timeout_s - 1 : 1;
+  unsigned user_ms = unsigned(timeout_s) * 1000;
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof user_ms);
+}
+
+// An IP for the liveness listener when the fabric address is not one (efa, cxi).
+std::string host_ip() {
+  std::string ip = env("VARCOMM_LIVENESS_ADDR");
+  if (!ip.empty()) return ip;
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP) ||
+          (i->ifa_flags & IFF_LOOPBACK))
+        continue;
+      char buf[INET_ADDRSTRLEN];
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+      ip = buf;
+      break;
+    }
+    freeifaddrs(ifs);
+  }
+  return ip.empty() ? "127.0.0.1" : ip;
+}
+
+class RdmaTransport final : public Transport {
+ public:
+  RdmaTransport(int rank, int world, std::string provider, std::string iface);
+  ~RdmaTransport() override;
+
+  std::string name() const override { return "rdma"; }
+  std::string describe() const override { return describe_; }
+  std::string expose(void* base, size_t size) override;
+  void connect(int peer, const std::string& descriptor) override;
+  void connected() override;
+  uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload, size_t n,
+                         uint64_t seq) override;
+  bool complete(int peer, uint64_t ticket) override;
+  void write_u64(int peer, size_t off, uint64_t value) override;
+  void progress() override;
+  std::string peer_error(int peer) override;
+
+ private:
+  struct Op {
+    fi_context2 ctx;  // first: the provider's scratch space (FI_CONTEXT2)
+    uint64_t ticket = 0;
+    bool busy = false;
+    int peer = -1;
+    fid_mr* mr = nullptr;  // in-place payload registration (FI_MR_LOCAL only)
+  };
+  struct Rx {
+    fi_context2 ctx;
+  };
+  struct Peer {
+    fi_addr_t addr = FI_ADDR_UNSPEC;
+    uint64_t key = 0, raddr = 0, size = 0;
+    uint64_t hello_key = 0, hello_addr = 0;  // the peer's hello array (see connected())
+    int sock = -1;  // liveness connection
+    bool connected = false;
+    Clock::time_point since;
+    std::string error;
+    // write_u64s the provider had no room for yet, in order (per peer, so a
+    // stuck peer does not hold back the others' credits)
+    struct U64 {
+      uint64_t addr, key, value;
+    };
+    std::deque<U64> credits;
+  };
+
+  void init(std::string provider, std::string iface);
+  void close_all();
+  void quiesce();
+  fid_mr* reg(void* p, size_t n, uint64_t access);
+  void handle(const fi_cq_data_entry& e);
+  void read_error();
+  void finish(Op& op);
+  void land(uint64_t imm);
+  void flush_credits(int peer);
+  void post_u64(int peer, uint64_t addr, uint64_t key, uint64_t value);
+  uint64_t start(uint32_t idx, int peer);
+  void accept_pending(int wait_ms);
+  void check_sock(int peer);
+  Op* op_of(void* ctx) {
+    auto* o = static_cast<Op*>(ctx);
+    return o >= ops_.data() && o < ops_.data() + ops_.size() ? o : nullptr;
+  }
+  Rx* rx_of(void* ctx) {
+    auto* r = static_cast<Rx*>(ctx);
+    return r >= rx_.data() && r < rx_.data() + rx_.size() ? r : nullptr;
+  }
+
+  int rank_, world_, timeout_s_;
+  std::string describe_;
+  fi_info* info_ = nullptr;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_ = nullptr;
+  fid_cq* cq_ = nullptr;
+  fid_av* av_ = nullptr;
+  fid_ep* ep_ = nullptr;
+  fid_mr* region_mr_ = nullptr;
+  fid_mr* stage_mr_ = nullptr;
+  fid_mr* hello_mr_ = nullptr;
+  std::vector<uint64_t> hello_;  // hello_[q] != 0: rank q's rxm connection to us is up
+  void* stage_desc_ = nullptr;
+  uint64_t mr_mode_ = 0, next_key_ = 1, next_serial_ = 1;
+  std::string epname_;
+  char* base_ = nullptr;
+  size_t size_ = 0;
+  std::vector<char> stage_;
+  std::vector<Op> ops_;
+  std::vector<Rx> rx_;
+  std::vector<Peer> peers_;
+  std::vector<uint32_t> free_ops_;  // any free op, so one stuck write (dead peer) blocks nothing else
+  size_t queued_credits_ = 0;
+  int listen_fd_ = -1;
+  std::string live_ip_;
+  int live_port_ = 0;
+};
+
+RdmaTransport::RdmaTransport(int rank, int world, std::string provider, std::string iface)
+    : rank_(rank), world_(world), peers_(size_t(world)) {
+  try {
+    init(std::move(provider), std::move(iface));
+  } catch (...) {
+    close_all();  // a throwing constructor runs no destructor
+    throw;
+  }
+}
+
+void RdmaTransport::init(std::string provider, std::string iface) {
+  if (provider.empty()) provider = env("VARCOMM_FI_PROVIDER");
+  if (iface.empty()) iface = env("VARCOMM_FI_IFACE");
+  int t = atoi(env("VARCOMM_PEER_TIMEOUT").c_str());
+  timeout_s_ = t >= 2 ? t : 5;
+  std::string reason;
+  if (!provider.empty()) {
+    std::string why;
+    info_ = query(provider, iface, &why);
+    if (!info_)
+      invalid("provider '" + provider + "'" + (iface.empty() ? "" : " on '" + iface + "'") +
+              " offers no RDM endpoint with RMA and remote CQ data (" + why + "); see `varcomm-doctor`");
+    reason = "requested";
+  } else {
+    for (const char* p : kDefaultProviders) {
+      if ((info_ = query(p, iface, nullptr))) {
+        reason = strcmp(p, "tcp;ofi_rxm") == 0 ? "default: no verbs/efa/cxi provider found"
+                                               : std::string("default: ") + p + " is the first RDMA provider found";
+        break;
+      }
+    }
+    if (!info_)
+      invalid("no libfabric provider offers an RDM endpoint with RMA and remote CQ data" +
+              (iface.empty() ? std::string() : " on '" + iface + "'") + "; see `varcomm-doctor`");
+  }
+  if (!env("FI_PROVIDER").empty()) reason += ", FI_PROVIDER=" + env("FI_PROVIDER");
+  mr_mode_ = info_->domain_attr->mr_mode;
+  if (env("VARCOMM_RDMA_STRICT") == "1") {  // tests: take the verbs/efa registration path on tcp too
+    mr_mode_ |= FI_MR_LOCAL;
+    reason += ", VARCOMM_RDMA_STRICT=1";
+  }
+
+  FI_CHECK(fi_fabric(info_->fabric_attr, &fabric_, nullptr));
+  FI_CHECK(fi_domain(fabric_, info_, &domain_, nullptr));
+  fi_cq_attr cqa{};
+  cqa.format = FI_CQ_FORMAT_DATA;
+  cqa.wait_obj = FI_WAIT_NONE;  // the engine polls; no fd to signal per completion
+  cqa.size = std::max<size_t>(4096, info_->rx_attr->size + info_->tx_attr->size);
+  FI_CHECK(fi_cq_open(domain_, &cqa, &cq_, nullptr));
+  fi_av_attr ava{};
+  ava.type = FI_AV_TABLE;
+  ava.count = size_t(world_);
+  FI_CHECK(fi_av_open(domain_, &ava, &av_, nullptr));
+  FI_CHECK(fi_endpoint(domain_, info_, &ep_, nullptr));
+  FI_CHECK(fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV));
+  FI_CHECK(fi_ep_bind(ep_, &av_->fid, 0));
+  FI_CHECK(fi_enable(ep_));
+  char name[256];
+  size_t len = sizeof name;
+  FI_CHECK(fi_getname(&ep_->fid, name, &len));
+  epname_.assign(name, len);
+
+  ops_.resize(std::min(kMaxOps, std::max<size_t>(16, info_->tx_attr->size)));
+  for (size_t i = ops_.size(); i-- > 0;) free_ops_.push_back(uint32_t(i));
+  stage_.resize(ops_.size() * kStage);
+  if (mr_mode_ & FI_MR_LOCAL) {
+    stage_mr_ = reg(stage_.data(), stage_.size(), FI_WRITE);
+    stage_desc_ = fi_mr_desc(stage_mr_);
+  }
+  hello_.assign(size_t(world_), 0);
+  hello_mr_ = reg(hello_.data(), hello_.size() * 8, FI_REMOTE_WRITE);
+  // Providers with FI_RX_CQ_DATA deliver remote CQ data into a posted receive.
+  if ((info_->mode | info_->rx_attr->mode) & FI_RX_CQ_DATA) {
+    rx_.resize(kRxPosts);
+    for (Rx& r : rx_) FI_CHECK(fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, &r.ctx));
+  }
+
+  // Liveness listener on the fabric's own IP when it has one, so it shares the data path's link.
+  sockaddr_storage ss{};
+  socklen_t sl;
+  if (info_->addr_format == FI_SOCKADDR_IN || info_->addr_format == FI_SOCKADDR_IN6 ||
+      info_->addr_format == FI_SOCKADDR) {
+    memcpy(&ss, name, std::min(len, sizeof ss));
+  }
+  if (ss.ss_family != AF_INET && ss.ss_family != AF_INET6) {
+    ss = {};
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    inet_pton(AF_INET, host_ip().c_str(), &a->sin_addr);
+  }
+  if (ss.ss_family == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
+    sl = sizeof(sockaddr_in);
+  } else {
+    reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port = 0;
+    sl = sizeof(sockaddr_in6);
+  }
+  listen_fd_ = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (listen_fd_ < 0 || bind(listen_fd_, reinterpret_cast<sockaddr*>(&ss), sl) != 0 || listen(listen_fd_, 1024) != 0)
+    invalid(std::string("liveness listener: ") + strerror(errno));
+  getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &sl);
+  char ipbuf[INET6_ADDRSTRLEN];
+  if (ss.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, ipbuf, sizeof ipbuf);
+    live_port_ = ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  } else {
+    inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr, ipbuf, sizeof ipbuf);
+    live_port_ = ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  }
+  live_ip_ = ipbuf;
+
+  std::ostringstream d;
+  d << "rdma (" << info_->fabric_attr->prov_name << ", fabric " << info_->fabric_attr->name << ", domain "
+    << info_->domain_attr->name << "): " << reason << "; liveness via tcp keepalive " << live_ip_ << ", "
+    << timeout_s_ << " s";
+  describe_ = d.str();
+  if (!env("VARCOMM_DEBUG").empty()) fprintf(stderr, "[varcomm rank %d] %s\n", rank_, describe_.c_str());
+}
+
+RdmaTransport::~RdmaTransport() { close_all(); }
+
+void RdmaTransport::close_all() {
+  if (ep_) {
+    quiesce();
+    fi_close(&ep_->fid);
+  }
+  for (Peer& p : peers_) {
+    if (p.sock < 0) continue;
+    send(p.sock, "B", 1, MSG_NOSIGNAL | MSG_DONTWAIT);  // an orderly close, not a crash
+    close(p.sock);
+    p.sock = -1;
+  }
+  if (listen_fd_ >= 0) close(listen_fd_);
+  for (Op& op : ops_)
+    if (op.mr) fi_close(&op.mr->fid), op.mr = nullptr;
+  if (region_mr_) fi_close(&region_mr_->fid);
+  if (stage_mr_) fi_close(&stage_mr_->fid);
+  if (hello_mr_) fi_close(&hello_mr_->fid);
+  if (av_) fi_close(&av_->fid);
+  if (cq_) fi_close(&cq_->fid);
+  if (domain_) fi_close(&domain_->fid);
+  if (fabric_) fi_close(&fabric_->fid);
+  if (info_) fi_freeinfo(info_);
+  ep_ = nullptr, region_mr_ = stage_mr_ = hello_mr_ = nullptr, av_ = nullptr, cq_ = nullptr, domain_ = nullptr;
+  fabric_ = nullptr, info_ = nullptr, listen_fd_ = -1;
+}
+
+// Let our writes finish before fi_close: libfabric 1.17's tcp;ofi_rxm handles
+// the cancelled ones badly (SIGSEGV in rxm_handle_comp_error). Bounded: a
+// write to a dead peer never finishes.
+void RdmaTransport::quiesce() {
+  for (auto until = Clock::now() + std::chrono::seconds(2);
+       (free_ops_.size() < ops_.size() || queued_credits_) && Clock::now() < until;) {
+    try {
+      progress();
+    } catch (...) {
+      return;
+    }
+  }
+}
+
+fid_mr* RdmaTransport::reg(void* p, size_t n, uint64_t access) {
+  fid_mr* mr = nullptr;
+  // requested_key matters only without FI_MR_PROV_KEY; keys must be unique per domain.
+  FI_CHECK(fi_mr_reg(domain_, p, n, access, 0, next_key_++, 0, &mr, nullptr));
+  if (mr_mode_ & FI_MR_ENDPOINT) {
+    FI_CHECK(fi_mr_bind(mr, &ep_->fid, 0));
+    FI_CHECK(fi_mr_enable(mr));
+  }
+  return mr;
+}
+
+std::string RdmaTransport::expose(void* base, size_t size) {
+  base_ = static_cast<char*>(base);
+  size_ = size;
+  region_mr_ = reg(base, size, FI_REMOTE_WRITE);
+  uint64_t addr = (mr_mode_ & FI_MR_VIRT_ADDR) ? uint64_t(uintptr_t(base)) : 0;
+  std::ostringstream d;
+  d << "prov=" << info_->fabric_attr->prov_name << " ep=" << hex(epname_.data(), epname_.size()) << std::hex
+    << " key=" << fi_mr_key(region_mr_) << " addr=" << addr << " size=" << size << std::dec << " live=" << live_ip_
+    << " port=" << live_port_ << std::hex << " hkey=" << fi_mr_key(hello_mr_)
+    << " haddr=" << ((mr_mode_ & FI_MR_VIRT_ADDR) ? uint64_t(uintptr_t(hello_.data())) : 0) << std::dec
+    << " rank=" << rank_;
+  return d.str();
+}
+
+void RdmaTransport::connect(int peer, const std::string& descriptor) {
+  if (peer < 0 || peer >= world_) invalid("connect: bad peer " + std::to_string(peer));
+  std::map<std::string, std::string> kv;
+  std::istringstream in(descriptor);
+  for (std::string tok; in >> tok;) {
+    size_t eq = tok.find('=');
+    if (eq != std::string::npos) kv[tok.substr(0, eq)] = tok.substr(eq + 1);
+  }
+  if (!kv.count("ep") || !kv.count("key") || !kv.count("live") || !kv.count("hkey"))
+    invalid("rank " + std::to_string(peer) + " sent a malformed descriptor: " + descriptor);
+  if (kv["prov"] != info_->fabric_attr->prov_name)
+    invalid("rank " + std::to_string(peer) + " uses provider '" + kv["prov"] + "', rank " + std::to_string(rank_) +
+            " uses '" + info_->fabric_attr->prov_name + "'; set VARCOMM_FI_PROVIDER the same on every rank");
+  Peer& p = peers_[size_t(peer)];
+  std::string ep = unhex(kv["ep"]);
+  if (fi_av_insert(av_, ep.data(), 1, &p.addr, 0, nullptr) != 1)
+    invalid("fi_av_insert failed for rank " + std::to_string(peer));
+  p.key = std::stoull(kv["key"], nullptr, 16);
+  p.raddr = std::stoull(kv["addr"], nullptr, 16);
+  p.size = std::stoull(kv["size"], nullptr, 16);
+  p.hello_key = std::stoull(kv["hkey"], nullptr, 16);
+  p.hello_addr = std::stoull(kv["haddr"], nullptr, 16);
+  p.connected = true;
+  p.since = Clock::now();
+  if (peer == rank_ || rank_ > peer) return;  // the higher rank accepts (accept_pending)
+
+  // The lower rank dials; the peer's listener exists since its expose(), so
+  // the kernel completes this from its backlog even before it accepts.
+  sockaddr_storage ss{};
+  socklen_t sl;
+  const std::string& ip = kv["live"];
+  int port = std::stoi(kv["port"]);
+  if (ip.find(':') != std::string::npos) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    a->sin6_family = AF_INET6;
+    a->sin6_port = htons(uint16_t(port));
+    inet_pton(AF_INET6, ip.c_str(), &a->sin6_addr);
+    sl = sizeof *a;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    a->sin_family = AF_INET;
+    a->sin_port = htons(uint16_t(port));
+    inet_pton(AF_INET, ip.c_str(), &a->sin_addr);
+    sl = sizeof *a;
+  }
+  int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  timeval tv{10, 0};  // bounded connect
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  int32_t me = rank_;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&ss), sl) != 0 ||
+      send(fd, &me, sizeof me, MSG_NOSIGNAL) != ssize_t(sizeof me)) {
+    p.error = "rank " + std::to_string(peer) + " unreachable: liveness connection to " + ip + ":" +
+              std::to_string(port) + " failed: " + strerror(errno);
+    close(fd);
+    return;
+  }
+  set_keepalive(fd, timeout_s_);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  p.sock = fd;
+}
+
+void RdmaTransport::accept_pending(int wait_ms) {
+  auto deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
+  for (;;) {
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      bool missing = false;
+      for (int q = 0; q < rank_; q++) missing |= peers_[size_t(q)].connected && peers_[size_t(q)].sock < 0;
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (!missing || left <= 0) return;
+      pollfd pf{listen_fd_, POLLIN, 0};
+      poll(&pf, 1, int(std::min<long>(left, 100)));
+      continue;
+    }
+    // The dialer sends its rank right after connecting.
+    int32_t who = -1;
+    pollfd pf{fd, POLLIN, 0};
+    if (poll(&pf, 1, 2000) != 1 || recv(fd, &who, sizeof who, MSG_WAITALL) != ssize_t(sizeof who) || who < 0 ||
+        who >= world_ || peers_[size_t(who)].sock >= 0) {
+      close(fd);
+      continue;
+    }
+    set_keepalive(fd, timeout_s_);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    peers_[size_t(who)].sock = fd;
+  }
+}
+
+void RdmaTransport::connected() {
+  accept_pending(30000);
+  // rxm (over tcp or verbs) opens connections on first use, and the target
+  // must call progress to accept one: a rank waiting outside varcomm (a store
+  // barrier, compute) would stall every first write to it. Open them now,
+  // while every rank is here: write 1 into each peer's hello word for us, and
+  // stay until every peer's hello has landed here (so no peer still needs us).
+  for (int q = 0; q < world_; q++) {
+    Peer& p = peers_[size_t(q)];
+    if (q != rank_ && p.connected && p.error.empty()) post_u64(q, p.hello_addr + 8 * uint64_t(rank_), p.hello_key, 1);
+  }
+  auto until = Clock::now() + std::chrono::seconds(60);
+  for (;;) {
+    progress();
+    int missing = -1;
+    for (int q = 0; q < world_ && missing < 0; q++) {
+      Peer& p = peers_[size_t(q)];
+      if (q != rank_ && p.connected && p.error.empty() && !__atomic_load_n(&hello_[size_t(q)], __ATOMIC_ACQUIRE))
+        missing = q;
+    }
+    if (missing < 0) return;
+    if (!peer_error(missing).empty()) continue;
+    if (Clock::now() > until) {
+      peers_[size_t(missing)].error = "rank " + std::to_string(missing) + " unreachable: no rdma connection after 60 s";
+      continue;
+    }
+    usleep(50);
+  }
+}
+
+uint64_t RdmaTransport::write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
+                                      const void* payload, size_t n, uint64_t /*seq*/) {
+  Peer& p = peers_.at(size_t(peer));
+  if (!p.connected) invalid("write to rank " + std::to_string(peer) + " before connect");
+  if (!p.error.empty()) return 0;  // the engine learns why from peer_error()
+  // The header is padded to kHeaderBytes so the payload lands at kPayloadOff.
+  if (hdr_len > kHeaderBytes) invalid("header larger than kHeaderBytes");
+  size_t total = kHeaderBytes + n;
+  if ((ready_off & 255) || (ready_off >> 8) > 0xffffffffull || ready_off + kHeaderOff + total > p.size)
+    invalid("write of " + std::to_string(total) + " bytes at slot offset " + std::to_string(ready_off) +
+            " does not fit rank " + std::to_string(peer) + "'s region or the 32-bit immediate");
+  if (free_ops_.empty()) progress();
+  if (free_ops_.empty()) return 0;
+  uint32_t idx = free_ops_.back();
+  Op& op = ops_[idx];
+  char* st = stage_.data() + idx * kStage;
+  memcpy(st, hdr, hdr_len);
+  memset(st + hdr_len, 0, kHeaderBytes - hdr_len);
+  iovec iov[2];
+  void* desc[2] = {stage_desc_, nullptr};
+  size_t count = 1;
+  if (total <= kStage) {
+    if (n) memcpy(st + kHeaderBytes, payload, n);
+    iov[0] = {st, total};
+  } else {
+    iov[0] = {st, kHeaderBytes};
+    iov[1] = {const_cast<void*>(payload), n};
+    if (mr_mode_ & FI_MR_LOCAL) {
+      op.mr = reg(const_cast<void*>(payload), n, FI_WRITE);
+      desc[1] = fi_mr_desc(op.mr);
+    }
+    count = 2;
+  }
+  fi_rma_iov rma{p.raddr + ready_off + kHeaderOff, total, p.key};
+  fi_msg_rma msg{};
+  msg.msg_iov = iov;
+  msg.desc = desc;
+  msg.iov_count = count;
+  msg.addr = p.addr;
+  msg.rma_iov = &rma;
+  msg.rma_iov_count = 1;
+  msg.context = &op.ctx;
+  msg.data = ready_off >> 8;
+  ssize_t rc = fi_writemsg(ep_, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
+  if (rc) {
+    if (op.mr) fi_close(&op.mr->fid), op.mr = nullptr;
+    if (rc != -FI_EAGAIN)
+      p.error = "rank " + std::to_string(peer) + " unreachable: fi_writemsg: " + fi_strerror(int(-rc));
+    return 0;
+  }
+  return start(idx, peer);
+}
+
+uint64_t RdmaTransport::start(uint32_t idx, int peer) {
+  free_ops_.pop_back();
+  Op& op = ops_[idx];
+  op.ticket = next_serial_++ << 16 | idx;  // never 0; names the op and this use of it
+  op.peer = peer;
+  op.busy = true;
+  return op.ticket;
+}
+
+bool RdmaTransport::complete(int /*peer*/, uint64_t ticket) {
+  Op& op = ops_[(ticket & 0xffff) % ops_.size()];
+  if (op.ticket != ticket || !op.busy) return true;
+  progress();
+  return !(op.ticket == ticket && op.busy);
+}
+
+void RdmaTransport::write_u64(int peer, size_t off, uint64_t value) {
+  Peer& p = peers_.at(size_t(peer));
+  if (!p.error.empty()) return;
+  if (off + 8 > p.size) invalid("write_u64 beyond rank " + std::to_string(peer) + "'s region");
+  post_u64(peer, p.raddr + off, p.key, value);
+}
+
+void RdmaTransport::post_u64(int peer, uint64_t addr, uint64_t key, uint64_t value) {
+  peers_[size_t(peer)].credits.push_back({addr, key, value});
+  queued_credits_++;
+  flush_credits(peer);
+}
+
+void RdmaTransport::flush_credits(int peer) {
+  Peer& p = peers_[size_t(peer)];
+  while (!p.credits.empty()) {
+    auto [addr, key, value] = p.credits.front();
+    ssize_t rc = 0;
+    if (p.error.empty()) {  // else dropped: the peer is gone
+      if (free_ops_.empty()) return;
+      uint32_t idx = free_ops_.back();
+      char* st = stage_.data() + idx * kStage;
+      memcpy(st, &value, 8);
+      rc = fi_write(ep_, st, 8, stage_desc_, p.addr, addr, key, &ops_[idx].ctx);
+      if (rc == 0) start(idx, peer);
+    }
+    if (rc == -FI_EAGAIN) return;  // keep order: later credits wait behind this one
+    if (rc) p.error = "rank " + std::to_string(peer) + " unreachable: credit write: " + fi_strerror(int(-rc));
+    p.credits.pop_front();
+    queued_credits_--;
+  }
+}
+
+void RdmaTransport::progress() {
+  if (queued_credits_)
+    for (int q = 0; q < world_; q++)
+      if (!peers_[size_t(q)].credits.empty()) flush_credits(q);
+  fi_cq_data_entry e[32];
+  for (;;) {
+    ssize_t n = fi_cq_read(cq_, e, 32);
+    if (n == -FI_EAGAIN) return;
+    if (n == -FI_EAVAIL) {
+      read_error();
+      continue;
+    }
+    if (n < 0) fail("fi_cq_read", n);
+    for (ssize_t i = 0; i < n; i++) handle(e[i]);
+    if (n < 32) return;
+  }
+}
+
+void RdmaTransport::handle(const fi_cq_data_entry& e) {
+  if (Op* op = op_of(e.op_context)) return finish(*op);
+  if (e.flags & FI_REMOTE_CQ_DATA) land(e.data);
+  if (Rx* r = rx_of(e.op_context)) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, &r->ctx);
+}
+
+void RdmaTransport::land(uint64_t imm) {
+  size_t off = size_t(uint32_t(imm)) << 8;
+  if (!base_ || off + kPayloadOff > size_) {
+    fprintf(stderr, "varcomm rdma: rank %d ignored a completion for offset %zu outside its region\n", rank_, off);
+    return;
+  }
+  // The completion says header and payload have landed; publish them.
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  uint64_t seq = __atomic_load_n(&reinterpret_cast<const MsgHeader*>(base_ + off + kHeaderOff)->seq, __ATOMIC_RELAXED);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base_ + off), seq, __ATOMIC_RELEASE);
+}
+
+void RdmaTransport::finish(Op& op) {
+  if (op.mr) fi_close(&op.mr->fid), op.mr = nullptr;
+  op.busy = false;
+  free_ops_.push_back(uint32_t(&op - ops_.data()));
+}
+
+void RdmaTransport::read_error() {
+  fi_cq_err_entry err{};
+  if (fi_cq_readerr(cq_, &err, 0) != 1) return;
+  char buf[256];
+  std::string what = fi_cq_strerror(cq_, err.prov_errno, err.err_data, buf, sizeof buf);
+  if (Op* op = op_of(err.op_context)) {
+    Peer& p = peers_[size_t(op->peer)];
+    if (p.error.empty())
+      p.error = "rank " + std::to_string(op->peer) + " unreachable: write failed: " + fi_strerror(err.err) + " (" +
+                what + ")";
+    finish(*op);  // the source is ours again; the engine fails the request via peer_error()
+    return;
+  }
+  if (Rx* r = rx_of(err.op_context)) {
+    if (err.err != FI_ECANCELED) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, &r->ctx);
+    return;
+  }
+  if (!env("VARCOMM_DEBUG").empty())
+    fprintf(stderr, "[varcomm rank %d] rdma cq error: %s (%s)\n", rank_, fi_strerror(err.err), what.c_str());
+}
+
+void RdmaTransport::check_sock(int peer) {
+  Peer& p = peers_[size_t(peer)];
+  char c;
+  ssize_t k = recv(p.sock, &c, 1, MSG_DONTWAIT);
+  if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+  std::string who = "rank " + std::to_string(peer);
+  if (k == 1 && c == 'B')
+    p.error = who + " closed its communicator";
+  else if (k == 0 || (k < 0 && (errno == ECONNRESET || errno == EPIPE)))
+    p.error = who + " unreachable: connection lost (process exited or was killed)";
+  else if (k < 0 && errno == ETIMEDOUT)
+    p.error = who + " unreachable: no answer for " + std::to_string(timeout_s_) + " s (link down or host gone)";
+  else if (k < 0)
+    p.error = who + " unreachable: " + strerror(errno);
+  else
+    return;  // stray byte: ignore
+  close(p.sock);
+  p.sock = -1;
+}
+
+std::string RdmaTransport::peer_error(int peer) {
+  if (peer < 0 || peer >= world_ || peer == rank_) return "";
+  Peer& p = peers_[size_t(peer)];
+  if (!p.error.empty() || !p.connected) return p.error;
+  if (p.sock < 0 && peer < rank_) accept_pending(0);
+  if (p.sock >= 0) {
+    check_sock(peer);
+  } else if (Clock::now() - p.since > std::chrono::seconds(30 + timeout_s_)) {
+    p.error = "rank " + std::to_string(peer) + " unreachable: it never opened its liveness connection";
+  }
+  return p.error;
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> make_rdma_transport(int rank, int world, const std::string& provider,
+                                               const std::string& iface) {
+  return std::make_unique<RdmaTransport>(rank, world, provider, iface);
+}
+
+std::string rdma_info() {
+  uint32_t v = fi_version();
+  std::ostringstream o;
+  o << "libfabric " << FI_MAJOR(v) << "." << FI_MINOR(v) << " (built against " << FI_MAJOR_VERSION << "."
+    << FI_MINOR_VERSION << ")\n";
+  // Every RDM provider/domain, and whether it fits varcomm (RMA + remote CQ data).
+  fi_info* hints = fi_allocinfo();
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->mode = ~0ULL;                                        // list providers whatever they ask of us
+  hints->domain_attr->mr_mode = int(kMrModes | FI_MR_RAW | FI_MR_HMEM | FI_MR_MMU_NOTIFY | FI_MR_RMA_EVENT);
+  fi_info* list = nullptr;
+  if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list) == 0) {
+    std::map<std::string, std::string> seen;
+    for (fi_info* i = list; i; i = i->next) {
+      std::string key = std::string(i->fabric_attr->prov_name) + "  domain " + i->domain_attr->name;
+      bool fits = (i->caps & FI_RMA) && i->domain_attr->cq_data_size >= 4;
+      std::string& s = seen[key];
+      if (s.empty() || fits) s = fits ? "rma+cq_data" : "no rma/cq_data";
+    }
+    fi_freeinfo(list);
+    for (auto& kv : seen) o << "  " << kv.first << "  (" << kv.second << ")\n";
+  } else {
+    o << "  no RDM providers found\n";
+  }
+  fi_freeinfo(hints);
+  std::string choice;
+  for (const char* p : kDefaultProviders) {
+    fi_info* i = query(p, env("VARCOMM_FI_IFACE"), nullptr);
+    if (!i) continue;
+    choice = std::string(p) + " (domain " + i->domain_attr->name + ")";
+    fi_freeinfo(i);
+    break;
+  }
+  o << "default provider: " << (choice.empty() ? "none usable" : choice);
+  if (!env("VARCOMM_FI_PROVIDER").empty()) o << "; VARCOMM_FI_PROVIDER=" << env("VARCOMM_FI_PROVIDER");
+  o << "\n";
+  return o.str();
+}
+
+}  // namespace varcomm
