@@ -129,7 +129,7 @@ void Engine::recycle(uint64_t id) {
 
 // ---- posting --------------------------------------------------------------
 
-void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim) {
+void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
@@ -143,6 +143,7 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim) {
                 peer);
   if (ndim > uint32_t(kMaxDims))
     throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
+  if (mem.device) device_transport(peer);  // refuse before queueing: nothing half-sent
   // A send that finds a free slot never waits, so it looks at the peer itself,
   // but only every so often: reading the clock on every send costs latency.
   if ((++p.sends_unchecked & 63) == 0) check_peer(peer, false);
@@ -152,7 +153,7 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim) {
 uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                           const int64_t* shape, uint32_t ndim, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, nbytes, ndim);
+  check_send(peer, nbytes, ndim, mem);
   Peer& p = peers_[peer];
   if (!p.sendq.empty()) return 0;
   Request& r = scratch_;
@@ -179,7 +180,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                        const int64_t* shape, uint32_t ndim, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, nbytes, ndim);
+  check_send(peer, nbytes, ndim, mem);
   Peer& p = peers_[peer];
   uint64_t id = alloc(ReqKind::Send);
   Request& r = reqs_[uint32_t(id)];

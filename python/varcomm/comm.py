@@ -146,7 +146,7 @@ class Communicator:
             remote = any(h != host for h in hosts)
             if "rdma" in built and (forced == "rdma" or (forced == "auto" and remote)):
                 try:
-                    me["desc"]["rdma"] = self._c.expose("rdma", options["rdma_provider"], options["rdma_iface"])
+                    me["desc"]["rdma"] = self._expose_rdma(options, remote)
                 except VarcommError as e:
                     if forced == "rdma":
                         raise
@@ -225,6 +225,17 @@ class Communicator:
             if self.rank in json.loads(self._store.get(f"nvlink/{r}")):
                 self._c.set_device_transport(r, "nvlink")
                 self._device_routes[r] = "nvlink"
+
+    def _expose_rdma(self, options: dict[str, Any], remote: bool) -> str:
+        iface = options["rdma_iface"]
+        if not remote and not iface:
+            # rdma forced on one host (tests, benchmarks): keep the traffic on
+            # loopback rather than the host's own network address.
+            try:
+                return self._c.expose("rdma", options["rdma_provider"], "lo")
+            except VarcommError:
+                pass  # a provider with no loopback domain (verbs, efa): its default
+        return self._c.expose("rdma", options["rdma_provider"], iface)
 
     def _wait_count(self, key: str, n: int) -> None:
         deadline = time.monotonic() + (self._timeout or 300)
