@@ -1,0 +1,146 @@
+"""rdma across separate network stacks: each rank in its own network namespace
+(10.77.0.x on a private bridge, made and removed by the test), tcp;ofi_rxm over
+its eth0. Failure tests pull a rank's link or kill it mid-stream."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import varcomm
+from netns import IFACE, Netns, require_netns
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"],
+                                reason="needs the rdma transport (libfabric-dev at build time)")
+
+WORKER = textwrap.dedent('''
+    import os, sys, time, torch, varcomm
+    mode, flags = sys.argv[1], sys.argv[2]
+    r = int(os.environ["RANK"]); n = int(os.environ["WORLD_SIZE"])
+    comm = varcomm.init(transport="rdma", bound=1 << 20, slots=4, timeout=60)
+    assert comm.transport_for((r + 1) % n) == "rdma", comm.describe_transport((r + 1) % n)
+    def mark(name):
+        open(os.path.join(flags, f"{name}{r}"), "w").close()
+    def wait_for(name):
+        while not os.path.exists(os.path.join(flags, name)):
+            time.sleep(0.01)
+    if mode == "ring":
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        for step in range(200):
+            rows = (step * 37 + r) % 300
+            ops = [varcomm.P2POp(comm.irecv, None, prv, tag=step % 3),
+                   varcomm.P2POp(comm.isend, torch.full((rows, 7), float(r * 1000 + step)), nxt, tag=step % 3)]
+            got, _ = [w.wait() for w in comm.batch_isend_irecv(ops)]
+            want = (step * 37 + prv) % 300
+            assert got.shape == (want, 7) and bool((got == prv * 1000 + step).all()), (step, got.shape)
+        out, splits = comm.all_to_all_v(torch.arange(6 * n, dtype=torch.float32).reshape(-1, 1) + 100 * r,
+                                        [6] * n)
+        assert splits == [6] * n
+        print("OK", r, flush=True)
+        comm.close()
+        sys.exit(0)
+    # failure modes: ranks 0 and 1 stream with rank 2 and with each other
+    if r == 2:
+        for i in range(10**6):
+            comm.send(torch.tensor([i]), dst=0)
+            if i == 20:
+                mark("streaming")
+    else:
+        other = 1 - r
+        if r == 0:
+            for i in range(20):
+                assert comm.recv(src=2).item() == i
+        wait_for("streaming2")
+        mark("ready")
+        t0 = time.monotonic()
+        if r == 0:
+            try:
+                while True:
+                    comm.recv(src=2, timeout=30)
+            except varcomm.PeerFailure as e:
+                took = time.monotonic() - t0
+                print(f"PeerFailure after {took:.1f}s: {e}", flush=True)
+                assert "rank 2" in str(e)
+        for i in range(50):  # the survivors' channel keeps working
+            comm.send(torch.tensor([r, i]), dst=other)
+            assert comm.recv(src=other).tolist() == [other, i]
+        print("OK", r, flush=True)
+        os._exit(0)
+''')
+
+
+def _run(net: Netns, tmp: Path, mode: str, n: int) -> list[subprocess.Popen]:
+    script = tmp / "worker.py"
+    script.write_text(WORKER)
+    flags = tmp / "flags"
+    flags.mkdir(exist_ok=True)
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR=net.addr(0), MASTER_PORT="29611", VARCOMM_FI_PROVIDER="tcp;ofi_rxm",
+                   VARCOMM_FI_IFACE=IFACE, VARCOMM_PEER_TIMEOUT="2", OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT / "python"))
+        procs.append(net.popen(r, [sys.executable, str(script), mode, str(flags)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, _ = p.communicate()
+            o += "\n[killed at the test timeout]"
+        out.append((p.returncode, o))
+    return out
+
+
+def _wait_flag(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+def test_ring_and_all_to_all_across_namespaces(tmp_path):
+    require_netns()
+    with Netns(3) as net:
+        res = _finish(_run(net, tmp_path, "ring", 3), timeout=120)
+    for r, (code, out) in enumerate(res):
+        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("how", ["link_down", "kill"])
+def test_peer_lost_mid_stream_fails_promptly_and_survivors_continue(tmp_path, how):
+    require_netns()
+    with Netns(3) as net:
+        procs = _run(net, tmp_path, "fail", 3)
+        try:
+            _wait_flag(tmp_path / "flags" / "ready0", 60)
+            _wait_flag(tmp_path / "flags" / "ready1", 60)
+            if how == "link_down":
+                net.link_down(2)
+            else:
+                procs[2].send_signal(signal.SIGKILL)
+            res = _finish(procs[:2], timeout=60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for r, (code, out) in enumerate(res):
+        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+    took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
+    assert took < 15, f"dead peer detected only after {took} s"
