@@ -205,6 +205,7 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
     throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
+  if (mem.device) device_transport(peer);  // refuse before posting: no message is consumed
   uint64_t id = alloc(ReqKind::Recv);
   Request& r = reqs_[uint32_t(id)];
   r.peer = peer;
@@ -255,6 +256,10 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
                         Clock::time_point deadline, Mem mem) {
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
+  if (mem.device) {
+    std::lock_guard<std::mutex> g(mu_);
+    device_transport(peer);  // refuse before matching: no message is consumed
+  }
   int result = 0;
   bool got = spin(
       [&](bool slow) {

@@ -290,6 +290,9 @@ class Communicator:
                 self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t)
                 return
         ptr, nbytes, word, shape, _keep, stream = arrays.describe_send(tensor)
+        if stream >= 0 and self._device_routes[dst] is None:
+            ptr, nbytes, word, shape, _keep = arrays.describe_host(_stage(tensor))
+            stream = -1
         if stream >= 0:
             _check_capture()
         self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream)
@@ -300,6 +303,9 @@ class Communicator:
         if self._routes[dst] == "fallback":
             return self._fallback.isend(tensor, dst, tag)
         ptr, nbytes, word, shape, keep, stream = arrays.describe_send(tensor)
+        if stream >= 0 and self._device_routes[dst] is None:
+            ptr, nbytes, word, shape, keep = arrays.describe_host(_stage(tensor))
+            stream = -1
         if stream < 0:
             return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
         _check_capture()
@@ -324,6 +330,8 @@ class Communicator:
                 r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t)
                 if r is not None and r[4] == out.shape:
                     return out
+            elif kind is _Tensor and out.is_cuda and self._device_routes[src] is None:
+                r = None  # staged through host memory: irecv below
             else:
                 ptr, cap, word, stream = arrays.describe_recv(out)
                 if stream >= 0:
@@ -340,6 +348,20 @@ class Communicator:
         c = self._c
         if out is not None:
             ptr, cap, word, stream = arrays.describe_recv(out)
+            if stream >= 0 and self._device_routes[src] is None:
+                # No GPU path to src (another host, or no nvlink): land in host
+                # memory, then copy into out on the current stream.
+                bounce = arrays.torch.empty(out.shape, dtype=out.dtype)
+                bptr, bcap, bword = arrays.describe_out(bounce)
+                rid = c.irecv(src, tag, bptr, bcap, bword)
+
+                def staged() -> Any:
+                    nbytes, shape = _info_of(c.info(rid))
+                    view = arrays.prefix_view(out, nbytes, shape)
+                    view.copy_(arrays.prefix_view(bounce, nbytes, shape))
+                    return view
+
+                return Work(self, rid, staged, src, "recv")
             if stream < 0:
                 rid = c.irecv(src, tag, ptr, cap, word)
                 return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv")
@@ -463,6 +485,13 @@ def _choose(me_rank: int, me: dict[str, Any], peer: int, p: dict[str, Any], forc
     if forced == "shm":
         raise InvalidArgument(f"transport='shm' but rank {peer} is on another host")
     return "rdma" if rdma else "fallback"
+
+
+def _stage(tensor: Any) -> Any:
+    """The staging path for a CUDA tensor to a peer with no GPU transport (another
+    host: rdma without GPUDirect yet; or no nvlink): a host copy, sent as usual.
+    The receiver gets a host tensor unless it receives into a CUDA out=."""
+    return tensor.detach().to("cpu")
 
 
 def _check_capture() -> None:
