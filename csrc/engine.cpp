@@ -223,6 +223,22 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   return id;
 }
 
+std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind) {
+  std::string head = "recv from " + peer_str(peer) + " tag " + std::to_string(h.tag) + ": ";
+  const char* kept = "; the message was kept for the next recv";
+  if (out_dtype && out_dtype != h.dtype) {
+    *kind = ErrorKind::Mismatch;
+    return head + "message dtype code " + std::to_string(h.dtype) + " does not match out's dtype code " +
+           std::to_string(out_dtype) + kept;
+  }
+  if (h.nbytes > out_cap) {
+    *kind = ErrorKind::TooLarge;
+    return head + "message of " + std::to_string(h.nbytes) + " bytes does not fit out (" + std::to_string(out_cap) +
+           " bytes)" + kept;
+  }
+  return "";
+}
+
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                          Mem mem) {
   Peer& p = peers_[peer];
@@ -231,18 +247,9 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     if (a->claimed) continue;
     const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
     if (h->tag != tag) continue;
-    if (out_dtype && out_dtype != h->dtype)
-      throw Error(ErrorKind::Mismatch,
-                  "recv from " + peer_str(peer) + " tag " + std::to_string(tag) + ": message dtype code " +
-                      std::to_string(h->dtype) + " does not match out's dtype code " + std::to_string(out_dtype) +
-                      "; the message was kept for the next recv",
-                  peer);
-    if (h->nbytes > out_cap)
-      throw Error(ErrorKind::TooLarge,
-                  "recv from " + peer_str(peer) + " tag " + std::to_string(tag) + ": message of " +
-                      std::to_string(h->nbytes) + " bytes does not fit out (" + std::to_string(out_cap) +
-                      " bytes); the message was kept for the next recv",
-                  peer);
+    ErrorKind kind;
+    std::string why = misfit(peer, *h, out_cap, out_dtype, &kind);
+    if (!why.empty()) throw Error(kind, why, peer);
     *hdr = *h;
     int k = a->slot;
     p.ready.erase(a);
@@ -452,22 +459,9 @@ void Engine::progress_recvs(int peer) {
     const auto* h = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
     if (r.out) {
       // Refuse without consuming: the message stays for the next receive.
-      if (r.out_dtype && r.out_dtype != h->dtype) {
+      r.error = misfit(peer, *h, r.out_cap, r.out_dtype, &r.err);
+      if (!r.error.empty()) {
         r.state = ReqState::Failed;
-        r.err = ErrorKind::Mismatch;
-        r.error = "recv from " + peer_str(peer) + " tag " + std::to_string(r.tag) +
-                  ": message dtype code " + std::to_string(h->dtype) + " does not match out's dtype code " +
-                  std::to_string(r.out_dtype) + "; the message was kept for the next recv";
-        r.hdr = *h;
-        it = p.posted.erase(it);
-        continue;
-      }
-      if (h->nbytes > r.out_cap) {
-        r.state = ReqState::Failed;
-        r.err = ErrorKind::TooLarge;
-        r.error = "recv from " + peer_str(peer) + " tag " + std::to_string(r.tag) + ": message of " +
-                  std::to_string(h->nbytes) + " bytes does not fit out (" + std::to_string(r.out_cap) +
-                  " bytes); the message was kept for the next recv";
         r.hdr = *h;
         it = p.posted.erase(it);
         continue;
@@ -529,28 +523,21 @@ void Engine::check_peer(int peer, bool force) {
 void Engine::fail_peer(int peer, const std::string& why) {
   Peer& p = peers_[peer];
   if (p.dead.empty()) p.dead = "peer failure: " + why;
-  for (uint64_t id : p.sendq) {
-    Request& r = reqs_[uint32_t(id)];
-    if (r.detached) {
-      recycle(id);
-      continue;
+  auto fail_all = [&](std::deque<uint64_t>& q, const char* op) {
+    for (uint64_t id : q) {
+      Request& r = reqs_[uint32_t(id)];
+      if (r.detached) {
+        recycle(id);
+        continue;
+      }
+      r.state = ReqState::Failed;
+      r.err = ErrorKind::PeerFailure;
+      r.error = op + peer_str(peer) + " failed: " + p.dead;
     }
-    r.state = ReqState::Failed;
-    r.err = ErrorKind::PeerFailure;
-    r.error = "send to " + peer_str(peer) + " failed: " + p.dead;
-  }
-  p.sendq.clear();
-  for (uint64_t id : p.posted) {
-    Request& r = reqs_[uint32_t(id)];
-    if (r.detached) {
-      recycle(id);
-      continue;
-    }
-    r.state = ReqState::Failed;
-    r.err = ErrorKind::PeerFailure;
-    r.error = "recv from " + peer_str(peer) + " failed: " + p.dead;
-  }
-  p.posted.clear();
+    q.clear();
+  };
+  fail_all(p.sendq, "send to ");
+  fail_all(p.posted, "recv from ");
 }
 
 void Engine::throw_if_failed(Request& r, uint64_t id) {

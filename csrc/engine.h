@@ -139,6 +139,8 @@ class Engine {
   // 1: message copied into out; 0: none yet; throws when it does not fit.
   int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                    Mem mem);
+  // Empty when a message fits a recv's out; else why not (and *kind).
+  std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
   // Copy a message out of our slot into dst and give the slot back.
   void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
   Transport& device_transport(int peer);
