@@ -192,6 +192,12 @@ static double run(int client, size_t size, int iters) {
   return half;
 }
 
+/* About 256 MiB per size, 5 .. 2000 round trips. */
+static int auto_iters(size_t size) {
+  double n = 256.0 * (1 << 20) / size;
+  return n > 2000 ? 2000 : n < 5 ? 5 : (int)n;
+}
+
 static int oob_listen(int port) {
   int s = socket(AF_INET, SOCK_STREAM, 0), one = 1;
   setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -260,9 +266,7 @@ int main(int argc, char **argv) {
       setup(prov, dom);
       exchange(fd);
       for (int i = 0; i < nsizes; i++) {
-        int iters = fixed_iters ? fixed_iters : (int)(256.0 * (1 << 20) / sizes[i]);
-        if (iters > 2000) iters = 2000;
-        if (iters < 5) iters = 5;
+        int iters = fixed_iters ? fixed_iters : auto_iters(sizes[i]);
         if (write(fd, &iters, sizeof iters) != sizeof iters) return 1;
         double lat = run(1, sizes[i], iters);
         printf("{\"provider\":\"%s\",\"size\":%zu,\"iters\":%d,\"lat_us\":%.2f,\"gbps\":%.4f}\n",
@@ -280,9 +284,7 @@ int main(int argc, char **argv) {
   exchange(fd);
   if (client) { /* explicit client role: same loop as the forked client, server follows */
     for (int i = 0; i < nsizes; i++) {
-      int iters = fixed_iters ? fixed_iters : (int)(256.0 * (1 << 20) / sizes[i]);
-      if (iters > 2000) iters = 2000;
-      if (iters < 5) iters = 5;
+      int iters = fixed_iters ? fixed_iters : auto_iters(sizes[i]);
       uint64_t msg[2] = {(uint64_t)iters, sizes[i]};
       if (write(fd, msg, sizeof msg) != sizeof msg) return 1;
       double lat = run(1, sizes[i], iters);

@@ -311,6 +311,11 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("connected", [](Comm& c) { c.engine->connected(); })
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
+      .def("progress",
+           [](Comm& c) {
+             py::gil_scoped_release nogil;
+             c.engine->progress();
+           })
       .def("transport_name", [](Comm& c, int peer) { return c.engine->transport_name(peer); })
       .def("transport_describe", [](Comm& c, int peer) { return c.engine->transport_describe(peer); })
       .def("transport_describe_device",

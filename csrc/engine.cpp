@@ -62,6 +62,7 @@ void Engine::close() {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return;
   closed_ = true;
+  transports_.clear();
   for (auto& p : peers_) {
     p.t.reset();
     p.tdev.reset();
@@ -74,6 +75,7 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
     throw Error(ErrorKind::Invalid, peer_str(peer) + " reports world_size " + std::to_string(pl.world) +
                                         ", this rank " + std::to_string(world_));
   auto& p = peers_.at(peer);
+  if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   p.t = std::move(t);
   p.layout = pl;
   p.written.assign(pl.nslots, 0);
@@ -408,6 +410,7 @@ void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem)
 
 void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
   std::lock_guard<std::mutex> g(mu_);
+  if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   peers_.at(peer).tdev = std::move(t);
 }
 
@@ -492,16 +495,21 @@ void Engine::progress_recvs(int peer) {
 }
 
 void Engine::progress_locked() {
+  // Every transport, not only those of the peers we wait for: rdma over tcp
+  // needs the target's progress for incoming writes, and holds our outgoing
+  // credits until its next call, so a peer blocked on us can move on.
+  for (auto& t : transports_) t->progress();
   for (int peer = 0; peer < world_; ++peer) {
     Peer& p = peers_[peer];
     if (!p.t) continue;
-    if (p.sendq.empty() && p.posted.empty()) continue;
-    p.t->progress();
     if (!p.sendq.empty()) progress_sends(peer);
     if (!p.posted.empty()) progress_recvs(peer);
   }
-  // Transports whose targets need progress (tcp) also get it when we only
-  // return credits, so a peer blocked on us can move on.
+}
+
+void Engine::progress() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!closed_) progress_locked();
 }
 
 // ---- failure --------------------------------------------------------------

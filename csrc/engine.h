@@ -108,6 +108,9 @@ class Engine {
   int recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                    std::chrono::steady_clock::time_point deadline, Mem mem = {});
   bool test(uint64_t id);
+  // Drive every transport once (waits outside the engine, e.g. store barriers,
+  // call this so incoming writes and held credits keep moving).
+  void progress();
   // Empty while `peer` is usable, else why not (asks the transport now).
   std::string peer_error(int peer);
   // A recv matched without an output buffer: its header, then copy or view.
@@ -177,6 +180,7 @@ class Engine {
   Layout layout_;
   std::unique_ptr<Region> region_;
   std::vector<Peer> peers_;
+  std::vector<std::shared_ptr<Transport>> transports_;  // distinct, for progress
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_reqs_;
   Request scratch_;              // send_now's request, never queued

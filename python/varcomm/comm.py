@@ -116,6 +116,7 @@ class Communicator:
         self._owner = owner
         self._closed = False
         self._coll_seq = 0  # collectives' tag sequence (alltoall.py)
+        self._routes_ready = False
         self._fallback: Any = None
         self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
             "no varcomm transport reaches this peer"
@@ -124,6 +125,7 @@ class Communicator:
         self._nvlink_note = ""  # why GPU tensors have no nvlink route, when they have none
         self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots, options["spin_us"])
         self._routes = self._connect(options)
+        self._routes_ready = True
 
     # ---- set-up ---------------------------------------------------------------
 
@@ -240,6 +242,8 @@ class Communicator:
     def _wait_count(self, key: str, n: int) -> None:
         deadline = time.monotonic() + (self._timeout or 300)
         while int(self._store.add(key, 0)) < n:
+            if self._routes_ready:
+                self._c.progress()  # a rank in a barrier still serves incoming rdma writes
             if time.monotonic() > deadline:
                 raise VarcommError(f"rendezvous timed out waiting for {n} ranks at {key!r}")
             time.sleep(0.002)

@@ -65,10 +65,13 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     return lines, provs
 
 
-def _rdma_provider_choice(provs: list[str]) -> str:
+def _rdma_provider_choice(fab: list[str]) -> str:
     want = os.environ.get("VARCOMM_FI_PROVIDER")
     if want:
         return f"{want} (VARCOMM_FI_PROVIDER)"
+    for ln in fab:  # the extension's own answer, when it has rdma
+        if ln.strip().startswith("default provider:"):
+            return ln.split(":", 1)[1].strip()
     if _run(["fi_info", "-l"]) is None:
         return "unknown (no fi_info to ask)"
     for p in _RDMA_DEFAULTS:
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     w("")
     w("libfabric:")
-    fab, provs = _libfabric(C, build)
+    fab, _ = _libfabric(C, build)
     out += ["  " + ln for ln in fab]
 
     w("")
@@ -181,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             shm = "rdma (VARCOMM_TRANSPORT=rdma forces it on the same host too)"
         w(f"  same host, host memory:  {shm}")
         if "nvlink" in transports:
-            gpu = "nvlink (CUDA IPC, stream-ordered)" + ("" if ngpu >= 2 else "; only one GPU visible here")
+            gpu = "nvlink (CUDA IPC, stream-ordered)" + ("" if ngpu >= 2 else f"; {ngpu or 'no'} GPU visible here")
         else:
             gpu = "no device transport in this build (no CUDA): send CPU tensors, or the fallback (NCCL)"
         w(f"  same host, GPU memory:   {gpu}")
         if "rdma" in transports:
-            remote = "rdma, provider " + _rdma_provider_choice(provs)
+            remote = "rdma, provider " + _rdma_provider_choice(fab)
         elif build is None:
             remote = f"unknown: {why}"
         else:

@@ -1,21 +1,29 @@
 // RDMA transport over libfabric (FI_EP_RDM, FI_RMA). See rdma.h.
 //
 // Data path. write_message is one fi_writemsg of header (padded to
-// kHeaderBytes) + payload into the peer's slot with FI_REMOTE_CQ_DATA = ready_off >> 8 (32 bits: the verbs/EFA
-// immediate). The receiver's progress() reads its CQ and, per remote
+// kHeaderBytes) + payload into the peer's slot with FI_REMOTE_CQ_DATA =
+// ready_off >> 8 (32 bits: the verbs/EFA immediate). The receiver's
+// progress() reads its CQ and, per remote
 // completion, copies the landed header's seq into the slot's ready word. The
 // ready word is written only from the completion, so providers that do not
 // order writes (EFA) never expose a header before its payload.
 //
-// Source buffers. The header, and payloads up to kStage bytes, are copied into
-// a per-op staging slot (registered once): a memcpy of a few KiB is cheaper
+// Source buffers. The header, and payloads up to ~8 KiB, are copied into a
+// per-op staging slot (registered once): a memcpy of a few KiB is cheaper
 // than a registration. Larger payloads are sent in place as a second iov; only
 // FI_MR_LOCAL providers (verbs, efa) need them registered, per message, which
 // the provider's own MR cache (with its memory monitor) makes cheap and safe
-// when the user frees and reuses memory. Credits (write_u64) are 8-byte
-// fi_writes from a staging slot, tracked like messages: fi_inject_write would
-// save a completion, but libfabric 1.17's tcp;ofi_rxm crashes (SIGSEGV in its
-// progress or in fi_close) when an injected write meets a closing connection.
+// when the user frees and reuses memory.
+//
+// Credits (write_u64) are held until this transport's next write_message,
+// progress(), complete() or peer_error(): a receiver that answers puts its
+// reply on the wire first, and where the provider scatters one write to
+// several remote addresses (tcp: rma_iov_limit 4) the credits held for that
+// peer ride in a small message's own write. Otherwise they are 8-byte
+// fi_writes from a staging slot, tracked like messages (fi_inject_write would
+// save a completion, but libfabric 1.17's tcp;ofi_rxm crashes when an
+// injected write meets a closing connection). VARCOMM_RDMA_EAGER_CREDITS=1
+// posts each credit at once.
 //
 // Liveness. Each pair keeps an idle TCP connection with aggressive keepalive
 // (VARCOMM_PEER_TIMEOUT seconds, default 5). The kernel answers keepalive
@@ -44,6 +52,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -63,7 +72,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kApiVersion = FI_VERSION(1, 10);
-constexpr size_t kStage = 8192;  // header + payloads up to 8 KiB - 128 are copied
+constexpr size_t kStage = 8192;  // per-op staging slot: header + small payloads, then held credits
+constexpr size_t kRideOff = kStage - 64;  // held credits riding along with a message (up to 8)
+constexpr size_t kInline = kRideOff;      // header + payload up to this size is copied
+constexpr size_t kMaxRide = 4;   // held credits carried by one message write
 constexpr size_t kMaxOps = 256;  // writes in flight per transport
 constexpr size_t kRxPosts = 64;  // receives posted for FI_RX_CQ_DATA providers
 constexpr uint64_t kMrModes = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
@@ -208,8 +220,8 @@ class RdmaTransport final : public Transport {
     bool connected = false;
     Clock::time_point since;
     std::string error;
-    // write_u64s the provider had no room for yet, in order (per peer, so a
-    // stuck peer does not hold back the others' credits)
+    // write_u64s held for the next write_message / progress(), or not yet
+    // taken by the provider; in order, per peer (a stuck peer holds back no other)
     struct U64 {
       uint64_t addr, key, value;
     };
@@ -225,7 +237,8 @@ class RdmaTransport final : public Transport {
   void finish(Op& op);
   void land(uint64_t imm);
   void flush_credits(int peer);
-  void post_u64(int peer, uint64_t addr, uint64_t key, uint64_t value);
+  void post_u64(int peer, uint64_t addr, uint64_t key, uint64_t value, bool now);
+  void flush_all();
   uint64_t start(uint32_t idx, int peer);
   void accept_pending(int wait_ms);
   void check_sock(int peer);
@@ -261,6 +274,9 @@ class RdmaTransport final : public Transport {
   std::vector<Peer> peers_;
   std::vector<uint32_t> free_ops_;  // any free op, so one stuck write (dead peer) blocks nothing else
   size_t queued_credits_ = 0;
+  bool said_hello_ = false;
+  bool eager_credits_ = false;  // VARCOMM_RDMA_EAGER_CREDITS=1: post each credit at once
+  size_t max_ride_ = 0;         // credits per message write: rma_iov_limit - 1, at most kMaxRide
   int listen_fd_ = -1;
   std::string live_ip_;
   int live_port_ = 0;
@@ -303,6 +319,8 @@ void RdmaTransport::init(std::string provider, std::string iface) {
   }
   if (!env("FI_PROVIDER").empty()) reason += ", FI_PROVIDER=" + env("FI_PROVIDER");
   mr_mode_ = info_->domain_attr->mr_mode;
+  eager_credits_ = env("VARCOMM_RDMA_EAGER_CREDITS") == "1";
+  max_ride_ = info_->tx_attr->rma_iov_limit > 1 ? std::min(kMaxRide, info_->tx_attr->rma_iov_limit - 1) : 0;
   if (env("VARCOMM_RDMA_STRICT") == "1") {  // tests: take the verbs/efa registration path on tcp too
     mr_mode_ |= FI_MR_LOCAL;
     reason += ", VARCOMM_RDMA_STRICT=1";
@@ -541,28 +559,36 @@ void RdmaTransport::accept_pending(int wait_ms) {
 }
 
 void RdmaTransport::connected() {
+  if (said_hello_) return;  // the engine calls this once per peer on this transport
+  said_hello_ = true;
   accept_pending(30000);
   // rxm (over tcp or verbs) opens connections on first use, and the target
   // must call progress to accept one: a rank waiting outside varcomm (a store
   // barrier, compute) would stall every first write to it. Open them now,
   // while every rank is here: write 1 into each peer's hello word for us, and
-  // stay until every peer's hello has landed here (so no peer still needs us).
+  // stay until every peer's hello has landed here and ours have left (so no
+  // peer still needs us).
   for (int q = 0; q < world_; q++) {
     Peer& p = peers_[size_t(q)];
-    if (q != rank_ && p.connected && p.error.empty()) post_u64(q, p.hello_addr + 8 * uint64_t(rank_), p.hello_key, 1);
+    if (q != rank_ && p.connected && p.error.empty())
+      post_u64(q, p.hello_addr + 8 * uint64_t(rank_), p.hello_key, 1, true);
   }
+  auto healthy = [this](int q) {
+    return q != rank_ && peers_[size_t(q)].connected && peers_[size_t(q)].error.empty();
+  };
   auto until = Clock::now() + std::chrono::seconds(60);
   for (;;) {
     progress();
     int missing = -1;
-    for (int q = 0; q < world_ && missing < 0; q++) {
-      Peer& p = peers_[size_t(q)];
-      if (q != rank_ && p.connected && p.error.empty() && !__atomic_load_n(&hello_[size_t(q)], __ATOMIC_ACQUIRE))
-        missing = q;
-    }
-    if (missing < 0) return;
-    if (!peer_error(missing).empty()) continue;
+    for (int q = 0; q < world_ && missing < 0; q++)
+      if (healthy(q) && !__atomic_load_n(&hello_[size_t(q)], __ATOMIC_ACQUIRE)) missing = q;
+    bool sent = true;  // our hellos to healthy peers have left
+    for (const Op& op : ops_) sent &= !op.busy || !healthy(op.peer);
+    for (int q = 0; q < world_; q++) sent &= peers_[size_t(q)].credits.empty() || !healthy(q);
+    if (missing < 0 && sent) return;
+    if (missing >= 0 && !peer_error(missing).empty()) continue;
     if (Clock::now() > until) {
+      if (missing < 0) return;
       peers_[size_t(missing)].error = "rank " + std::to_string(missing) + " unreachable: no rdma connection after 60 s";
       continue;
     }
@@ -588,10 +614,10 @@ uint64_t RdmaTransport::write_message(int peer, size_t ready_off, const void* hd
   char* st = stage_.data() + idx * kStage;
   memcpy(st, hdr, hdr_len);
   memset(st + hdr_len, 0, kHeaderBytes - hdr_len);
-  iovec iov[2];
-  void* desc[2] = {stage_desc_, nullptr};
+  iovec iov[3];
+  void* desc[3] = {stage_desc_, nullptr, stage_desc_};
   size_t count = 1;
-  if (total <= kStage) {
+  if (total <= kInline) {
     if (n) memcpy(st + kHeaderBytes, payload, n);
     iov[0] = {st, total};
   } else {
@@ -603,24 +629,40 @@ uint64_t RdmaTransport::write_message(int peer, size_t ready_off, const void* hd
     }
     count = 2;
   }
-  fi_rma_iov rma{p.raddr + ready_off + kHeaderOff, total, p.key};
+  fi_rma_iov rma[1 + kMaxRide];
+  rma[0] = {p.raddr + ready_off + kHeaderOff, total, p.key};
+  // Credits held for this peer ride in the same write when the provider can
+  // scatter to several remote addresses (tcp): one message per hop, not two.
+  // Only small (copied) messages: on tcp a large write with extra remote
+  // segments measured slower than the same write plus a separate credit.
+  size_t ride = count == 1 ? std::min(p.credits.size(), max_ride_) : 0;
+  for (size_t i = 0; i < ride; i++) {
+    memcpy(st + kRideOff + 8 * i, &p.credits[i].value, 8);
+    rma[1 + i] = {p.credits[i].addr, 8, p.credits[i].key};
+  }
+  if (ride) iov[count++] = {st + kRideOff, 8 * ride};
   fi_msg_rma msg{};
   msg.msg_iov = iov;
   msg.desc = desc;
   msg.iov_count = count;
   msg.addr = p.addr;
-  msg.rma_iov = &rma;
-  msg.rma_iov_count = 1;
+  msg.rma_iov = rma;
+  msg.rma_iov_count = 1 + ride;
   msg.context = &op.ctx;
   msg.data = ready_off >> 8;
   ssize_t rc = fi_writemsg(ep_, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
-  if (rc) {
+  uint64_t ticket = 0;
+  if (rc == 0) {
+    ticket = start(idx, peer);
+    p.credits.erase(p.credits.begin(), p.credits.begin() + long(ride));
+    queued_credits_ -= ride;
+  } else {
     if (op.mr) fi_close(&op.mr->fid), op.mr = nullptr;
     if (rc != -FI_EAGAIN)
       p.error = "rank " + std::to_string(peer) + " unreachable: fi_writemsg: " + fi_strerror(int(-rc));
-    return 0;
   }
-  return start(idx, peer);
+  flush_all();  // held credits go right behind the message
+  return ticket;
 }
 
 uint64_t RdmaTransport::start(uint32_t idx, int peer) {
@@ -643,13 +685,21 @@ void RdmaTransport::write_u64(int peer, size_t off, uint64_t value) {
   Peer& p = peers_.at(size_t(peer));
   if (!p.error.empty()) return;
   if (off + 8 > p.size) invalid("write_u64 beyond rank " + std::to_string(peer) + "'s region");
-  post_u64(peer, p.raddr + off, p.key, value);
+  // Held until the next write_message or progress() (see the top of the file):
+  // on tcp a credit sent ahead of the reply doubled the 8-byte round trip.
+  post_u64(peer, p.raddr + off, p.key, value, eager_credits_);
 }
 
-void RdmaTransport::post_u64(int peer, uint64_t addr, uint64_t key, uint64_t value) {
+void RdmaTransport::post_u64(int peer, uint64_t addr, uint64_t key, uint64_t value, bool now) {
   peers_[size_t(peer)].credits.push_back({addr, key, value});
   queued_credits_++;
-  flush_credits(peer);
+  if (now) flush_credits(peer);
+}
+
+void RdmaTransport::flush_all() {
+  if (queued_credits_)
+    for (int q = 0; q < world_; q++)
+      if (!peers_[size_t(q)].credits.empty()) flush_credits(q);
 }
 
 void RdmaTransport::flush_credits(int peer) {
@@ -673,9 +723,7 @@ void RdmaTransport::flush_credits(int peer) {
 }
 
 void RdmaTransport::progress() {
-  if (queued_credits_)
-    for (int q = 0; q < world_; q++)
-      if (!peers_[size_t(q)].credits.empty()) flush_credits(q);
+  flush_all();
   fi_cq_data_entry e[32];
   for (;;) {
     ssize_t n = fi_cq_read(cq_, e, 32);
@@ -756,6 +804,7 @@ void RdmaTransport::check_sock(int peer) {
 }
 
 std::string RdmaTransport::peer_error(int peer) {
+  flush_all();
   if (peer < 0 || peer >= world_ || peer == rank_) return "";
   Peer& p = peers_[size_t(peer)];
   if (!p.error.empty() || !p.connected) return p.error;

@@ -4,7 +4,7 @@
 //   g++ -std=c++17 -O2 -I csrc -I transport/rdma transport/rdma/selftest.cpp
 //       transport/rdma/rdma.cpp $(pkg-config --cflags --libs libfabric) -o /tmp/rdma_selftest
 //   /tmp/rdma_selftest [--provider P] [--iface I] [--netns NS0,NS1 [--down "ip -n NS1 link set eth0 down"]]
-//   /tmp/rdma_selftest --bench [--iters N]   ping-pong only, JSON lines like bench/fi_pingpong
+//   /tmp/rdma_selftest --bench [--size B]... [--iters N]   ping-pong only, JSON lines like bench/fi_pingpong
 //
 // Checks: messages of many sizes land with header and payload intact and the
 // ready word set from the completion; credits via write_u64; tickets complete;
@@ -46,6 +46,7 @@ static double secs(Clock::time_point t0) { return std::chrono::duration<double>(
   } while (0)
 
 static int g_rank, g_iters;
+static std::vector<size_t> g_sizes;
 static int g_in, g_out;  // pipe to the other rank
 
 static void say(const std::string& s) {
@@ -202,7 +203,7 @@ static int run(int rank, pid_t child, const std::string& provider, const std::st
   r.L.nslots = 4;
   r.L.bound = 16 << 20;
   size_t total = r.L.total();
-  r.base = (char*)mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  r.base = (char*)mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   r.src.resize(r.L.bound);
   r.t = make_rdma_transport(rank, 2, provider, iface);
   if (rank == 0) printf("# %s\n", r.t->describe().c_str());
@@ -217,7 +218,7 @@ static int run(int rank, pid_t child, const std::string& provider, const std::st
   auto deadline = Clock::now() + std::chrono::seconds(120);
 
   if (bench) {  // only the benchmark: half round trips through write_message + progress + credits
-    for (size_t n : {size_t(8), size_t(65536), size_t(1) << 20, size_t(16) << 20}) {
+    for (size_t n : g_sizes) {
       int iters = g_iters ? g_iters : int(std::max<size_t>(5, std::min<size_t>(2000, (256u << 20) / n)));
       say("go");
       REQUIRE(hear() == "go", "bench sync");
@@ -245,7 +246,7 @@ static int run(int rank, pid_t child, const std::string& provider, const std::st
   if (rank == 0) printf("PASS self write\n");
 
   // Every size class: empty, inline (copied with the header), around the staging limit, in place, the bound.
-  const size_t sizes[] = {0, 1, 8, 100, 4096, 8064, 8065, 65536, 1 << 20, 3 << 20 | 17, 16 << 20};
+  const size_t sizes[] = {0, 1, 8, 100, 4096, 8000, 8001, 65536, 1 << 20, 3 << 20 | 17, 16 << 20};
   for (int sender = 0; sender < 2; sender++)
     for (int round = 0; round < 2; round++)
       for (size_t n : sizes) {
@@ -323,6 +324,7 @@ int main(int argc, char** argv) {
     else if (a == "--iface") iface = next();
     else if (a == "--bench") bench = true;
     else if (a == "--iters") g_iters = atoi(next().c_str());
+    else if (a == "--size") g_sizes.push_back(strtoull(next().c_str(), nullptr, 0));
     else if (a == "--down") down = next();
     else if (a == "--netns") {
       std::string v = next();
@@ -330,10 +332,12 @@ int main(int argc, char** argv) {
       ns[0] = v.substr(0, c);
       ns[1] = c == std::string::npos ? "" : v.substr(c + 1);
     } else {
-      fprintf(stderr, "usage: %s [--provider P] [--iface I] [--bench [--iters N]] [--netns A,B] [--down CMD]\n", argv[0]);
+      fprintf(stderr, "usage: %s [--provider P] [--iface I] [--bench [--size B]... [--iters N]] [--netns A,B] "
+                      "[--down CMD]\n", argv[0]);
       return 2;
     }
   }
+  if (g_sizes.empty()) g_sizes = {8, 65536, 1 << 20, 16 << 20};
   setvbuf(stdout, nullptr, _IOLBF, 0);
   int a[2], b[2];
   if (pipe(a) || pipe(b)) return 1;
