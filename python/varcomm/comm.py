@@ -451,13 +451,22 @@ class Communicator:
         self._closed = True
         try:
             self._store.add("left", 1)
-            if self._owner is not None and self.rank == 0:
-                # The store lives in rank 0: keep it until everyone is done with it.
-                deadline = time.monotonic() + 30
-                while int(self._store.add("left", 0)) < self.world_size and time.monotonic() < deadline:
+            # Every rank waits for the others (or their deaths) before tearing its
+            # transports down: peers may still be writing into our region, and rank
+            # 0 hosts the store. Progress meanwhile so their writes complete.
+            keep_store = self._owner is not None and self.rank == 0
+            rdma = "rdma" in self._routes
+            if keep_store or rdma:
+                deadline = time.monotonic() + (30 if keep_store else 10)
+                while time.monotonic() < deadline:
+                    if rdma:
+                        self._c.progress()
+                    left = int(self._store.add("left", 0))
+                    if left >= self.world_size:
+                        break
                     dead = sum(1 for r, k in enumerate(self._routes) if k != "fallback" and self._c.peer_error(r))
-                    if int(self._store.add("left", 0)) + dead >= self.world_size:
-                        break  # the missing ranks died: nobody else will need the store
+                    if left + dead >= self.world_size:
+                        break  # the missing ranks died: nobody else will need us
                     time.sleep(0.005)
         finally:
             if self._fallback is not None:
