@@ -461,7 +461,10 @@ class Communicator:
                 while time.monotonic() < deadline:
                     if rdma:
                         self._c.progress()
-                    left = int(self._store.add("left", 0))
+                    try:
+                        left = int(self._store.add("left", 0))
+                    except Exception:  # noqa: BLE001 - the store's owner left after everyone added "left"
+                        break
                     if left >= self.world_size:
                         break
                     dead = sum(1 for r, k in enumerate(self._routes) if k != "fallback" and self._c.peer_error(r))
