@@ -450,7 +450,7 @@ class Communicator:
             return
         self._closed = True
         try:
-            self._store.add("left", 1)
+            self._store.set(f"left/{self.rank}", "1")
             # Every rank waits for the others (or their deaths) before tearing its
             # transports down: peers may still be writing into our region, and rank
             # 0 hosts the store. Progress meanwhile so their writes complete.
@@ -458,18 +458,17 @@ class Communicator:
             rdma = "rdma" in self._routes
             if keep_store or rdma:
                 deadline = time.monotonic() + (30 if keep_store else 10)
-                while time.monotonic() < deadline:
+                missing = [r for r in range(self.world_size) if r != self.rank]
+                while missing and time.monotonic() < deadline:
                     if rdma:
                         self._c.progress()
                     try:
-                        left = int(self._store.add("left", 0))
-                    except Exception:  # noqa: BLE001 - the store's owner left after everyone added "left"
+                        missing = [r for r in missing if not self._store.check([f"left/{r}"])]
+                    except Exception:  # noqa: BLE001 - the store's owner left after every rank had
                         break
-                    if left >= self.world_size:
+                    # A rank that died without closing will not come: stop waiting for it.
+                    if all(self._routes[r] != "fallback" and self._c.peer_error(r) for r in missing):
                         break
-                    dead = sum(1 for r, k in enumerate(self._routes) if k != "fallback" and self._c.peer_error(r))
-                    if left + dead >= self.world_size:
-                        break  # the missing ranks died: nobody else will need us
                     time.sleep(0.005)
         finally:
             if self._fallback is not None:
