@@ -34,6 +34,7 @@
 
 #include "cuda_driver.h"
 #include "errors.h"
+#include "hostmem.h"
 #include "kernels.h"
 
 namespace varcomm {
@@ -47,22 +48,6 @@ constexpr size_t kFlagOff = 64;
 static_assert(kFlagOff + 8 <= kSlotCtlBytes, "flag must fit the slot control block");
 
 enum class FlagMem { Device, Host };
-
-// Field 22 of /proc/<pid>/stat (start time): a recycled pid is not the peer.
-std::string proc_state(int pid, unsigned long long* start) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(f, line)) return "";
-  auto close = line.rfind(')');
-  if (close == std::string::npos) return "";
-  std::istringstream rest(line.substr(close + 2));
-  std::string state, tok;
-  rest >> state;
-  for (int field = 4; field < 22 && rest >> tok; ++field) {
-  }
-  rest >> *start;
-  return state;
-}
 
 std::string to_hex(const void* p, size_t n) {
   static const char* digits = "0123456789abcdef";
@@ -250,8 +235,7 @@ class NvlinkTransport : public Transport {
   bool device() const override { return true; }
 
   std::string expose(void* base, size_t size) override {
-    unsigned long long start = 0;
-    proc_state(getpid(), &start);
+    unsigned long long start = process_start(getpid());
     char bus[32] = {0};
     if (d_.DeviceGetPCIBusId(bus, sizeof bus, dev_) != CUDA_SUCCESS || !bus[0]) std::strcpy(bus, "?");
     std::ostringstream o;
@@ -308,25 +292,17 @@ class NvlinkTransport : public Transport {
   // Host payloads (unused by the engine, which sends host memory over shm).
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload, size_t n,
                          uint64_t seq) override {
-    char* slot = peers_.at(peer).host + ready_off;
-    std::memcpy(slot + kHeaderOff, hdr, hdr_len);
-    if (n) std::memcpy(slot + kPayloadOff, payload, n);
-    __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
+    write_mapped_message(peers_.at(peer).host + ready_off, hdr, hdr_len, payload, n, seq);
     return 1;
   }
 
   void write_u64(int peer, size_t off, uint64_t value) override {
-    __atomic_store_n(reinterpret_cast<uint64_t*>(peers_.at(peer).host + off), value, __ATOMIC_RELEASE);
+    store_release_u64(peers_.at(peer).host + off, value);
   }
 
   std::string peer_error(int peer) override {
     auto& p = peers_.at(peer);
-    if (p.pid == getpid()) return "";
-    unsigned long long start = 0;
-    std::string st = proc_state(p.pid, &start);
-    if (st.empty() || st == "Z" || st == "X" || start != p.start)
-      return "rank " + std::to_string(peer) + " (pid " + std::to_string(p.pid) + ") has exited";
-    return "";
+    return p.pid == getpid() ? "" : process_exit_error(peer, p.pid, p.start);
   }
 
   uint64_t write_message_async(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload,

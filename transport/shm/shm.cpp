@@ -9,28 +9,11 @@
 #include <unordered_map>
 
 #include "errors.h"
+#include "hostmem.h"
 #include "protocol.h"
 
 namespace varcomm {
 namespace {
-
-// Field 22 of /proc/<pid>/stat: start time, so a recycled pid is not mistaken
-// for the peer. Empty string when the process is gone.
-std::string proc_state(int pid, unsigned long long* start) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(f, line)) return "";
-  auto close = line.rfind(')');
-  if (close == std::string::npos) return "";
-  std::istringstream rest(line.substr(close + 2));
-  std::string state;
-  rest >> state;
-  std::string tok;
-  for (int field = 4; field < 22 && rest >> tok; ++field) {
-  }
-  rest >> *start;
-  return state;
-}
 
 class ShmTransport : public Transport {
  public:
@@ -44,8 +27,7 @@ class ShmTransport : public Transport {
   std::string describe() const override { return "shm (same host, mapped host memory)"; }
 
   std::string expose(void* base, size_t size) override {
-    unsigned long long start = 0;
-    proc_state(getpid(), &start);
+    unsigned long long start = process_start(getpid());
     (void)base;
     return std::to_string(getpid()) + ":" + std::to_string(local_.fd()) + ":" +
            std::to_string(size) + ":" + std::to_string(start);
@@ -76,25 +58,17 @@ class ShmTransport : public Transport {
 
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                          const void* payload, size_t n, uint64_t seq) override {
-    char* slot = peers_.at(peer).base + ready_off;
-    std::memcpy(slot + kHeaderOff, hdr, hdr_len);
-    if (n) std::memcpy(slot + kPayloadOff, payload, n);
-    __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
+    write_mapped_message(peers_.at(peer).base + ready_off, hdr, hdr_len, payload, n, seq);
     return 1;
   }
 
   void write_u64(int peer, size_t off, uint64_t value) override {
-    __atomic_store_n(reinterpret_cast<uint64_t*>(peers_.at(peer).base + off), value, __ATOMIC_RELEASE);
+    store_release_u64(peers_.at(peer).base + off, value);
   }
 
   std::string peer_error(int peer) override {
     auto& p = peers_.at(peer);
-    if (p.pid == getpid()) return "";
-    unsigned long long start = 0;
-    std::string st = proc_state(p.pid, &start);
-    if (st.empty() || st == "Z" || st == "X" || start != p.start)
-      return "rank " + std::to_string(peer) + " (pid " + std::to_string(p.pid) + ") has exited";
-    return "";
+    return p.pid == getpid() ? "" : process_exit_error(peer, p.pid, p.start);
   }
 
  private:

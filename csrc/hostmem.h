@@ -1,0 +1,32 @@
+// Same-host pieces shared by transports that reach a peer's region through a
+// mapping (shm; nvlink's host part): the one-sided message write into mapped
+// memory, and whether the peer process still exists.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "protocol.h"
+
+namespace varcomm {
+
+// Header, then payload, then the ready word with a release store: a reader
+// that acquires `seq` sees both.
+inline void write_mapped_message(char* slot, const void* hdr, size_t hdr_len, const void* payload, size_t n,
+                                 uint64_t seq) {
+  std::memcpy(slot + kHeaderOff, hdr, hdr_len);
+  if (n) std::memcpy(slot + kPayloadOff, payload, n);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
+}
+
+inline void store_release_u64(char* at, uint64_t value) {
+  __atomic_store_n(reinterpret_cast<uint64_t*>(at), value, __ATOMIC_RELEASE);
+}
+
+// Start time of a process (field 22 of /proc/<pid>/stat), 0 if it is gone:
+// recorded at connect so a recycled pid is not mistaken for the peer.
+unsigned long long process_start(int pid);
+// Empty while process `pid` started at `start` is alive; else why not.
+std::string process_exit_error(int peer, int pid, unsigned long long start);
+
+}  // namespace varcomm
