@@ -4,7 +4,7 @@
 //   g++ -std=c++17 -O2 -I csrc -I transport/rdma transport/rdma/selftest.cpp
 //       transport/rdma/rdma.cpp $(pkg-config --cflags --libs libfabric) -o /tmp/rdma_selftest
 //   /tmp/rdma_selftest [--provider P] [--iface I] [--netns NS0,NS1 [--down "ip -n NS1 link set eth0 down"]]
-//   /tmp/rdma_selftest --bench [--size B]... [--iters N]   ping-pong only, JSON lines like bench/fi_pingpong
+//   /tmp/rdma_selftest --bench [--size B]... [--iters N]   ping-pong only, JSON lines like bench/varcomm_bench/fi_pingpong
 //
 // Checks: messages of many sizes land with header and payload intact and the
 // ready word set from the completion; credits via write_u64; tickets complete;

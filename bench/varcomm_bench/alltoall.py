@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_core import BenchError, Ctx, Method, Test, agree, corrupting, d2d_method, init_comms, log, \
+from .core import BenchError, Ctx, Method, Test, agree, corrupting, d2d_method, init_comms, log, \
     memcpy_method, run_test, sweep
 
 ROUTINGS = ("uniform", "zipf", "all-to-one")
@@ -79,7 +79,7 @@ def make_mpi_op(comm: Any, x: np.ndarray, counts: np.ndarray, row_bytes: int) ->
 
 
 def run(ctx: Ctx) -> list[dict[str, Any]]:
-    from . import alltoall as A
+    from varcomm import alltoall as A
 
     a = ctx.a
     torch = ctx.torch
