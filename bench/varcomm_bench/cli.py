@@ -11,7 +11,7 @@
 
 Baselines (each skipped with a stated reason when missing): varcomm's fallback
 (gloo, shape header + payload), mpi4py (in-process, when the job runs under
-mpirun), raw libfabric (bench/fi_pingpong, p2p latency), single-thread memcpy,
+mpirun), raw libfabric (fi_pingpong.c beside this package, p2p latency), single-thread memcpy,
 device-to-device copy (--device cuda), and for alltoall the two-phase algorithm.
 
 Started outside a launcher it relaunches itself on --nranks ranks (default 2):
