@@ -149,7 +149,6 @@ def _at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{v}: must be >= {low}")
         return v
 
-    conv.__name__ = f"integer >= {low}"
     return conv
 
 
