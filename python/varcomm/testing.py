@@ -49,7 +49,7 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence, TypeVar, Union
 
-from .bootstrap import LAUNCHERS, LOCAL_RANK_VARS, LOCAL_WORLD_SIZE_VARS, RANK_VARS, WORLD_SIZE_VARS, env_int, launched
+from .bootstrap import LOCAL_RANK_VARS, LOCAL_WORLD_SIZE_VARS, RANK_VARS, WORLD_SIZE_VARS, env_int, launched
 from .options import ToolOptions, env_name
 from .run import _exit_status, _signal_group, free_port, rank_env
 
@@ -221,15 +221,14 @@ def skip_unless(*requirements: Requirement) -> "pytest.MarkDecorator":
 
 
 def _export_launcher_env(size: int, r: int) -> None:
-    """Fill in torchrun-style variables from another launcher's so ``varcomm.init()`` finds them."""
+    """Fill in torchrun's variables from another launcher's so ``varcomm.init()`` finds them."""
     env = os.environ
-    torchrun = LAUNCHERS[0]
     local_rank = env_int(LOCAL_RANK_VARS)
     local_size = env_int(LOCAL_WORLD_SIZE_VARS)
-    env.setdefault(torchrun.rank, str(r))
-    env.setdefault(torchrun.world_size or "WORLD_SIZE", str(size))
-    env.setdefault(torchrun.local_rank or "LOCAL_RANK", str(r if local_rank is None else local_rank))
-    env.setdefault(torchrun.local_world_size or "LOCAL_WORLD_SIZE", str(size if local_size is None else local_size))
+    env.setdefault("RANK", str(r))
+    env.setdefault("WORLD_SIZE", str(size))
+    env.setdefault("LOCAL_RANK", str(r if local_rank is None else local_rank))
+    env.setdefault("LOCAL_WORLD_SIZE", str(size if local_size is None else local_size))
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")  # torchrun's default; mpirun can't agree on a free one
 
