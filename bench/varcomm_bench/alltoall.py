@@ -129,8 +129,8 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     def varcomm_kernel(name: str, comm: Any, algorithm: str) -> Any:
         def kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:
             x, mine, want = inputs(*p)
-            old = A.ALGORITHM
-            A.ALGORITHM = algorithm
+            old = comm.options
+            comm.options = old.override(a2a_algorithm=algorithm)
             try:
                 wrong = 0
                 for _ in range(w):
@@ -145,7 +145,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                 ctx.sync()
                 return time.perf_counter() - t0, iters, wrong
             finally:
-                A.ALGORITHM = old
+                comm.options = old
         return kernel
 
     def mpi_kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLarge, PeerFailure, TimeoutError,
                      VarcommError)
+from .options import Options
 
 __version__ = "0.1.0"
 
@@ -31,7 +32,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "init", "Communicator", "Work", "P2POp", "build_info",
+    "init", "Communicator", "Work", "P2POp", "Options", "build_info",
     "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
     "ClosedError",
 ]

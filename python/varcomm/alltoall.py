@@ -21,7 +21,6 @@ exactly-sized buffers. Same API, same results and errors; it is the baseline.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -32,10 +31,6 @@ from .errors import InvalidArgument, MessageMismatch, MessageTooLarge, VarcommEr
 
 #: Collective tags are >= this; user point-to-point tags should stay below it.
 COLL_TAG_BASE = 1 << 40
-#: "auto": one phase (no count exchange) unless a peer is on the fallback, where
-#: the conventional two-phase algorithm runs. "two-phase" forces the latter on
-#: every transport (for comparison: it isolates what the count exchange costs).
-ALGORITHM = os.environ.get("VARCOMM_A2A_ALGORITHM", "auto")
 #: Largest user `tag` a collective accepts (it selects a sub-space of the reserved tags).
 MAX_COLL_TAG = (1 << 20) - 1
 
@@ -74,12 +69,12 @@ def _check_tag(tag: int | None) -> None:
 
 
 def _uses_fallback(comm: Any) -> bool:
-    """Whether to run the conventional two-phase algorithm (counts, then payload)."""
-    if ALGORITHM != "auto":
-        if ALGORITHM not in ("two-phase", "one-phase"):
-            raise InvalidArgument(f"VARCOMM_A2A_ALGORITHM={ALGORITHM!r}: use auto, one-phase or two-phase")
-        if ALGORITHM == "two-phase":
-            return True
+    """Whether to run the conventional two-phase algorithm (counts, then payload).
+    Option a2a_algorithm: "auto" runs one phase (no count exchange) unless a
+    peer is on the fallback; "two-phase" forces the latter on every transport
+    (for comparison: it isolates what the count exchange costs)."""
+    if comm.options.a2a_algorithm == "two-phase":
+        return True
     routes = getattr(comm, "_routes", None)
     if routes is None:
         return any(comm.transport_for(p) == "fallback" for p in range(comm.world_size))
@@ -482,7 +477,7 @@ def all_to_all_v(comm: Any, x: Any, send_splits: Any, *, tag: int | None = None,
         if oword != word:
             raise InvalidArgument(f"out has dtype {out.dtype} but x has dtype {x.dtype}")
     seq = _next_seq(comm)
-    if ALGORITHM == "two-phase" and "fallback" not in comm._routes:
+    if comm.options.a2a_algorithm == "two-phase" and "fallback" not in comm._routes:
         finish = _v_native_two_phase(comm, x, splits, trailing, rb, word, out, _tags(seq, tag))
         if async_op:
             return AllToAllWork(finish, keep=(x, out))

@@ -3,7 +3,6 @@ reaches each peer. Nothing here knows how a transport moves bytes."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -11,23 +10,10 @@ import numpy as np
 
 from . import arrays, bootstrap
 from .errors import InvalidArgument, VarcommError
+from .options import Options
 
-_MiB = 1 << 20
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
 _TORCH_WORDS: dict[Any, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
-
-
-def _env_bytes(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if not v:
-        return default
-    v = v.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if v[-1:] in mult:
-        return int(float(v[:-1]) * mult[v[-1]])
-    if v.endswith(("KIB", "MIB", "GIB")):
-        return int(float(v[:-3]) * mult[v[-3]])
-    return int(v)
 
 
 class Work:
@@ -101,38 +87,39 @@ class P2POp(NamedTuple):
 class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
-    def __init__(self, placement: bootstrap.Placement, store: Any, owner: Any, options: dict[str, Any]):
+    def __init__(self, placement: bootstrap.Placement, store: Any, owner: Any, options: Options):
         from . import _C
 
+        self.options = options  # resolved: every field set (see varcomm.options)
         self.rank = placement.rank
         self.world_size = placement.world_size
         self.local_rank = placement.local_rank
         self.local_world_size = placement.local_world_size
-        self.bound: int = options["bound"]
-        self.slots: int = options["slots"]
-        self._timeout: float | None = options["timeout"]
-        self._array = options["array"]
+        self.bound: int = options.bound
+        self.slots: int = options.slots
+        self._timeout: float | None = options.timeout
+        self._array = options.array
         self._store = store
         self._owner = owner
         self._closed = False
         self._coll_seq = 0  # collectives' tag sequence (alltoall.py)
         self._routes_ready = False
         self._fallback: Any = None
-        self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
+        self._why_fallback = "transport=fallback" if options.transport == "fallback" else \
             "no varcomm transport reaches this peer"
         self._cuda_device: int | None = None  # the GPU whose memory holds our nvlink receive slots
         self._device_routes: list[str | None] = [None] * self.world_size  # "nvlink" or None per peer
         self._nvlink_note = ""  # why GPU tensors have no nvlink route, when they have none
-        self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots, options["spin_us"])
+        self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots, options.spin_us)
         self._routes = self._connect(options)
         self._routes_ready = True
 
     # ---- set-up ---------------------------------------------------------------
 
-    def _connect(self, options: dict[str, Any]) -> list[str]:
+    def _connect(self, options: Options) -> list[str]:
         from . import _C
 
-        forced = options["transport"]
+        forced = options.transport
         built = set(_C.build_info["transports"])
         if forced not in ("auto", "fallback") and forced not in built:
             raise InvalidArgument(f"transport {forced!r} is not built into this varcomm (built: {sorted(built)}); "
@@ -178,19 +165,18 @@ class Communicator:
         return routes
 
     # GPU tensors between same-host ranks: device receive slots shared with
-    # CUDA IPC (transport/nvlink). VARCOMM_NVLINK: auto (default: when this
-    # process already uses CUDA, e.g. after torch.cuda.set_device), 1, or 0.
-    # VARCOMM_NVLINK_DEVICE: the GPU ordinal to use without asking torch.
+    # CUDA IPC (transport/nvlink). Option nvlink: auto (when this process
+    # already uses CUDA, e.g. after torch.cuda.set_device), on or off;
+    # nvlink_device: the GPU ordinal to use without asking torch.
 
     def _expose_nvlink(self, me: dict[str, Any], built: set[str]) -> None:
-        want = os.environ.get("VARCOMM_NVLINK", "auto").lower()
-        if "nvlink" not in built or want in ("0", "off", "no", "false"):
-            self._nvlink_note = "nvlink off (VARCOMM_NVLINK=0)" if "nvlink" in built else "built without nvlink"
+        want = self.options.nvlink
+        if "nvlink" not in built or want == "off":
+            self._nvlink_note = "nvlink off (nvlink=off, VARCOMM_NVLINK=0)" if "nvlink" in built else "built without nvlink"
             return
         torch = arrays.torch
-        dev_env = os.environ.get("VARCOMM_NVLINK_DEVICE")
-        if dev_env is not None:
-            dev = int(dev_env)
+        if self.options.nvlink_device is not None:
+            dev = self.options.nvlink_device
         elif torch is None or not (torch.cuda.is_initialized() or (want != "auto" and torch.cuda.is_available())):
             self._nvlink_note = ("this process had not used CUDA at varcomm.init (call torch.cuda.set_device "
                                  "first, or set VARCOMM_NVLINK=1)")
@@ -228,16 +214,16 @@ class Communicator:
                 self._c.set_device_transport(r, "nvlink")
                 self._device_routes[r] = "nvlink"
 
-    def _expose_rdma(self, options: dict[str, Any], remote: bool) -> str:
-        iface = options["rdma_iface"]
+    def _expose_rdma(self, options: Options, remote: bool) -> str:
+        iface = options.rdma_iface
         if not remote and not iface:
             # rdma forced on one host (tests, benchmarks): keep the traffic on
             # loopback rather than the host's own network address.
             try:
-                return self._c.expose("rdma", options["rdma_provider"], "lo")
+                return self._c.expose("rdma", options.rdma_provider, "lo")
             except VarcommError:
                 pass  # a provider with no loopback domain (verbs, efa): its default
-        return self._c.expose("rdma", options["rdma_provider"], iface)
+        return self._c.expose("rdma", options.rdma_provider, iface)
 
     def _wait_count(self, key: str, n: int) -> None:
         deadline = time.monotonic() + (self._timeout or 300)
@@ -527,51 +513,38 @@ def _release(c: Any, rid: int) -> None:
 
 
 def init(rank: int | None = None, world_size: int | None = None, store: Any | None = None, *,
-         bound: int | None = None, slots: int | None = None, transport: str | None = None,
-         timeout: float | None = -1.0, array: str | None = None, rdma_provider: str | None = None,
-         rdma_iface: str | None = None, prefix: str | None = None) -> Communicator:
+         prefix: str | None = None, **options: Any) -> Communicator:
     """Join the job and connect to every peer.
 
     rank/world_size default to the launcher's environment (varcomm-run, torchrun,
     mpirun, srun); `store` defaults to a TCPStore at MASTER_ADDR:MASTER_PORT.
-    bound (VARCOMM_BOUND, default 8 MiB): largest message a peer may send us.
-    slots (VARCOMM_SLOTS, default 8): messages in flight per sending peer.
+    prefix: with store=, the key prefix of this communicator (else an instance count).
+    options: any field of varcomm.options.Options, by name; each defaults to its
+    VARCOMM_* variable, then to its default (README "Options and environment"):
+    bound (VARCOMM_BOUND, 8 MiB): largest message a peer may send us.
+    slots (VARCOMM_SLOTS, 8): messages in flight per sending peer.
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
     array (VARCOMM_ARRAY): kind returned by recv without out: torch | numpy.
-    prefix: with store=, the key prefix of this communicator (else an instance count).
+    rdma_provider, rdma_iface, spin_us, nvlink, a2a_algorithm, ...: see Options.
+    An unknown option raises TypeError; a bad value, InvalidArgument.
     """
+    opts = Options.resolve(keyword_origin="init", **options)
+    return connect(opts, rank, world_size, store, prefix)
+
+
+def connect(options: Options, rank: int | None = None, world_size: int | None = None, store: Any | None = None,
+            prefix: str | None = None) -> Communicator:
+    """init() with options already resolved (the torch backend and varcomm.distributed)."""
     if arrays.torch is not None and not _TORCH_WORDS:
         from . import dtypes
 
         dtypes.from_torch(arrays.torch.float32)
         _TORCH_WORDS.update(dtypes._TORCH)
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
-    if timeout == -1.0:
-        env = os.environ.get("VARCOMM_TIMEOUT")
-        timeout = None if env in ("none", "None", "inf") else float(env) if env else 600.0
-    kind = array or os.environ.get("VARCOMM_ARRAY") or ("torch" if arrays.torch is not None else "numpy")
-    if kind not in ("torch", "numpy"):
-        raise InvalidArgument(f"array={kind!r}: use 'torch' or 'numpy'")
-    opts = {
-        "bound": bound if bound is not None else _env_bytes("VARCOMM_BOUND", 8 * _MiB),
-        "slots": slots if slots is not None else int(os.environ.get("VARCOMM_SLOTS", "8")),
-        "transport": (transport or os.environ.get("VARCOMM_TRANSPORT") or "auto").lower(),
-        "timeout": timeout,
-        "array": kind,
-        "rdma_provider": rdma_provider or os.environ.get("VARCOMM_FI_PROVIDER", ""),
-        "rdma_iface": rdma_iface or os.environ.get("VARCOMM_FI_IFACE", ""),
-        # Busy-polling only pays when every local rank has a core; otherwise it
-        # burns the time slice of the peer we are waiting for (Open MPI yields too).
-        "spin_us": int(os.environ.get("VARCOMM_SPIN_US",
-                                      "50" if p.local_world_size <= (os.cpu_count() or 1) else "0")),
-    }
-    if opts["transport"] not in ("auto", "shm", "rdma", "fallback"):
-        raise InvalidArgument(f"transport={opts['transport']!r}: use auto, shm, rdma or fallback")
-    if opts["bound"] <= 0:
-        raise InvalidArgument("bound must be positive (bytes)")
-    s, owner = bootstrap.make_store(p, store, timeout or 300, prefix)
-    return Communicator(p, s, owner, opts)
+    options = options.placed(p.local_world_size)
+    s, owner = bootstrap.make_store(p, store, options.timeout or 300, prefix)
+    return Communicator(p, s, owner, options)
 
 
-__all__ = ["Communicator", "Work", "P2POp", "init"]
+__all__ = ["Communicator", "Work", "P2POp", "Options", "init", "connect"]

@@ -16,6 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import options as _options
+from .errors import InvalidArgument
+
 _RDMA_DEFAULTS = ("verbs;ofi_rxm", "efa", "cxi", "tcp;ofi_rxm")  # same order as transport/rdma
 
 
@@ -65,8 +68,7 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     return lines, provs
 
 
-def _rdma_provider_choice(fab: list[str]) -> str:
-    want = os.environ.get("VARCOMM_FI_PROVIDER")
+def _rdma_provider_choice(fab: list[str], want: str) -> str:
     if want:
         return f"{want} (VARCOMM_FI_PROVIDER)"
     for ln in fab:  # the extension's own answer, when it has rdma
@@ -166,15 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     gpus, ngpu = _cuda_devices()
     out += ["  " + g for g in gpus] or ["  none (no torch.cuda devices, no nvidia-smi)"]
 
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VARCOMM_", "FI_"))}
+    env = _options.environment()
+    known = _options.known_variables()
     if env:
         w("")
         w("environment:")
-        out += [f"  {k}={v}" for k, v in env.items()]
+        out += [f"  {k}={v}" + ("" if k in known or not k.startswith("VARCOMM_") or k.startswith("VARCOMM_BENCH_")
+                                else "  (not a varcomm variable: misspelt?)") for k, v in env.items()]
+    try:
+        opts = _options.Options.resolve()
+    except InvalidArgument as e:
+        w(f"  bad option: {e}")
+        opts = _options.Options()
 
     w("")
     w("transport per peer class:")
-    forced = os.environ.get("VARCOMM_TRANSPORT", "auto").lower()
+    forced = opts.transport
     fallback = "fallback over torch.distributed (gloo on CPU, NCCL on GPU): a shape header, then the payload"
     if forced == "fallback":
         w(f"  every pair: {fallback} (VARCOMM_TRANSPORT=fallback)")
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = "no device transport in this build (no CUDA): send CPU tensors, or the fallback (NCCL)"
         w(f"  same host, GPU memory:   {gpu}")
         if "rdma" in transports:
-            remote = "rdma, provider " + _rdma_provider_choice(fab)
+            remote = "rdma, provider " + _rdma_provider_choice(fab, opts.rdma_provider)
         elif build is None:
             remote = f"unknown: {why}"
         else:
