@@ -16,9 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-_RDMA_DEFAULTS = ("verbs;ofi_rxm", "efa", "cxi", "tcp;ofi_rxm")  # same order as transport/rdma
-
-
 def _run(argv: list[str], timeout: float = 30) -> str | None:
     if not shutil.which(argv[0]):
         return None
@@ -43,7 +40,9 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     lines: list[str] = []
     if C is not None and build and "rdma" in build.get("transports", ()) and hasattr(C, "rdma_info"):
         try:
-            text = C.rdma_info()  # type: ignore[attr-defined]
+            from .comm import core_options
+
+            text = C.rdma_info(core_options())  # type: ignore[attr-defined]
             lines += text.rstrip().splitlines()
         except Exception as e:  # noqa: BLE001
             lines.append(f"rdma_info() failed: {e}")
@@ -65,7 +64,7 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     return lines, provs
 
 
-def _rdma_provider_choice(fab: list[str]) -> str:
+def _rdma_provider_choice(fab: list[str], C: object | None) -> str:
     want = os.environ.get("VARCOMM_FI_PROVIDER")
     if want:
         return f"{want} (VARCOMM_FI_PROVIDER)"
@@ -74,7 +73,7 @@ def _rdma_provider_choice(fab: list[str]) -> str:
             return ln.split(":", 1)[1].strip()
     if _run(["fi_info", "-l"]) is None:
         return "unknown (no fi_info to ask)"
-    for p in _RDMA_DEFAULTS:
+    for p in getattr(C, "rdma_providers", ()):  # the rdma transport's own order
         # fi_info -p takes the layered name; -c FI_RMA keeps only domains that can do RMA writes.
         out = _run(["fi_info", "-p", p, "-t", "FI_EP_RDM", "-c", "FI_RMA"])
         if out and "provider:" in out:
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = "no device transport in this build (no CUDA): send CPU tensors, or the fallback (NCCL)"
         w(f"  same host, GPU memory:   {gpu}")
         if "rdma" in transports:
-            remote = "rdma, provider " + _rdma_provider_choice(fab)
+            remote = "rdma, provider " + _rdma_provider_choice(fab, C)
         elif build is None:
             remote = f"unknown: {why}"
         else:
