@@ -132,9 +132,10 @@ std::string Setup::connect_peers() {
     e_.set_transport(r, t, p.layout);
     if (!find_transport(route)->same_host_only) close_waits_ = true;
   }
-  // Every rank builds the fallback group, so it exists as soon as any pair needs it.
+  // Every rank builds the fallback group, so it exists as soon as any pair needs it
+  // (self pairs too: a forced fallback carries self-sends).
   for (int i = 0; i < world && !any_fallback_; ++i)
-    for (int j = i + 1; j < world && !any_fallback_; ++j)
+    for (int j = i; j < world && !any_fallback_; ++j)
       any_fallback_ = choose_route(peers_[size_t(i)], peers_[size_t(j)], o_) == "fallback";
   std::string acks;
   if (device_) {

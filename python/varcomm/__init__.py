@@ -11,6 +11,7 @@ from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLa
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from ._C import Status
     from .comm import Communicator, P2POp, Work, init
 
 
@@ -20,6 +21,10 @@ def __getattr__(name: str) -> Any:
         from . import comm
 
         return getattr(comm, name)
+    if name == "Status":  # a received message's header (recv_into, Work results' metadata)
+        from ._C import Status
+
+        return Status
     raise AttributeError(f"module 'varcomm' has no attribute {name!r}")
 
 
@@ -31,7 +36,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "init", "Communicator", "Work", "P2POp", "build_info",
+    "init", "Communicator", "Work", "P2POp", "Status", "build_info",
     "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
     "ClosedError",
 ]
