@@ -83,11 +83,6 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   p.written.assign(pl.nslots, 0);
 }
 
-std::string Engine::transport_name(int peer) const {
-  auto& p = peers_.at(peer);
-  return p.t ? p.t->name() : "";
-}
-
 std::string Engine::transport_describe(int peer) const {
   auto& p = peers_.at(peer);
   return p.t ? p.t->describe() : "";

@@ -80,7 +80,6 @@ class Engine {
   void set_transport(int peer, std::shared_ptr<Transport> t, const Layout& peer_layout);
   // A second transport for device-memory messages to the same peer (nvlink).
   void set_device_transport(int peer, std::shared_ptr<Transport> t);
-  std::string transport_name(int peer) const;
   std::string transport_describe(int peer) const;
   void connected();
 

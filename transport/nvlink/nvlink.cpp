@@ -156,7 +156,7 @@ class NvlinkTransport : public Transport {
   // largest message sent with the copy-and-flag kernel instead of
   // cuMemcpyAsync + cuStreamWriteValue64; 0 keeps the copy engine for every size).
   NvlinkTransport(const cu::Driver& d, Region& local, const Layout& L, int device, const Options& o)
-      : d_(d), local_(local), mode_(flag_mode(o.nvlink_flags)), kernel_max_(o.nvlink_kernel_max) {
+      : d_(d), local_(local), layout_(L), mode_(flag_mode(o.nvlink_flags)), kernel_max_(o.nvlink_kernel_max) {
     if (local.size() != L.total()) throw Error(ErrorKind::Invalid, "nvlink: region size does not match its layout");
     rings_off_ = L.rings_off();
     dev_bytes_ = L.total() - rings_off_;
@@ -221,9 +221,9 @@ class NvlinkTransport : public Transport {
     char bus[32] = {0};
     if (d_.DeviceGetPCIBusId(bus, sizeof bus, dev_) != CUDA_SUCCESS || !bus[0]) std::strcpy(bus, "?");
     std::ostringstream o;
-    o << "nvlink1 " << getpid() << ' ' << local_.fd() << ' ' << size << ' ' << start << ' ' << rings_off_ << ' '
+    o << "nvlink2 " << getpid() << ' ' << local_.fd() << ' ' << size << ' ' << start << ' ' << rings_off_ << ' '
       << dev_bytes_ << ' ' << (mode_ == FlagMem::Device ? "device" : "host") << ' ' << bus << ' '
-      << to_hex(&ipc_, sizeof ipc_);
+      << to_hex(&ipc_, sizeof ipc_) << ' ' << layout_.nslots << ' ' << layout_.bound;
     return o.str();
   }
 
@@ -233,9 +233,12 @@ class NvlinkTransport : public Transport {
     Peer p;
     int fd = -1;
     size_t dev_bytes = 0;
-    in >> magic >> p.pid >> fd >> p.host_size >> p.start >> p.rings_off >> dev_bytes >> mode >> bus >> handle;
+    Layout L;
+    L.world = layout_.world;
+    in >> magic >> p.pid >> fd >> p.host_size >> p.start >> p.rings_off >> dev_bytes >> mode >> bus >> handle >>
+        L.nslots >> L.bound;
     CUipcMemHandle h;
-    if (!in || magic != "nvlink1" || !from_hex(handle, &h, sizeof h))
+    if (!in || magic != "nvlink2" || !from_hex(handle, &h, sizeof h))
       throw Error(ErrorKind::Invalid, "bad nvlink descriptor from rank " + std::to_string(peer));
     if (mode != (mode_ == FlagMem::Device ? "device" : "host"))
       throw Error(ErrorKind::Invalid, "rank " + std::to_string(peer) + " keeps nvlink data flags in " + mode +
@@ -253,6 +256,10 @@ class NvlinkTransport : public Transport {
           throw Error(ErrorKind::PeerFailure, "nvlink: cannot map rank " + std::to_string(peer) + "'s region: " + err,
                       peer);
         p.mapped = true;
+        std::string bad = region_mismatch(p.host, p.host_size, peer, p.pid, L);
+        if (!bad.empty())
+          throw Error(ErrorKind::PeerFailure, "nvlink: cannot use " + bad + " (a stale descriptor, or a reused pid)",
+                      peer);
         CUresult r = d_.IpcOpenMemHandle(&p.opened, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
         if (r != CUDA_SUCCESS)
           throw Error(ErrorKind::Invalid,
@@ -538,6 +545,7 @@ class NvlinkTransport : public Transport {
 
   const cu::Driver& d_;
   Region& local_;
+  Layout layout_;
   FlagMem mode_;
   int ordinal_ = 0;
   CUdevice dev_ = 0;
