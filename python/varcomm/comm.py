@@ -1,5 +1,6 @@
 """The Communicator: variable-size point-to-point over whichever transport
-reaches each peer. Nothing here knows how a transport moves bytes."""
+reaches each peer. The core chooses and connects the routes (csrc/routes.cpp);
+nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import json
