@@ -3,7 +3,6 @@ reaches each peer. The core chooses and connects the routes (csrc/routes.cpp);
 nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
