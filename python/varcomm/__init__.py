@@ -12,6 +12,7 @@ from .options import Options
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from ._C import Status
     from .comm import Communicator, P2POp, Work, init
 
 
@@ -21,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from . import comm
 
         return getattr(comm, name)
+    if name == "Status":  # a received message's header (recv_into, Work results' metadata)
+        from ._C import Status
+
+        return Status
     raise AttributeError(f"module 'varcomm' has no attribute {name!r}")
 
 
@@ -32,7 +37,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "init", "Communicator", "Work", "P2POp", "Options", "build_info",
+    "init", "Communicator", "Work", "P2POp", "Options", "Status", "build_info",
     "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
     "ClosedError",
 ]

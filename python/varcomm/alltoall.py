@@ -336,7 +336,8 @@ def _exchange_native(comm: Any, op: str, msgs: list[Any], plan: Plan, tag: int) 
             for k in range(1, n):
                 s = (r - k) % n
                 c.wait(recv_ids[s], _left(deadline))
-                _s, _t, nbytes, word, shape = c.info(recv_ids[s])
+                st = c.info(recv_ids[s])
+                nbytes, word, shape = st.nbytes, st.dtype, st.shape
                 if word == MARKER_WORD and len(shape) == 0:
                     errs.markers.append(s)
                     c.release(recv_ids[s])
@@ -592,7 +593,8 @@ def _v_native(comm: Any, x: Any, splits: list[int], rows: int, trailing: tuple[i
                 s = (r - k) % n
                 rid = recv_ids[s]
                 _wait(c, rid, deadline)
-                _s, _t, _nb, w, shape = c.info(rid)
+                st = c.info(rid)
+                w, shape = st.dtype, st.shape
                 if w == word and len(shape) == ndim and shape[1:] == trailing:
                     recv[s] = shape[0]
                     continue

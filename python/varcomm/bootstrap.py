@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
@@ -106,17 +105,6 @@ def placement(rank: int | None = None, world_size: int | None = None, have_store
             raise InvalidArgument("no rendezvous: set MASTER_ADDR and MASTER_PORT, or pass store=")
         port = _default_port(job)
     return Placement(r, w, lr if lr is not None else r, lw if lw is not None else w, addr, port)
-
-
-def host_key() -> str:
-    """Equal on two ranks iff they can share memory: same kernel boot and same
-    hostname (containers on one machine share boot_id but not /dev/shm)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 _instances = 0
