@@ -374,3 +374,35 @@ def test_dropping_works_in_a_loop(transport):
                 if got is not None:
                     assert got.tobytes() == want.tobytes(), f"seed {seed}: message {i} ({sizes[i]} bytes) differs"
             comm.barrier()
+
+
+_NO_PROGRESS = pytest.mark.xfail(strict=True, reason=(
+    "bug: a blocking recv with out= (Engine::recv_direct) only progresses the transport and the receive side: "
+    "isends still queued for lack of a free slot are never written while it waits (progress_sends runs only "
+    "from wait/test/isend/progress), so isend x slots+1, then recv(out=) of the peer's reply deadlocks "
+    "(both sides time out); recv without out goes through irecv+wait (progress_locked) and works"))
+
+
+@pytest.mark.parametrize("out", ["none", pytest.param("numpy", marks=_NO_PROGRESS),
+                                 pytest.param("torch", marks=_NO_PROGRESS)])
+@pytest.mark.parametrize("transport", NATIVE)
+@world(2, timeout=60)
+def test_blocking_recv_progresses_queued_isends(transport, out):
+    """MPI's isend; recv; wait pattern: rank 0 starts more isends than rank 1
+    has slots for it, then blocks in a recv of rank 1's reply, which rank 1
+    sends only after receiving them all. The blocking recv must keep
+    writing the queued isends.
+    Catches: a blocking receive path that does not progress queued sends."""
+    with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=3) as comm:
+        if comm.rank == 0:
+            works = [comm.isend(torch.full((10,), float(i)), dst=1) for i in range(5)]
+            buf = None if out == "none" else np.zeros(4, np.int64) if out == "numpy" else torch.zeros(4, dtype=torch.int64)
+            assert comm.recv(src=1, out=buf).tolist() == [42]
+            for w in works:
+                w.wait()
+        else:
+            time.sleep(0.2)  # rank 0 is in its recv by now
+            for i in range(5):
+                assert comm.recv(src=0).tolist() == [float(i)] * 10
+            comm.send(torch.tensor([42]), dst=0)
+        comm.barrier()
