@@ -394,7 +394,7 @@ def test_blocking_recv_progresses_queued_isends(transport, out):
     sends only after receiving them all. The blocking recv must keep
     writing the queued isends.
     Catches: a blocking receive path that does not progress queued sends."""
-    with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=3) as comm:
+    with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=2) as comm:
         if comm.rank == 0:
             works = [comm.isend(torch.full((10,), float(i)), dst=1) for i in range(5)]
             buf = None if out == "none" else np.zeros(4, np.int64) if out == "numpy" else torch.zeros(4, dtype=torch.int64)
