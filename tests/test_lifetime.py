@@ -434,3 +434,55 @@ def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport):
                 pass
             assert comm.recv(src=0).tolist() == [0, 1, 2]
         comm.barrier()
+
+
+@pytest.mark.parametrize("transport", NATIVE)
+@world(2, timeout=60)
+def test_dropped_irecv_with_too_small_out_keeps_the_message(transport):
+    """A dropped irecv whose out= is too small for the message that arrives:
+    the message is refused without being consumed (as for a waited irecv) and
+    goes to the next recv; nothing is written into the small buffer.
+    Catches: a detached refused recv that eats or half-writes the message."""
+    with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30, array="numpy") as comm:
+        if comm.rank == 0:
+            comm.barrier()
+            comm.send(np.arange(100, dtype=np.int32), dst=1)
+            comm.send(np.arange(2, dtype=np.int32), dst=1)
+        else:
+            small = np.full(10, -1, dtype=np.int32)
+            comm.irecv(src=0, out=small)  # dropped; 100 elements will not fit
+            gc.collect()
+            comm.barrier()
+            assert comm.recv(src=0).tolist() == list(range(100))
+            assert comm.recv(src=0).tolist() == [0, 1]
+            assert (small == -1).all(), small
+        comm.barrier()
+
+
+@pytest.mark.parametrize("transport", NATIVE)
+@world(2, timeout=60, expect_exit={1: None})
+def test_dropped_works_when_the_peer_dies(transport):
+    """Dropped irecvs and dropped queued isends to a peer that then dies: the
+    survivor gets PeerFailure on its next operation with that peer (within
+    seconds, no crash, no hang), and can still talk to itself.
+    Catches: a detached request failed twice or left in a queue that a later
+    operation trips over (engine.cpp fail_peer's detached branch)."""
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=1, timeout=20)
+    comm.barrier()
+    if comm.rank == 1:  # not rank 0: it hosts the store
+        os.kill(os.getpid(), 9)
+    keep = [torch.full((100,), float(i)) for i in range(3)]  # sources outlive the dropped isends
+    for x in keep:
+        comm.isend(x, dst=1)  # the first fills the only slot; the others stay queued
+    comm.irecv(src=1)
+    comm.irecv(src=1, out=np.zeros(4))
+    gc.collect()
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="rank 1"):
+        comm.recv(src=1)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(varcomm.PeerFailure):
+        comm.send(torch.ones(1), dst=1)
+    comm.send(torch.arange(3), dst=0)  # self-sends still work
+    assert comm.recv(src=0).tolist() == [0, 1, 2]
+    comm.close()
