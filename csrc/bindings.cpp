@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 
+#include "collectives.h"
 #include "engine.h"
 #include "shm.h"
 #ifdef VARCOMM_HAVE_RDMA
@@ -30,6 +31,7 @@ const char* error_class(ErrorKind k) {
     case ErrorKind::Timeout: return "TimeoutError";
     case ErrorKind::PeerFailure: return "PeerFailure";
     case ErrorKind::Closed: return "ClosedError";
+    case ErrorKind::Refused: return "VarcommError";
     default: return "InvalidArgument";
   }
 }
@@ -180,6 +182,133 @@ std::vector<int64_t> to_shape(const py::sequence& s) {
 
 }  // namespace
 
+// ---- collectives ------------------------------------------------------------
+// The all-to-all exchange engine (csrc/collectives.h). Python builds a plan
+// from its arrays, then run() finishes the collective; it calls back into
+// Python only to allocate outputs whose size the headers told.
+namespace {
+
+struct AllToAllHandle {
+  py::object comm;  // keeps the Comm, and so the Engine, alive
+  std::unique_ptr<AllToAll> a;
+};
+
+std::string dtype_name(uint32_t w) {
+  return py::module_::import("varcomm.dtypes").attr("describe")(w).cast<std::string>();
+}
+
+// step(deadline) without the GIL, in slices, until it returns true.
+template <class F>
+void a2a_drive(AllToAll& a, F&& step, Clock::time_point deadline, std::optional<double> timeout) {
+  for (;;) {
+    auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = step(slice);
+    }
+    if (done) return;
+    if (PyErr_CheckSignals() != 0) {
+      a.cleanup();
+      throw py::error_already_set();
+    }
+    if (Clock::now() >= deadline) a.timeout(*timeout);
+  }
+}
+
+void fill_chunk(A2AChunk& c, const py::handle& t) {
+  // (ptr, nbytes, dtype word, shape)
+  auto tup = py::reinterpret_borrow<py::tuple>(t);
+  c.data = reinterpret_cast<const void*>(tup[0].cast<uintptr_t>());
+  c.nbytes = tup[1].cast<uint64_t>();
+  c.dtype = tup[2].cast<uint32_t>();
+  auto shape = to_shape(tup[3]);
+  if (shape.size() > size_t(kMaxDims))
+    throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
+  c.ndim = uint32_t(shape.size());
+  std::copy(shape.begin(), shape.end(), c.shape);
+}
+
+AllToAllHandle make_a2a(py::object comm, A2APlan plan) {
+  Comm& c = comm.cast<Comm&>();
+  AllToAllHandle h;
+  h.comm = comm;
+  h.a = std::make_unique<AllToAll>(*c.engine, std::move(plan));
+  return h;
+}
+
+// Finishes the collective. Row forms: returns the rows per source; alloc(total
+// rows) -> pointer is called when there is no out. List form: returns None;
+// alloc(src, dtype word, shape) -> pointer for each output left to allocate.
+py::object a2a_run(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
+  AllToAll& a = *h.a;
+  auto deadline = deadline_of(timeout);
+  a2a_drive(a, [&](Clock::time_point d) { return a.wait_headers(d); }, deadline, timeout);
+  if (a.op() == A2AOp::List) {
+    for (int s : a.unplaced()) {
+      const A2AChunk& g = a.arrived(s);
+      py::tuple shape(g.ndim);
+      for (uint32_t i = 0; i < g.ndim; ++i) shape[i] = g.shape[i];
+      try {
+        a.place(s, reinterpret_cast<void*>(alloc(s, g.dtype, shape).cast<uintptr_t>()), Mem{}, "");
+      } catch (py::error_already_set&) {
+        a.place(s, nullptr, Mem{}, "rank " + std::to_string(s) + " sent dtype " + dtype_name(g.dtype) + ", which rank " +
+                                       std::to_string(h.comm.cast<Comm&>().engine->rank()) + " cannot represent");
+      }
+    }
+  } else if (a.needs_out()) {
+    int64_t rows = 0;
+    for (int64_t v : a.recv_rows()) rows += v;
+    a.place(reinterpret_cast<void*>(alloc(rows).cast<uintptr_t>()), a.total_bytes(), Mem{});
+  }
+  a2a_drive(a, [&](Clock::time_point d) { return a.wait_done(d); }, deadline, timeout);
+  if (auto e = a.error(dtype_name)) throw *e;
+  if (a.op() == A2AOp::List) return py::none();
+  return py::cast(a.recv_rows());
+}
+
+void bind_collectives(py::module_& m) {
+  m.attr("COLL_TAG_BASE") = kCollTagBase;
+  m.attr("MAX_COLL_TAG") = kMaxCollTag;
+  m.attr("FLAG_DEVICE") = kDevicePayload;
+  m.attr("FLAG_DESCRIPTOR") = kDescriptor;
+  py::class_<AllToAllHandle>(m, "AllToAll")
+      .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none());
+  // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
+  // expected rows per source).
+  m.def("all_to_all_rows",
+        [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
+           const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
+           uint64_t cap, std::optional<std::vector<int64_t>> expect) {
+          A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, Mem{});
+          p.strategy = A2AStrategy(strategy);
+          p.user_tag = tag;
+          p.out = reinterpret_cast<void*>(out);
+          p.out_cap = cap;
+          if (expect) p.expect_rows = *expect;
+          return make_a2a(comm, std::move(p));
+        },
+        py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
+        py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
+        py::arg("expect") = py::none());
+  // sends[d], outs[s]: (ptr, nbytes, dtype word, shape); an out of None is allocated.
+  m.def("all_to_all_list",
+        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs) {
+          A2APlan p;
+          p.op = A2AOp::List;
+          p.strategy = A2AStrategy(strategy);
+          p.send.resize(py::len(sends));
+          p.outs.resize(py::len(outs));
+          for (size_t i = 0; i < p.send.size(); ++i) fill_chunk(p.send[i], sends[i]);
+          for (size_t i = 0; i < p.outs.size(); ++i)
+            if (!outs[i].is_none()) fill_chunk(p.outs[i], outs[i]);
+          return make_a2a(comm, std::move(p));
+        });
+}
+
+}  // namespace
+// ---- end collectives ---------------------------------------------------------
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "varcomm core: slots, headers, credits over shm / rdma transports";
 
@@ -212,6 +341,7 @@ PYBIND11_MODULE(_C, m) {
   build["transports"] = have;
   build["max_dims"] = kMaxDims;
   m.attr("build_info") = build;
+  bind_collectives(m);
 
   m.def("rdma_info", []() -> std::string {
 #ifdef VARCOMM_HAVE_RDMA
@@ -350,6 +480,13 @@ PYBIND11_MODULE(_C, m) {
              send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout);
              return true;
            })
+      // A descriptor message: the header of `nbytes` of data sent separately, no payload.
+      .def("isend_descriptor",
+           [](Comm& c, int dst, int64_t tag, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+             auto s = to_shape(shape);
+             return c.engine->isend_descriptor(dst, tag, nbytes, dtype, s.data(), uint32_t(s.size()));
+           },
+           py::arg("dst"), py::arg("tag"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"))
       .def("irecv",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
              return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));
@@ -393,7 +530,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
       .def("info", [](Comm& c, uint64_t id) { return info_tuple(c.engine->info(id)); })
-      // Header flags of a matched recv (bit 0: the payload is in device memory).
+      // Header flags of a matched recv (FLAG_DEVICE, FLAG_DESCRIPTOR).
       .def("info_flags", [](Comm& c, uint64_t id) { return c.engine->info(id).flags; })
       .def("copy_out",
            [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {

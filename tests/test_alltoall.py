@@ -4,6 +4,8 @@ other rank's input from the seed, so each result is checked byte-for-byte
 against a single-process reference."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ MODES = TRANSPORTS + ["shm/two-phase"]
 
 def _init(mode: str, **kw):
     transport, _, algorithm = mode.partition("/")
-    A.ALGORITHM = algorithm or "auto"  # ranks are forked: this stays in the rank
+    os.environ["VARCOMM_A2A_ALGORITHM"] = algorithm or "auto"  # ranks are forked: this stays in the rank
     return varcomm.init(transport=transport, **kw)
 
 

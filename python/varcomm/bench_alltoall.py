@@ -24,6 +24,7 @@ algbw = S / time; busbw = algbw * (n-1)/n (nccl-tests' all-to-all convention).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -129,8 +130,8 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     def varcomm_kernel(name: str, comm: Any, algorithm: str) -> Any:
         def kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:
             x, mine, want = inputs(*p)
-            old = A.ALGORITHM
-            A.ALGORITHM = algorithm
+            old = os.environ.get("VARCOMM_A2A_ALGORITHM")
+            os.environ["VARCOMM_A2A_ALGORITHM"] = algorithm  # read by each call
             try:
                 wrong = 0
                 for _ in range(w):
@@ -145,7 +146,10 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                 ctx.sync()
                 return time.perf_counter() - t0, iters, wrong
             finally:
-                A.ALGORITHM = old
+                if old is None:
+                    os.environ.pop("VARCOMM_A2A_ALGORITHM", None)
+                else:
+                    os.environ["VARCOMM_A2A_ALGORITHM"] = old
         return kernel
 
     def mpi_kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:

@@ -115,7 +115,6 @@ class Communicator:
         self._store = store
         self._owner = owner
         self._closed = False
-        self._coll_seq = 0  # collectives' tag sequence (alltoall.py)
         self._routes_ready = False
         self._fallback: Any = None
         self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
