@@ -167,10 +167,11 @@ py::tuple header_tuple(int src, const MsgHeader& h) {
   return py::make_tuple(src, h.tag, h.nbytes, h.dtype, shape);
 }
 
+// (src, tag, nbytes, dtype word, shape, flags): flags has FLAG_DEVICE, FLAG_DESCRIPTOR.
 py::tuple info_tuple(const MsgInfo& m) {
   py::tuple shape(m.shape.size());
   for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = m.shape[i];
-  return py::make_tuple(m.src, m.tag, m.nbytes, m.dtype, shape);
+  return py::make_tuple(m.src, m.tag, m.nbytes, m.dtype, shape, m.flags);
 }
 
 std::vector<int64_t> to_shape(const py::sequence& s) {

@@ -255,8 +255,11 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   }
   if (h.nbytes > out_cap) {
     *kind = ErrorKind::TooLarge;
-    return head + "message of " + std::to_string(h.nbytes) + " bytes does not fit out (" + std::to_string(out_cap) +
-           " bytes)" + kept;
+    std::string what = (h.flags & kDescriptor) ? " (a descriptor: the data, dtype code " + std::to_string(h.dtype) +
+                                                     ", travels in separate messages)"
+                                               : "";
+    return head + "message of " + std::to_string(h.nbytes) + " bytes" + what + " does not fit out (" +
+           std::to_string(out_cap) + " bytes)" + kept;
   }
   if (h.flags & kDescriptor) {
     *kind = ErrorKind::Mismatch;

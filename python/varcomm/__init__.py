@@ -11,12 +11,12 @@ from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLa
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .comm import Communicator, P2POp, Work, init
+    from .comm import Communicator, Descriptor, P2POp, Work, init
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `python -m varcomm.run` and the harness must start without torch.
-    if name in ("init", "Communicator", "P2POp", "Work"):
+    if name in ("init", "Communicator", "P2POp", "Work", "Descriptor"):
         from . import comm
 
         return getattr(comm, name)
@@ -31,7 +31,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "init", "Communicator", "Work", "P2POp", "build_info",
+    "init", "Communicator", "Work", "P2POp", "Descriptor", "build_info",
     "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
     "ClosedError",
 ]

@@ -9,10 +9,11 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from . import arrays, bootstrap
+from . import _C, arrays, bootstrap
 from .errors import InvalidArgument, VarcommError
 
 _MiB = 1 << 20
+_DEVICE, _DESCRIPTOR = _C.FLAG_DEVICE, _C.FLAG_DESCRIPTOR  # message header flags
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
 _TORCH_WORDS: dict[Any, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
 
@@ -28,6 +29,15 @@ def _env_bytes(name: str, default: int) -> int:
     if v.endswith(("KIB", "MIB", "GIB")):
         return int(float(v[:-3]) * mult[v[-3]])
     return int(v)
+
+
+class Descriptor(NamedTuple):
+    """A received descriptor message: the size, dtype word and shape of data
+    that travels in other messages (see Communicator.isend_descriptor)."""
+
+    nbytes: int
+    dtype: int
+    shape: tuple[int, ...]
 
 
 class Work:
@@ -344,6 +354,15 @@ class Communicator:
                 return r if r is out else arrays.prefix_view(out, r[2], r[4])
         return self.irecv(src, tag, out, copy=copy).wait(t)
 
+    def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
+        """Send a descriptor: a header describing `nbytes` of data (dtype word,
+        shape) that travels in other messages; it carries none itself, so
+        `nbytes` may exceed the bound. The receiver's recv returns a Descriptor."""
+        self._check_peer(dst, "dst")
+        if self._routes[dst] == "fallback":
+            raise InvalidArgument(f"descriptor messages to rank {dst} need a varcomm transport; it is on the fallback")
+        return Work(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
+
     def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True) -> Work:
         self._check_peer(src, "src")
         if self._routes[src] == "fallback":
@@ -376,10 +395,13 @@ class Communicator:
         kind = self._array
 
         def finish() -> Any:
-            _src, _tag, nbytes, word, shape = c.info(rid)
+            _src, _tag, nbytes, word, shape, flags = c.info(rid)
+            if flags & _DESCRIPTOR:
+                c.release(rid)
+                return Descriptor(nbytes, word, tuple(shape))
             if not copy:
                 return arrays.loan(kind, c.payload(rid), nbytes, word, shape, lambda: _release(c, rid))
-            if kind == "torch" and self._cuda_device is not None and c.info_flags(rid) & 1:
+            if kind == "torch" and self._cuda_device is not None and flags & _DEVICE:
                 # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
                 dev = arrays.torch.device("cuda", self._cuda_device)
                 _check_capture()
@@ -514,7 +536,7 @@ def _check_capture() -> None:
                               "numbers and credits are host state, so a replay would repeat the captured message")
 
 
-def _info_of(info: tuple[int, int, int, int, tuple[int, ...]]) -> tuple[int, tuple[int, ...]]:
+def _info_of(info: tuple[int, int, int, int, tuple[int, ...], int]) -> tuple[int, tuple[int, ...]]:
     return info[2], info[4]
 
 
@@ -573,4 +595,4 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any | No
     return Communicator(p, s, owner, opts)
 
 
-__all__ = ["Communicator", "Work", "P2POp", "init"]
+__all__ = ["Communicator", "Work", "P2POp", "Descriptor", "init"]
