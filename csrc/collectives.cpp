@@ -316,10 +316,7 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
 
 void AllToAll::timeout(double seconds) {
   uint64_t late = 0;
-  for (int k = 1; k < world_ && !late; ++k) {
-    int s = (rank_ - k + world_) % world_;
-    if (recv_[s] && !headers_) late = recv_[s];
-  }
+  if (!headers_) late = recv_[(rank_ - next_ + world_) % world_];  // the one wait_headers waits for
   for (int s = 0; s < world_ && !late; ++s) late = payload_[s];
   for (size_t i = 0; i < sends_.size() && !late; ++i) late = sends_[i];
   for (auto* v : {&recv_, &payload_, &sends_})

@@ -76,17 +76,6 @@ def _prod(s: Sequence[int]) -> int:
     return p
 
 
-def _host(x: Any, what: str) -> Any:
-    """A contiguous CPU torch tensor or numpy array (copied if strided)."""
-    if arrays.is_torch(x):
-        if x.device.type != "cpu":
-            raise InvalidArgument(f"{what} on {x.device}: this build has no GPU transport")
-        return x if x.is_contiguous() else x.contiguous()
-    if isinstance(x, np.ndarray):
-        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
-    raise InvalidArgument(f"{what} must be a torch.Tensor or numpy.ndarray, not {type(x).__name__}")
-
-
 def _rows_of(x: Any, what: str) -> tuple[int, tuple[int, ...], int, int, int]:
     """(rows, trailing shape, bytes per row, pointer, dtype word) of a >= 1-d host array."""
     if len(x.shape) == 0:
@@ -213,7 +202,7 @@ def all_to_all_v(comm: Any, x: Any, send_splits: Any, *, tag: int | None = None,
         rb = x.element_size() * _prod(trailing)
         ptr = x.data_ptr()
     else:
-        x = _host(x, "x")
+        x = arrays.host_array(x, "x")
         rows, trailing, rb, ptr, word = _rows_of(x, "x")
     if (type(send_splits) is list and len(send_splits) == n and all(type(v) is int and v >= 0 for v in send_splits)
             and sum(send_splits) == rows):
@@ -259,7 +248,7 @@ def all_to_all_single(comm: Any, output: Any, input: Any, output_split_sizes: An
     Returns None (a work when ``async_op``), like torch. Each message's header
     is checked against ``output_split_sizes``: a disagreement raises
     MessageMismatch naming the source rank (nothing is written)."""
-    inp = _host(input, "input")
+    inp = arrays.host_array(input, "input")
     rows, trailing, rb, ptr, word = _rows_of(inp, "input")
     _check_out(output, "output")
     if not (output.is_contiguous() if arrays.is_torch(output) else output.flags.c_contiguous):
@@ -297,7 +286,7 @@ def all_to_all(comm: Any, output_tensor_list: list[Any] | None, input_tensor_lis
         raise InvalidArgument(f"input_tensor_list has {len(input_tensor_list)} entries; the world has {n} ranks")
     if output_tensor_list is not None and len(output_tensor_list) != n:
         raise InvalidArgument(f"output_tensor_list has {len(output_tensor_list)} entries; the world has {n} ranks")
-    msgs = [_host(t, f"input_tensor_list[{d}]") for d, t in enumerate(input_tensor_list)]
+    msgs = [arrays.host_array(t, f"input_tensor_list[{d}]") for d, t in enumerate(input_tensor_list)]
     outs = output_tensor_list if output_tensor_list is not None else [None] * n
     sends = []
     for m in msgs:
