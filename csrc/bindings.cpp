@@ -531,8 +531,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
       .def("info", [](Comm& c, uint64_t id) { return info_tuple(c.engine->info(id)); })
-      // Header flags of a matched recv (FLAG_DEVICE, FLAG_DESCRIPTOR).
-      .def("info_flags", [](Comm& c, uint64_t id) { return c.engine->info(id).flags; })
       .def("copy_out",
            [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {
              c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));

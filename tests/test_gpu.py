@@ -171,8 +171,8 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda):
         else:
             rid = c.irecv(0, 0, 0, 0, 0)
             c.wait(rid, 30.0)
-            src, tag, n, word, shape = c.info(rid)
-            assert (n, word, shape) == (300, U8, (300,)) and c.info_flags(rid) & 1
+            src, tag, n, word, shape, flags = c.info(rid)
+            assert (n, word, shape) == (300, U8, (300,)) and flags & 1  # FLAG_DEVICE
             out = gpu.alloc(n)
             c.copy_out(rid, out, s)
             gpu.sync(s)
