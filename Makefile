@@ -21,9 +21,10 @@ $(DEPS): requirements-dev.txt scripts/setup-system.sh Makefile
 	if command -v mpicc >/dev/null; then $(PY) -m pip install -q mpi4py || echo "mpi4py not installed: MPI baseline will be skipped"; fi
 	touch $@
 
-$(SO_STAMP): $(DEPS) $(SOURCES)
+$(SO_STAMP): $(DEPS) $(SOURCES) bench/pyproject.toml
 	$(PY) setup.py -q build_ext --inplace
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e bench >/dev/null
 	touch $@
 
 setup: $(DEPS)
@@ -32,15 +33,17 @@ build: $(SO_STAMP)
 test: build
 	$(PY) -m pytest -q tests
 
-# The main job, then a short run of the benchmark suite (p2p, varlen, alltoall)
-# with its baselines, writing bench/results/demo.{png,json}.
+# The main job, then a short run of the benchmark suite (bench/, package
+# varcomm_bench: p2p, varlen, alltoall) with its baselines, writing
+# bench/results/demo.{png,json}.
 demo: build
 	$(PY) -m varcomm.run -n 2 --timeout 300 examples/demo.py
-	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m varcomm.bench all --quick -c \
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m varcomm_bench all --quick -c \
 		--plot bench/results/demo.png --json bench/results/demo.json
 
+# The recorded point-to-point sweep: bench/results/p2p-<date>.{json,md}.
 bench: build
-	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) bench/p2p.py
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m varcomm_bench p2p --save bench/results
 
 clean:
 	rm -rf build python/varcomm/_C*.so $(SO_STAMP)

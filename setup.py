@@ -116,7 +116,7 @@ def _cuda_archs(spec: str) -> tuple[list[str], list[str]]:
 
 def sources() -> dict[str, list[Path]]:
     return {
-        "core": sorted((ROOT / "csrc").glob("*.cpp")),
+        "core": sorted((ROOT / "csrc").glob("*.cpp")) + sorted((ROOT / "csrc" / "python").glob("*.cpp")),
         "shm": sorted((ROOT / "transport" / "shm").glob("*.cpp")),
         "rdma": [p for p in sorted((ROOT / "transport" / "rdma").glob("*.cpp")) if p.name != "selftest.cpp"],
         "nvlink": sorted((ROOT / "transport" / "nvlink").glob("*.cu"))

@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <sched.h>
+#include <unistd.h>
 #include <time.h>
 
 #include <algorithm>
@@ -39,20 +40,21 @@ std::string peer_str(int peer) { return "rank " + std::to_string(peer); }
 Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(world), opt_(opt) {
   if (world < 1) throw Error(ErrorKind::Invalid, "world_size must be >= 1");
   if (rank < 0 || rank >= world) throw Error(ErrorKind::Invalid, "rank out of range");
-  if (opt.nslots < 1 || opt.nslots > 1024)
-    throw Error(ErrorKind::Invalid, "slots must be in [1, 1024] (option slots / VARCOMM_SLOTS)");
+  if (opt.slots < 1 || opt.slots > 1024)
+    throw Error(ErrorKind::Invalid, "slots must be in [1, 1024] (slots= / VARCOMM_SLOTS)");
   layout_.world = world;
-  layout_.nslots = opt.nslots;
+  layout_.nslots = opt.slots;
   layout_.bound = opt.bound;
   region_ = std::make_unique<Region>(layout_.total());
   auto* ctl = reinterpret_cast<RegionCtl*>(region_->base());
   ctl->magic = kMagic;
   ctl->rank = rank;
   ctl->world = world;
-  ctl->nslots = opt.nslots;
+  ctl->nslots = opt.slots;
+  ctl->pid = int32_t(getpid());
   ctl->bound = opt.bound;
   peers_.resize(world);
-  for (auto& p : peers_) p.seen.assign(opt.nslots, 0);
+  for (auto& p : peers_) p.seen.assign(opt.slots, 0);
   reqs_.reserve(256);
 }
 
@@ -79,11 +81,6 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   p.t = std::move(t);
   p.layout = pl;
   p.written.assign(pl.nslots, 0);
-}
-
-std::string Engine::transport_name(int peer) const {
-  auto& p = peers_.at(peer);
-  return p.t ? p.t->name() : "";
 }
 
 std::string Engine::transport_describe(int peer) const {

@@ -12,17 +12,12 @@
 #include <vector>
 
 #include "errors.h"
+#include "options.h"
 #include "protocol.h"
 #include "region.h"
 #include "transport.h"
 
 namespace varcomm {
-
-struct Options {
-  uint64_t bound = 8ull << 20;  // max payload bytes per message (per slot)
-  int nslots = 8;               // ring depth per sending peer
-  int spin_us = 50;             // busy-poll before yielding; 0 when ranks outnumber cores
-};
 
 // Header of a matched message as seen by the caller.
 struct MsgInfo {
@@ -80,12 +75,12 @@ class Engine {
   int world() const { return world_; }
   const Layout& layout() const { return layout_; }
   Region& region() { return *region_; }
+  const Options& options() const { return opt_; }
 
-  // Set-up: the caller (Python bootstrap) exchanges descriptors and layouts.
+  // Set-up: csrc/routes.cpp (Setup) chooses and connects each peer's transport.
   void set_transport(int peer, std::shared_ptr<Transport> t, const Layout& peer_layout);
   // A second transport for device-memory messages to the same peer (nvlink).
   void set_device_transport(int peer, std::shared_ptr<Transport> t);
-  std::string transport_name(int peer) const;
   std::string transport_describe(int peer) const;
   void connected();
 

@@ -47,6 +47,8 @@ constexpr uint64_t kDescriptor = 2;
 inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & kDescriptor) ? 0 : h.nbytes; }
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");
 
+// The start of every region: what a peer that maps it checks it mapped
+// (region.h, region_mismatch) before writing into it.
 struct RegionCtl {
   uint64_t magic;
   int32_t rank;
@@ -74,10 +76,5 @@ struct Layout {
   }
   size_t total() const { return slot_off(world, 0); }
 };
-
-inline uint64_t dtype_itemsize(uint32_t dtype) {
-  uint64_t bits = (dtype >> 8) & 0xff, lanes = dtype & 0xff;
-  return (bits * (lanes ? lanes : 1) + 7) / 8;
-}
 
 }  // namespace varcomm

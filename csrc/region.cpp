@@ -60,4 +60,20 @@ void unmap_region(char* base, size_t size) {
   if (base) munmap(base, size);
 }
 
+std::string region_mismatch(const char* base, size_t size, int rank, int pid, const Layout& L) {
+  auto* c = reinterpret_cast<const RegionCtl*>(base);
+  auto want = [](const char* what, long long got, long long exp) {
+    return std::string(what) + " " + std::to_string(got) + " where its descriptor says " + std::to_string(exp);
+  };
+  std::string who = "rank " + std::to_string(rank) + "'s mapped region ";
+  if (size < kCtlBytes || c->magic != kMagic) return who + "is not a varcomm region (bad magic)";
+  if (c->rank != rank) return who + "belongs to " + want("rank", c->rank, rank);
+  if (c->pid != pid) return who + "belongs to " + want("pid", c->pid, pid);
+  if (c->world != L.world) return who + "has " + want("world_size", c->world, L.world);
+  if (c->nslots != L.nslots) return who + "has " + want("slots", c->nslots, L.nslots);
+  if (c->bound != L.bound) return who + "has " + want("bound", (long long)c->bound, (long long)L.bound);
+  if (size != L.total()) return who + "is " + want("bytes", (long long)size, (long long)L.total());
+  return "";
+}
+
 }  // namespace varcomm

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <string>
 
+#include "protocol.h"
+
 namespace varcomm {
 
 class Region {
@@ -29,5 +31,10 @@ class Region {
 // Map a peer's region given its pid and fd (same host, same user).
 char* map_peer_region(int pid, int fd, size_t size, std::string* error);
 void unmap_region(char* base, size_t size);
+
+// Empty when the region mapped at `base` (`size` bytes) is the one `rank`
+// described: its control block names that rank, pid and layout. Else what
+// differs (a recycled pid or fd would otherwise let us write into a stranger).
+std::string region_mismatch(const char* base, size_t size, int rank, int pid, const Layout& layout);
 
 }  // namespace varcomm

@@ -25,8 +25,7 @@ MODES = TRANSPORTS + ["shm/two-phase"]
 
 def _init(mode: str, **kw):
     transport, _, algorithm = mode.partition("/")
-    os.environ["VARCOMM_A2A_ALGORITHM"] = algorithm or "auto"  # ranks are forked: this stays in the rank
-    return varcomm.init(transport=transport, **kw)
+    return varcomm.init(transport=transport, a2a_algorithm=algorithm or "auto", **kw)
 
 
 def _x(seed: int, it: int, src: int, rows: int, trailing: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:

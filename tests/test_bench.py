@@ -1,6 +1,7 @@
-"""Tests for varcomm-bench (varcomm.bench): every subcommand on 2 ranks with tiny
-sizes (in-process through the harness), -c catching injected corruption, and the
-real command line (self-relaunch, JSON, plot) once as a subprocess."""
+"""Tests for varcomm-bench (the varcomm_bench package in bench/): every subcommand on
+2 ranks with tiny sizes (in-process through the harness), -c catching injected
+corruption, bad arguments as usage errors, and the real command line
+(self-relaunch, JSON, plot) as a subprocess."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,14 +15,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from varcomm import bench
-from varcomm.bench_alltoall import splits_matrix
-from varcomm.bench_core import BenchError, fmt_bytes, parse_bytes, sweep
-from varcomm.bench_varlen import pool, read_sizes
+import varcomm
+import varcomm_bench
 from varcomm.testing import rank, world
+from varcomm_bench import cli, report
+from varcomm_bench.alltoall import splits_matrix
+from varcomm_bench.core import BenchError, fmt_bytes, parse_bytes, sweep
+from varcomm_bench.varlen import pool, read_sizes
 
-PYTHONPATH = str(Path(bench.__file__).resolve().parents[1])
+# The subprocesses import this varcomm and this varcomm_bench.
+PYTHONPATH = os.pathsep.join(str(Path(m.__file__).resolve().parents[1]) for m in (varcomm, varcomm_bench))
 TINY = ["-r", "1", "-n", "2", "-w", "1", "-q", "--op-timeout", "30"]
+_JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "VARCOMM_BENCH_CORRUPT", "VARCOMM_BENCH_CMD", "VARCOMM_BENCH_LAUNCHER", "VARCOMM_BENCH_NO_MPI")
+
+
+def _cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`python -m varcomm_bench ARGS` as a user starts it: outside any launcher."""
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for k in _JOB_VARS:
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "varcomm_bench", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 # ---- pure helpers -------------------------------------------------------------------
@@ -45,7 +60,7 @@ def test_varlen_distributions(tmp_path: Path) -> None:
     f.write_text("# comment\n1K\n\n100\n4096  # trailing\n")
     assert read_sizes(str(f)) == [1024, 100, 4096]
     assert pool(f"file:{f}", 0, 0, 4) == [1024, 100, 4096]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="missing: no such file"):
         read_sizes(str(tmp_path / "missing"))
 
 
@@ -59,12 +74,35 @@ def test_routings() -> None:
     assert (o[:, 1:] == 0).all() and (o[:, 0] == (1 << 20) // rb).all()
 
 
-def test_bad_arguments(tmp_path: Path) -> None:
-    for args in (["p2p", "--baselines", "nope"], ["p2p", "--tests", "nope"], ["alltoall", "--routing", "ring"],
-                 ["varlen", "--dist", "pareto"], ["varlen", "--dist", f"file:{tmp_path / 'missing'}"],
-                 ["p2p", "--dtype", "complex64"]):
-        with pytest.raises(SystemExit):
-            bench.main(args)
+def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each bad value is argparse's usage error (exit status 2, before any rank
+    starts) naming the option and the value; the same command with good values runs."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# no sizes\n")
+    cases = [(["p2p", "--baselines", "nope"], "--baselines", "nope"),
+             (["p2p", "--tests", "latency,nope"], "--tests", "nope"),
+             (["alltoall", "--routing", "uniform,ring"], "--routing", "ring"),
+             (["varlen", "--dist", "pareto"], "--dist", "pareto"),
+             (["varlen", "--dist", f"file:{tmp_path / 'missing'}"], "--dist", "no such file"),
+             (["varlen", "--dist", f"file:{empty}"], "--dist", "no sizes"),
+             (["p2p", "--dtype", "complex64"], "--dtype", "complex64"),
+             (["p2p", "--window", "0"], "--window", "must be >= 1"),
+             (["p2p", "-f", "1"], "-f/--stepfactor", "must be >= 2"),
+             (["p2p", "-b", "lots"], "-b/--minbytes", "lots"),
+             (["all", "--nranks", "1"], "--nranks", "must be >= 2"),
+             (["p2p", "--nope"], "unrecognized arguments", "--nope")]
+    for args, option, detail in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2, (args, e.value.code, err)
+        assert "usage: varcomm-bench" in err, (args, err)
+        assert f"error: argument {option}: " in err or f"error: {option}: " in err, (args, err)
+        assert detail in err.split("error:", 1)[1], (args, err)
+    r = _cli(["p2p", "--tests", "latency", "-b", "8", "-e", "8", *TINY, "--baselines", "none",
+              "--launcher", "varcomm", "--timeout", "100"], timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "p2p latency" in r.stdout
 
 
 def test_cuda_without_gpu_is_a_clear_error() -> None:
@@ -72,7 +110,7 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
     if torch.version.cuda is not None:
         pytest.skip("a CUDA build of torch: is_available() would initialise CUDA in the pytest process")
     with pytest.raises(SystemExit, match="--device cuda: torch.cuda.is_available"):
-        bench.main(["p2p", "--device", "cuda"])
+        cli.main(["p2p", "--device", "cuda"])
 
 
 # ---- every subcommand on 2 ranks, in-process ----------------------------------------
@@ -80,7 +118,7 @@ def test_cuda_without_gpu_is_a_clear_error() -> None:
 @world(2, timeout=90, requires=("torch",))
 def test_all_subcommands_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "all.json"
-    rc = bench.main(["all", "-b", "64", "-e", "4K", "-f", "64", *TINY, "-c", "--routing", "uniform,zipf,all-to-one",
+    rc = cli.main(["all", "-b", "64", "-e", "4K", "-f", "64", *TINY, "-c", "--routing", "uniform,zipf,all-to-one",
                      "--baselines", "two-phase,fallback,memcpy,mpi4py", "--dist", "uniform", "--json", str(out)])
     if rank() != 0:
         return
@@ -104,9 +142,7 @@ def test_all_subcommands_two_ranks(tmp_path: Path) -> None:
         if r["bench"] == "alltoall":
             assert "two-phase" in r["points"][0]["methods"]
     text = (tmp_path / "table.txt")
-    from varcomm import bench_report
-
-    text.write_text(bench_report.text(doc))
+    text.write_text(report.text(doc))
     assert "algbw(GB/s)" in text.read_text() and "#wrong" in text.read_text()
 
 
@@ -114,7 +150,7 @@ def test_all_subcommands_two_ranks(tmp_path: Path) -> None:
 def test_check_catches_corruption(tmp_path: Path) -> None:
     os.environ["VARCOMM_BENCH_CORRUPT"] = "1"  # flip a byte of every received message before the check
     out = tmp_path / "bad.json"
-    rc = bench.main(["all", "-b", "1K", "-e", "1K", *TINY, "-c", "--tests", "latency,bibw",
+    rc = cli.main(["all", "-b", "1K", "-e", "1K", *TINY, "-c", "--tests", "latency,bibw",
                      "--baselines", "fallback", "--json", str(out)])
     if rank() != 0:
         return
@@ -131,7 +167,7 @@ def test_check_catches_corruption(tmp_path: Path) -> None:
 def test_without_check_nothing_is_verified(tmp_path: Path) -> None:
     os.environ["VARCOMM_BENCH_CORRUPT"] = "1"
     out = tmp_path / "nc.json"
-    rc = bench.main(["p2p", "--tests", "latency", "-b", "8", "-e", "8", *TINY, "--baselines", "none",
+    rc = cli.main(["p2p", "--tests", "latency", "-b", "8", "-e", "8", *TINY, "--baselines", "none",
                      "--json", str(out)])
     if rank() == 0:
         assert rc == 0
@@ -145,14 +181,8 @@ def test_cli_relaunches_itself_and_plots(tmp_path: Path) -> None:
     """No launcher: varcomm-bench starts its own 2 ranks (mpirun when mpi4py is there, so the
     MPI baseline runs in the same job), prints the table, writes the JSON and the plot."""
     j, png = tmp_path / "r.json", tmp_path / "r.png"
-    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "VARCOMM_BENCH_CORRUPT", "VARCOMM_BENCH_CMD", "VARCOMM_BENCH_LAUNCHER", "VARCOMM_BENCH_NO_MPI"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "varcomm.bench", "p2p", "--tests", "latency,unibw", "-b", "8", "-e", "512", "-f", "8",
-           "-r", "2", "-n", "3", "-c", "--baselines", "mpi4py,memcpy", "--json", str(j), "--plot", str(png),
-           "--timeout", "150"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    r = _cli(["p2p", "--tests", "latency,unibw", "-b", "8", "-e", "512", "-f", "8", "-r", "2", "-n", "3", "-c",
+              "--baselines", "mpi4py,memcpy", "--json", str(j), "--plot", str(png), "--timeout", "150"], timeout=180)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "time(us)" in r.stdout and "p2p latency" in r.stdout
     assert "p2p latency" in r.stderr and "(1/3," in r.stderr  # progress, one line per size
@@ -169,3 +199,18 @@ def test_cli_relaunches_itself_and_plots(tmp_path: Path) -> None:
         assert lat["methods"]["mpi4py"]["status"] == "skipped"
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_raw_libfabric_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--fi-provider, else the provider varcomm was asked for, else libfabric's shm."""
+    from types import SimpleNamespace
+
+    from varcomm_bench.core import fi_provider
+
+    ctx = SimpleNamespace(a=SimpleNamespace(fi_provider=None))
+    monkeypatch.delenv("VARCOMM_FI_PROVIDER", raising=False)
+    assert fi_provider(ctx, None) == "shm"
+    monkeypatch.setenv("VARCOMM_FI_PROVIDER", "tcp;ofi_rxm")
+    assert fi_provider(ctx, None) == "tcp;ofi_rxm"
+    ctx.a.fi_provider = "sockets"
+    assert fi_provider(ctx, None) == "sockets"

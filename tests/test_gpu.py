@@ -39,8 +39,8 @@ def nvlink_built() -> str | None:
 
     if "nvlink" not in _C.build_info["transports"]:
         return "varcomm was built without the nvlink transport"
-    if not hasattr(_C.Comm, "connect_device"):
-        return "this varcomm._C has no nvlink bindings (connect_device)"
+    if not hasattr(_C.Comm, "device_transport_for"):
+        return "this varcomm._C has no device routes (device_transport_for)"
     return None
 
 
@@ -106,7 +106,8 @@ def _fake_comm(path: str, **kw):
     os.environ["VARCOMM_NVLINK"] = "1"
     os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
     comm = varcomm.init(transport="shm", timeout=30, **kw)
-    assert all(comm.device_transport_for(r) == "nvlink" for r in range(comm.world_size)), comm._nvlink_note
+    assert all(comm.device_transport_for(r) == "nvlink" for r in range(comm.world_size)), \
+        comm.describe_transport(1 - comm.rank)
     assert "nvlink" in comm.describe_transport(1 - comm.rank)
     return gpu, comm
 
@@ -135,12 +136,12 @@ def test_fake_device_messages_recycle_slots(fake_cuda):
             out = gpu.alloc(BOUND)
             h = c.recv_into(0, 5, out, BOUND, U8, 30.0, s)
             gpu.sync(s)
-            assert h[2] == 100 and gpu.get(out, 100) == _payload(99, 100)
+            assert h.nbytes == 100 and gpu.get(out, 100) == _payload(99, 100)
         else:
             out = gpu.alloc(BOUND)
             for i, n in enumerate(msgs):
                 h = c.recv_into(0, i % 2, out, BOUND, U8, 30.0, s)
-                assert h[2] == n and h[4] == (n,), (i, h)
+                assert h.nbytes == n and h.shape == (n,), (i, h)
                 gpu.sync(s)
                 assert gpu.get(out, n) == _payload(i, n), f"message {i} ({n} bytes) differs"
         comm.barrier()
@@ -171,22 +172,23 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda):
         else:
             rid = c.irecv(0, 0, 0, 0, 0)
             c.wait(rid, 30.0)
-            src, tag, n, word, shape, flags = c.info(rid)
-            assert (n, word, shape) == (300, U8, (300,)) and flags & 1  # FLAG_DEVICE
+            st = c.info(rid)
+            n = st.nbytes
+            assert (n, st.dtype, st.shape) == (300, U8, (300,)) and st.device
             out = gpu.alloc(n)
             c.copy_out(rid, out, s)
             gpu.sync(s)
             assert gpu.get(out, n) == _payload(0, 300)
             host = np.zeros(BOUND, dtype=np.uint8)  # device message into host memory
             h = c.recv_buffer(0, 0, host, 30.0)
-            assert h[2] == 5000 and host[:5000].tobytes() == _payload(1, 5000)
+            assert h.nbytes == 5000 and host[:5000].tobytes() == _payload(1, 5000)
             rid = c.irecv(0, 0, 0, 0, 0)  # dropped unread
             c.wait(rid, 30.0)
             c.release(rid)
             dev = gpu.alloc(BOUND)  # host message into device memory
             h = c.recv_into(0, 1, dev, BOUND, U8, 30.0, s)
             gpu.sync(s)
-            assert h[2] == 1000 and gpu.get(dev, 1000) == _payload(7, 1000)
+            assert h.nbytes == 1000 and gpu.get(dev, 1000) == _payload(7, 1000)
             for i in range(6):
                 h = c.recv_into(0, 2, dev, BOUND, U8, 30.0, s)
                 gpu.sync(s)
@@ -209,7 +211,7 @@ def test_fake_close_waits_for_the_private_stream(fake_cuda):
             c.send(1, 0, gpu.alloc(1), 0, U8, (0,), 30.0, s)
             gpu.sync(s)
         else:
-            assert c.recv_into(0, 0, gpu.alloc(16), 16, U8, 30.0, s)[2] == 0
+            assert c.recv_into(0, 0, gpu.alloc(16), 16, U8, 30.0, s).nbytes == 0
         comm.barrier()
 
 
@@ -267,7 +269,7 @@ def test_fake_small_message_kernel(fake_cuda, modules):
             for i, n in enumerate(sizes):
                 dst = out + (i * 3) % 13  # unaligned destinations too
                 h = c.recv_into(0, 0, dst, BOUND, U8, 30.0, s)
-                assert h[2] == n, (i, h)
+                assert h.nbytes == n, (i, h)
                 gpu.sync(s)
                 assert gpu.get(dst, n) == _payload(i, n), f"message {i} ({n} bytes) differs"
         comm.barrier()

@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLarge, PeerFailure, TimeoutError,
                      VarcommError)
+from .options import Options
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .comm import Communicator, Descriptor, P2POp, Work, init
+    from ._C import Status
+    from .comm import Communicator, P2POp, Work, init
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from . import comm
 
         return getattr(comm, name)
+    if name == "Status":  # a received message's header (recv_into, Work results' metadata)
+        from ._C import Status
+
+        return Status
     raise AttributeError(f"module 'varcomm' has no attribute {name!r}")
 
 
@@ -31,7 +37,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "init", "Communicator", "Work", "P2POp", "Descriptor", "build_info",
+    "init", "Communicator", "Work", "P2POp", "Options", "Status", "build_info",
     "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
     "ClosedError",
 ]

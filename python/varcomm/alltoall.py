@@ -11,14 +11,13 @@ arrays to it, and allocates an output once the headers told its size.
 Errors are raised only after every pair's messages were consumed, so the
 communicator stays usable for the next collective.
 
-The strategy is an option read at call time (``VARCOMM_A2A_ALGORITHM``):
+The strategy is the option ``a2a_algorithm`` (``VARCOMM_A2A_ALGORITHM``), read at call time:
 ``auto`` or ``one-phase`` (counts travel in each chunk's header), or
 ``two-phase``, the conventional baseline (a descriptor per pair with the
 count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -38,15 +37,8 @@ _V, _SINGLE = 0, 1  # the core's row-form operations
 
 
 def _strategy(comm: Any) -> int:
-    """The all-to-all strategy, read at call time."""
-    opts = getattr(comm, "options", None)
-    name = getattr(opts, "a2a_algorithm", None)
-    if name is None:
-        name = os.environ.get("VARCOMM_A2A_ALGORITHM", "auto")
-    try:
-        return _STRATEGIES[name]
-    except KeyError:
-        raise InvalidArgument(f"VARCOMM_A2A_ALGORITHM={name!r}: use auto, one-phase or two-phase") from None
+    """The all-to-all strategy (option a2a_algorithm), read at call time."""
+    return _STRATEGIES[comm.options.a2a_algorithm]
 
 
 # The only uses of the core's collective binding.

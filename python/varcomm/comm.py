@@ -1,43 +1,22 @@
 """The Communicator: variable-size point-to-point over whichever transport
-reaches each peer. Nothing here knows how a transport moves bytes."""
+reaches each peer. The core chooses and connects the routes (csrc/routes.cpp);
+nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
-import json
-import os
 import time
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from . import _C, arrays, bootstrap
+from . import arrays, bootstrap
 from .errors import InvalidArgument, VarcommError
+from .options import Options
 
-_MiB = 1 << 20
-_DEVICE, _DESCRIPTOR = _C.FLAG_DEVICE, _C.FLAG_DESCRIPTOR  # message header flags
+if TYPE_CHECKING:
+    from ._C import Status
+
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
 _TORCH_WORDS: dict[Any, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
-
-
-def _env_bytes(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if not v:
-        return default
-    v = v.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if v[-1:] in mult:
-        return int(float(v[:-1]) * mult[v[-1]])
-    if v.endswith(("KIB", "MIB", "GIB")):
-        return int(float(v[:-3]) * mult[v[-3]])
-    return int(v)
-
-
-class Descriptor(NamedTuple):
-    """A received descriptor message: the size, dtype word and shape of data
-    that travels in other messages (see Communicator.isend_descriptor)."""
-
-    nbytes: int
-    dtype: int
-    shape: tuple[int, ...]
 
 
 class Work:
@@ -111,142 +90,52 @@ class P2POp(NamedTuple):
 class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
-    def __init__(self, placement: bootstrap.Placement, store: Any, owner: Any, options: dict[str, Any]):
+    def __init__(self, placement: bootstrap.Placement, store: Any, owner: Any, options: Options):
         from . import _C
 
+        self.options = options  # resolved: every field set (see varcomm.options)
         self.rank = placement.rank
         self.world_size = placement.world_size
         self.local_rank = placement.local_rank
         self.local_world_size = placement.local_world_size
-        self.bound: int = options["bound"]
-        self.slots: int = options["slots"]
-        self._timeout: float | None = options["timeout"]
-        self._array = options["array"]
+        self.bound: int = options.bound
+        self.slots: int = options.slots
+        self._timeout: float | None = options.timeout
+        self._array = options.array
         self._store = store
         self._owner = owner
         self._closed = False
         self._routes_ready = False
         self._fallback: Any = None
-        self._why_fallback = "VARCOMM_TRANSPORT=fallback" if options["transport"] == "fallback" else \
-            "no varcomm transport reaches this peer"
-        self._cuda_device: int | None = None  # the GPU whose memory holds our nvlink receive slots
-        self._device_routes: list[str | None] = [None] * self.world_size  # "nvlink" or None per peer
-        self._nvlink_note = ""  # why GPU tensors have no nvlink route, when they have none
-        self._c = _C.Comm(self.rank, self.world_size, self.bound, self.slots, options["spin_us"])
-        self._routes = self._connect(options)
+        self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
+        self._setup()
+        # Per peer, from the core: whether the fallback carries it, and its
+        # device-memory route (None: CUDA tensors are staged through host memory).
+        self._routes: list[str] = self._c.routes
+        self._via_fallback: list[bool] = self._c.via_fallback
+        self._device_routes: list[str | None] = self._c.device_routes
+        # The GPU whose memory holds our device receive slots, else None.
+        self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
         self._routes_ready = True
-
-    # ---- set-up ---------------------------------------------------------------
-
-    def _connect(self, options: dict[str, Any]) -> list[str]:
-        from . import _C
-
-        forced = options["transport"]
-        built = set(_C.build_info["transports"])
-        if forced not in ("auto", "fallback") and forced not in built:
-            raise InvalidArgument(f"transport {forced!r} is not built into this varcomm (built: {sorted(built)}); "
-                                  "see `varcomm-doctor`")
-        # Hosts first: rdma endpoints are only opened when some peer needs one.
-        host = bootstrap.host_key()
-        self._store.set(f"host/{self.rank}", host)
-        hosts = [self._store.get(f"host/{r}").decode() for r in range(self.world_size)]
-        self.hosts = hosts
-        me = {"host": host, "world": self.world_size, "slots": self.slots, "bound": self.bound, "desc": {}}
-        if forced != "fallback":
-            me["desc"]["shm"] = self._c.expose("shm")
-            remote = any(h != host for h in hosts)
-            if "rdma" in built and (forced == "rdma" or (forced == "auto" and remote)):
-                try:
-                    me["desc"]["rdma"] = self._expose_rdma(options, remote)
-                except VarcommError as e:
-                    if forced == "rdma":
-                        raise
-                    self._why_fallback = f"rdma unavailable: {e}"
-            self._expose_nvlink(me, built)
-        self._store.set(f"peer/{self.rank}", json.dumps(me))
-        peers = [json.loads(self._store.get(f"peer/{r}")) for r in range(self.world_size)]
-        routes = []
-        for r, p in enumerate(peers):
-            kind = _choose(self.rank, me, r, p, forced)
-            routes.append(kind)
-            if kind != "fallback":
-                self._c.connect(r, kind, p["desc"][kind], p["world"], p["slots"], p["bound"])
-        self._connect_nvlink(me, peers, routes)
-        # Every rank has mapped its peers' regions: the segments can be let go.
-        self._store.add("mapped", 1)
-        self._wait_count("mapped", self.world_size)
-        self._c.connected()
-        self._agree_nvlink(me)
         # The gloo group is built by every rank, so it exists as soon as any
         # pair in the job needs it, not only pairs that include this rank.
-        if any(_choose(i, a, j, b, forced) == "fallback"
-               for i, a in enumerate(peers) for j, b in enumerate(peers) if i < j):
+        if self._c.needs_fallback_group:
             from .fallback import Fallback
 
             self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout, self._array)
-        return routes
 
-    # GPU tensors between same-host ranks: device receive slots shared with
-    # CUDA IPC (transport/nvlink). VARCOMM_NVLINK: auto (default: when this
-    # process already uses CUDA, e.g. after torch.cuda.set_device), 1, or 0.
-    # VARCOMM_NVLINK_DEVICE: the GPU ordinal to use without asking torch.
+    # ---- set-up ---------------------------------------------------------------
 
-    def _expose_nvlink(self, me: dict[str, Any], built: set[str]) -> None:
-        want = os.environ.get("VARCOMM_NVLINK", "auto").lower()
-        if "nvlink" not in built or want in ("0", "off", "no", "false"):
-            self._nvlink_note = "nvlink off (VARCOMM_NVLINK=0)" if "nvlink" in built else "built without nvlink"
-            return
-        torch = arrays.torch
-        dev_env = os.environ.get("VARCOMM_NVLINK_DEVICE")
-        if dev_env is not None:
-            dev = int(dev_env)
-        elif torch is None or not (torch.cuda.is_initialized() or (want != "auto" and torch.cuda.is_available())):
-            self._nvlink_note = ("this process had not used CUDA at varcomm.init (call torch.cuda.set_device "
-                                 "first, or set VARCOMM_NVLINK=1)")
-            return
-        else:
-            dev = torch.cuda.current_device()
-        try:
-            me["desc"]["nvlink"] = self._c.expose("nvlink", device=dev)
-            self._cuda_device = dev
-        except VarcommError as e:
-            if want != "auto":
-                raise
-            self._nvlink_note = str(e)
-
-    def _connect_nvlink(self, me: dict[str, Any], peers: list[dict[str, Any]], routes: list[str]) -> None:
-        if "nvlink" not in me["desc"]:
-            return
-        ok = []
-        for r, p in enumerate(peers):
-            if routes[r] != "shm" or "nvlink" not in p["desc"]:
-                continue
-            try:
-                self._c.connect_device(r, "nvlink", p["desc"]["nvlink"])
-                ok.append(r)
-            except VarcommError as e:
-                self._nvlink_note = f"rank {r}: {e}"
-        self._store.set(f"nvlink/{self.rank}", json.dumps(ok))
-
-    def _agree_nvlink(self, me: dict[str, Any]) -> None:
-        """A pair uses nvlink only if both sides could open the other's memory."""
-        if "nvlink" not in me["desc"]:
-            return
-        for r in json.loads(self._store.get(f"nvlink/{self.rank}")):
-            if self.rank in json.loads(self._store.get(f"nvlink/{r}")):
-                self._c.set_device_transport(r, "nvlink")
-                self._device_routes[r] = "nvlink"
-
-    def _expose_rdma(self, options: dict[str, Any], remote: bool) -> str:
-        iface = options["rdma_iface"]
-        if not remote and not iface:
-            # rdma forced on one host (tests, benchmarks): keep the traffic on
-            # loopback rather than the host's own network address.
-            try:
-                return self._c.expose("rdma", options["rdma_provider"], "lo")
-            except VarcommError:
-                pass  # a provider with no loopback domain (verbs, efa): its default
-        return self._c.expose("rdma", options["rdma_provider"], iface)
+    def _setup(self) -> None:
+        """The core chooses and connects every route; this only carries its
+        opaque per-round records between ranks through the store."""
+        out = self._c.setup_begin()
+        rnd = 0
+        while out is not None:
+            self._store.set(f"setup/{rnd}/{self.rank}", out)
+            blobs = [self._store.get(f"setup/{rnd}/{r}") for r in range(self.world_size)]
+            out = self._c.setup_step(blobs)
+            rnd += 1
 
     def _wait_count(self, key: str, n: int) -> None:
         deadline = time.monotonic() + (self._timeout or 300)
@@ -262,21 +151,16 @@ class Communicator:
     def transport_for(self, peer: int) -> str:
         """"shm", "rdma" or "fallback": what carries messages to and from `peer`."""
         self._check_peer(peer, "peer")
-        return self._routes[peer]
+        return self._c.transport_for(peer)
 
     def describe_transport(self, peer: int) -> str:
         self._check_peer(peer, "peer")
-        if self._routes[peer] == "fallback":
-            return f"fallback (torch.distributed gloo: shape header, then payload; {self._why_fallback})"
-        d = self._c.transport_describe(peer)
-        if self._device_routes[peer]:
-            return d + "; GPU tensors: " + self._c.transport_describe_device(peer)
-        return d + (f"; GPU tensors: no nvlink ({self._nvlink_note})" if self._nvlink_note else "")
+        return self._c.describe_transport(peer)
 
     def device_transport_for(self, peer: int) -> str | None:
         """"nvlink" when CUDA tensors to and from `peer` travel GPU to GPU, else None."""
         self._check_peer(peer, "peer")
-        return self._device_routes[peer]
+        return self._c.device_transport_for(peer)
 
     def _check_peer(self, peer: int, what: str) -> None:
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
@@ -291,7 +175,7 @@ class Communicator:
     def send(self, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Returns when `tensor` may be reused."""
         t = self._timeout if timeout is None else timeout
-        if not (type(dst) is int and 0 <= dst < self.world_size) or self._routes[dst] == "fallback":
+        if not (type(dst) is int and 0 <= dst < self.world_size) or self._via_fallback[dst]:
             self._check_peer(dst, "dst")
             return self._fallback.send(tensor, dst, tag, t)
         kind = type(tensor)
@@ -313,7 +197,7 @@ class Communicator:
     def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
         self._check_peer(dst, "dst")
-        if self._routes[dst] == "fallback":
+        if self._via_fallback[dst]:
             return self._fallback.isend(tensor, dst, tag)
         ptr, nbytes, word, shape, keep, stream = arrays.describe_send(tensor)
         if stream >= 0 and self._device_routes[dst] is None:
@@ -335,13 +219,13 @@ class Communicator:
         goes back to the sender when the view is garbage collected, so do not hold
         more than `slots` of them per peer."""
         t = self._timeout if timeout is None else timeout
-        if out is not None and type(src) is int and 0 <= src < self.world_size and self._routes[src] != "fallback":
+        if out is not None and type(src) is int and 0 <= src < self.world_size and not self._via_fallback[src]:
             kind = type(out)
             if kind is np.ndarray:
                 r = self._c.recv_buffer(src, tag, out, t)
             elif kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS:
                 r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t)
-                if r is not None and r[4] == out.shape:
+                if r is not None and r.shape == out.shape:
                     return out
             elif kind is _Tensor and out.is_cuda and self._device_routes[src] is None:
                 r = None  # staged through host memory: irecv below
@@ -351,21 +235,22 @@ class Communicator:
                     _check_capture()
                 r = self._c.recv_into(src, tag, ptr, cap, word, t, stream)
             if r is not None:
-                return r if r is out else arrays.prefix_view(out, r[2], r[4])
+                return r if r is out else arrays.prefix_view(out, r.nbytes, r.shape)
         return self.irecv(src, tag, out, copy=copy).wait(t)
 
     def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
         """Send a descriptor: a header describing `nbytes` of data (dtype word,
         shape) that travels in other messages; it carries none itself, so
-        `nbytes` may exceed the bound. The receiver's recv returns a Descriptor."""
+        `nbytes` may exceed the bound. A recv of it returns its Status
+        (``status.descriptor`` is True)."""
         self._check_peer(dst, "dst")
-        if self._routes[dst] == "fallback":
+        if self._via_fallback[dst]:
             raise InvalidArgument(f"descriptor messages to rank {dst} need a varcomm transport; it is on the fallback")
         return Work(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
 
     def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True) -> Work:
         self._check_peer(src, "src")
-        if self._routes[src] == "fallback":
+        if self._via_fallback[src]:
             return self._fallback.irecv(src, tag, out)
         c = self._c
         if out is not None:
@@ -378,30 +263,31 @@ class Communicator:
                 rid = c.irecv(src, tag, bptr, bcap, bword)
 
                 def staged() -> Any:
-                    nbytes, shape = _info_of(c.info(rid))
-                    view = arrays.prefix_view(out, nbytes, shape)
-                    view.copy_(arrays.prefix_view(bounce, nbytes, shape))
+                    st = c.info(rid)
+                    view = arrays.prefix_view(out, st.nbytes, st.shape)
+                    view.copy_(arrays.prefix_view(bounce, st.nbytes, st.shape))
                     return view
 
                 return Work(self, rid, staged, src, "recv")
             if stream < 0:
                 rid = c.irecv(src, tag, ptr, cap, word)
-                return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv")
+                return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv")
             _check_capture()
             rid = c.irecv(src, tag, ptr, cap, word, stream)
-            return Work(self, rid, lambda: arrays.prefix_view(out, *_info_of(c.info(rid))), src, "recv",
+            return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv",
                         stream=arrays.torch.cuda.current_stream(out.device))
         rid = c.irecv(src, tag, 0, 0, 0)
         kind = self._array
 
         def finish() -> Any:
-            _src, _tag, nbytes, word, shape, flags = c.info(rid)
-            if flags & _DESCRIPTOR:
+            st = c.info(rid)
+            if st.descriptor:  # no payload of its own: its Status is the message
                 c.release(rid)
-                return Descriptor(nbytes, word, tuple(shape))
+                return st
+            word, shape = st.dtype, st.shape
             if not copy:
-                return arrays.loan(kind, c.payload(rid), nbytes, word, shape, lambda: _release(c, rid))
-            if kind == "torch" and self._cuda_device is not None and flags & _DEVICE:
+                return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))
+            if kind == "torch" and self._cuda_device is not None and st.device:
                 # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
                 dev = arrays.torch.device("cuda", self._cuda_device)
                 _check_capture()
@@ -476,7 +362,7 @@ class Communicator:
             # transports down: peers may still be writing into our region, and rank
             # 0 hosts the store. Progress meanwhile so their writes complete.
             keep_store = self._owner is not None and self.rank == 0
-            rdma = "rdma" in self._routes
+            rdma = self._c.close_waits_for_peers
             if keep_store or rdma:
                 deadline = time.monotonic() + (30 if keep_store else 10)
                 missing = [r for r in range(self.world_size) if r != self.rank]
@@ -488,7 +374,7 @@ class Communicator:
                     except Exception:  # noqa: BLE001 - the store's owner left after every rank had
                         break
                     # A rank that died without closing will not come: stop waiting for it.
-                    if all(self._routes[r] != "fallback" and self._c.peer_error(r) for r in missing):
+                    if all(not self._via_fallback[r] and self._c.peer_error(r) for r in missing):
                         break
                     time.sleep(0.005)
         finally:
@@ -507,20 +393,18 @@ class Communicator:
                 f"slots={self.slots}, transports={sorted(set(self._routes))})")
 
 
-def _choose(me_rank: int, me: dict[str, Any], peer: int, p: dict[str, Any], forced: str) -> str:
-    """Per pair: same host -> shm, other host -> rdma, else the fallback."""
-    if forced == "fallback":
-        return "fallback"
-    rdma = "rdma" in p["desc"] and "rdma" in me["desc"]
-    if forced == "rdma" and peer != me_rank:  # self-sends stay in local memory
-        if not rdma:
-            raise InvalidArgument(f"transport='rdma' but rank {peer} has no rdma endpoint (see varcomm-doctor)")
-        return "rdma"
-    if p["host"] == me["host"]:
-        return "shm"
-    if forced == "shm":
-        raise InvalidArgument(f"transport='shm' but rank {peer} is on another host")
-    return "rdma" if rdma else "fallback"
+def _cuda_device(options: Options) -> int:
+    """The GPU this process uses, -1 when none or unknown: nvlink_device, else
+    torch's current device once this process has used CUDA (or, with nvlink
+    forced on, whenever CUDA is available). A fact for the core, not a choice."""
+    if options.nvlink_device is not None:
+        return options.nvlink_device
+    torch = arrays.torch
+    if options.nvlink == "off" or torch is None:
+        return -1
+    if torch.cuda.is_initialized() or (options.nvlink == "on" and torch.cuda.is_available()):
+        return int(torch.cuda.current_device())
+    return -1
 
 
 def _stage(tensor: Any) -> Any:
@@ -536,8 +420,8 @@ def _check_capture() -> None:
                               "numbers and credits are host state, so a replay would repeat the captured message")
 
 
-def _info_of(info: tuple[int, int, int, int, tuple[int, ...], int]) -> tuple[int, tuple[int, ...]]:
-    return info[2], info[4]
+def _prefix_of(out: Any, st: Status) -> Any:
+    return arrays.prefix_view(out, st.nbytes, st.shape)
 
 
 def _release(c: Any, rid: int) -> None:
@@ -548,51 +432,38 @@ def _release(c: Any, rid: int) -> None:
 
 
 def init(rank: int | None = None, world_size: int | None = None, store: Any | None = None, *,
-         bound: int | None = None, slots: int | None = None, transport: str | None = None,
-         timeout: float | None = -1.0, array: str | None = None, rdma_provider: str | None = None,
-         rdma_iface: str | None = None, prefix: str | None = None) -> Communicator:
+         prefix: str | None = None, **options: Any) -> Communicator:
     """Join the job and connect to every peer.
 
     rank/world_size default to the launcher's environment (varcomm-run, torchrun,
     mpirun, srun); `store` defaults to a TCPStore at MASTER_ADDR:MASTER_PORT.
-    bound (VARCOMM_BOUND, default 8 MiB): largest message a peer may send us.
-    slots (VARCOMM_SLOTS, default 8): messages in flight per sending peer.
+    prefix: with store=, the key prefix of this communicator (else an instance count).
+    options: any field of varcomm.options.Options, by name; each defaults to its
+    VARCOMM_* variable, then to its default (README "Options and environment"):
+    bound (VARCOMM_BOUND, 8 MiB): largest message a peer may send us.
+    slots (VARCOMM_SLOTS, 8): messages in flight per sending peer.
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
     array (VARCOMM_ARRAY): kind returned by recv without out: torch | numpy.
-    prefix: with store=, the key prefix of this communicator (else an instance count).
+    rdma_provider, rdma_iface, spin_us, nvlink, a2a_algorithm, ...: see Options.
+    An unknown option raises TypeError; a bad value, InvalidArgument.
     """
+    opts = Options.resolve(keyword_origin="init", **options)
+    return connect(opts, rank, world_size, store, prefix)
+
+
+def connect(options: Options, rank: int | None = None, world_size: int | None = None, store: Any | None = None,
+            prefix: str | None = None) -> Communicator:
+    """init() with options already resolved (the torch backend and varcomm.distributed)."""
     if arrays.torch is not None and not _TORCH_WORDS:
         from . import dtypes
 
         dtypes.from_torch(arrays.torch.float32)
         _TORCH_WORDS.update(dtypes._TORCH)
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
-    if timeout == -1.0:
-        env = os.environ.get("VARCOMM_TIMEOUT")
-        timeout = None if env in ("none", "None", "inf") else float(env) if env else 600.0
-    kind = array or os.environ.get("VARCOMM_ARRAY") or ("torch" if arrays.torch is not None else "numpy")
-    if kind not in ("torch", "numpy"):
-        raise InvalidArgument(f"array={kind!r}: use 'torch' or 'numpy'")
-    opts = {
-        "bound": bound if bound is not None else _env_bytes("VARCOMM_BOUND", 8 * _MiB),
-        "slots": slots if slots is not None else int(os.environ.get("VARCOMM_SLOTS", "8")),
-        "transport": (transport or os.environ.get("VARCOMM_TRANSPORT") or "auto").lower(),
-        "timeout": timeout,
-        "array": kind,
-        "rdma_provider": rdma_provider or os.environ.get("VARCOMM_FI_PROVIDER", ""),
-        "rdma_iface": rdma_iface or os.environ.get("VARCOMM_FI_IFACE", ""),
-        # Busy-polling only pays when every local rank has a core; otherwise it
-        # burns the time slice of the peer we are waiting for (Open MPI yields too).
-        "spin_us": int(os.environ.get("VARCOMM_SPIN_US",
-                                      "50" if p.local_world_size <= (os.cpu_count() or 1) else "0")),
-    }
-    if opts["transport"] not in ("auto", "shm", "rdma", "fallback"):
-        raise InvalidArgument(f"transport={opts['transport']!r}: use auto, shm, rdma or fallback")
-    if opts["bound"] <= 0:
-        raise InvalidArgument("bound must be positive (bytes)")
-    s, owner = bootstrap.make_store(p, store, timeout or 300, prefix)
-    return Communicator(p, s, owner, opts)
+    options = options.placed(p.local_world_size)
+    s, owner = bootstrap.make_store(p, store, options.timeout or 300, prefix)
+    return Communicator(p, s, owner, options)
 
 
-__all__ = ["Communicator", "Work", "P2POp", "Descriptor", "init"]
+__all__ = ["Communicator", "Work", "P2POp", "Options", "init", "connect"]

@@ -28,17 +28,15 @@ Works); receiving from any source (``src=None``) is not supported.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as _tdist
 
 from . import torch_backend as _tb
-from .comm import Communicator
-from .comm import init as _init
+from .comm import Communicator, connect
 from .errors import InvalidArgument
+from .options import Options
 
 try:
     from . import alltoall as _a2a
@@ -55,30 +53,9 @@ _comm: Communicator | None = None
 _started_torch = False  # this module started torch.distributed (and stops it)
 _own_comm = False  # the global communicator is ours to close (not a torch group's)
 
-_ENV_OPTIONS = {"bound": "VARCOMM_BOUND", "slots": "VARCOMM_SLOTS", "transport": "VARCOMM_TRANSPORT"}
-
-
-@contextlib.contextmanager
-def _env(options: dict[str, Any]) -> Iterator[None]:
-    """bound=, slots=, transport= for the torch backend, which reads them from the environment."""
-    saved = {k: os.environ.get(k) for k in _ENV_OPTIONS.values()}
-    for name, value in options.items():
-        if value is not None:
-            os.environ[_ENV_OPTIONS[name]] = str(value)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def init_process_group(backend: str | None = None, init_method: str | None = None, timeout: Any = None,
                        world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "",
                        pg_options: Any = None, device_id: Any = None, *, torch_distributed: bool = True,
-                       bound: int | None = None, slots: int | None = None, transport: str | None = None,
                        **varcomm_options: Any) -> None:
     """Start torch.distributed on the ``"varcomm"`` backend (whatever ``backend``
     names: gloo and NCCL still run the collectives varcomm does not have) and
@@ -88,39 +65,43 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     Communicator is used when it is on varcomm, else a Communicator is made
     from its store. ``torch_distributed=False``: only a varcomm Communicator
     (``varcomm.init(rank=, world_size=, store=, bound=, ...)``), no torch.distributed.
-    bound/slots/transport: varcomm's options (default: VARCOMM_* environment)."""
+    varcomm_options: fields of varcomm.Options (bound=, slots=, transport=, ...;
+    default: the VARCOMM_* environment); or pg_options=varcomm.Options(...)."""
     global _comm, _started_torch, _own_comm
     if _comm is not None:
         raise RuntimeError("varcomm.distributed is already initialized; call destroy_process_group() first")
     del backend  # every backend name means: varcomm, with gloo/NCCL underneath for the rest
+    opts = _options(pg_options, varcomm_options)
     if not torch_distributed:
-        _comm = _init(rank=None if rank < 0 else rank, world_size=None if world_size < 0 else world_size,
-                      store=store, bound=bound, slots=slots, transport=transport, **varcomm_options)
+        _comm = connect(opts, rank=None if rank < 0 else rank, world_size=None if world_size < 0 else world_size,
+                        store=store)
         _own_comm = True
         return
-    if varcomm_options:
-        raise TypeError(f"unexpected arguments {sorted(varcomm_options)} (varcomm options with torch.distributed: "
-                        "bound, slots, transport)")
-    opts = {"bound": bound, "slots": slots, "transport": transport}
     if _tdist.is_initialized():
         pg = _tdist.distributed_c10d._get_default_group()
         if isinstance(pg, _tb.VarcommProcessGroup):
             _comm = pg.comm
         else:
-            with _env(opts):
-                _comm = _tb._communicator(_tdist.PrefixStore("varcomm.distributed/",
-                                                             _tdist.distributed_c10d._get_default_store()),
-                                          _tdist.get_rank(), _tdist.get_world_size(), -1.0)
+            _comm = _tb._communicator(_tdist.PrefixStore("varcomm.distributed/",
+                                                         _tdist.distributed_c10d._get_default_store()),
+                                      _tdist.get_rank(), _tdist.get_world_size(), opts)
             _own_comm = True
         return
     kwargs: dict[str, Any] = {"init_method": init_method, "world_size": world_size, "rank": rank, "store": store,
-                              "group_name": group_name, "pg_options": pg_options, "device_id": device_id}
+                              "group_name": group_name, "pg_options": opts, "device_id": device_id}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    with _env(opts):
-        _tdist.init_process_group(_tb.BACKEND, **kwargs)
+    _tdist.init_process_group(_tb.BACKEND, **kwargs)
     _started_torch = True
     _comm = _tb.comm_of(None)
+
+
+def _options(pg_options: Any, overrides: dict[str, Any]) -> Options:
+    """varcomm's options: pg_options (a varcomm.Options) or the environment's, then the keywords."""
+    if pg_options is not None and not isinstance(pg_options, Options):
+        raise TypeError(f"pg_options must be a varcomm.Options, not {type(pg_options).__name__}")
+    base = pg_options if pg_options is not None else Options.resolve()
+    return base.override(keyword_origin="init_process_group", **overrides)
 
 
 def destroy_process_group(group: Any = None) -> None:

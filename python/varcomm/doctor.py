@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-_RDMA_DEFAULTS = ("verbs;ofi_rxm", "efa", "cxi", "tcp;ofi_rxm")  # same order as transport/rdma
+from . import options as _options
+from .errors import InvalidArgument
 
 
 def _run(argv: list[str], timeout: float = 30) -> str | None:
@@ -43,7 +44,7 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     lines: list[str] = []
     if C is not None and build and "rdma" in build.get("transports", ()) and hasattr(C, "rdma_info"):
         try:
-            text = C.rdma_info()  # type: ignore[attr-defined]
+            text = C.rdma_info(_options.Options.resolve().placed(1).core(-1))  # type: ignore[attr-defined]
             lines += text.rstrip().splitlines()
         except Exception as e:  # noqa: BLE001
             lines.append(f"rdma_info() failed: {e}")
@@ -65,8 +66,7 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     return lines, provs
 
 
-def _rdma_provider_choice(fab: list[str]) -> str:
-    want = os.environ.get("VARCOMM_FI_PROVIDER")
+def _rdma_provider_choice(fab: list[str], want: str, C: object | None) -> str:
     if want:
         return f"{want} (VARCOMM_FI_PROVIDER)"
     for ln in fab:  # the extension's own answer, when it has rdma
@@ -74,7 +74,7 @@ def _rdma_provider_choice(fab: list[str]) -> str:
             return ln.split(":", 1)[1].strip()
     if _run(["fi_info", "-l"]) is None:
         return "unknown (no fi_info to ask)"
-    for p in _RDMA_DEFAULTS:
+    for p in getattr(C, "rdma_providers", ()):  # the rdma transport's own order
         # fi_info -p takes the layered name; -c FI_RMA keeps only domains that can do RMA writes.
         out = _run(["fi_info", "-p", p, "-t", "FI_EP_RDM", "-c", "FI_RMA"])
         if out and "provider:" in out:
@@ -166,15 +166,22 @@ def main(argv: list[str] | None = None) -> int:
     gpus, ngpu = _cuda_devices()
     out += ["  " + g for g in gpus] or ["  none (no torch.cuda devices, no nvidia-smi)"]
 
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VARCOMM_", "FI_"))}
+    env = _options.environment()
+    known = _options.known_variables()
     if env:
         w("")
         w("environment:")
-        out += [f"  {k}={v}" for k, v in env.items()]
+        out += [f"  {k}={v}" + ("" if k in known or not k.startswith("VARCOMM_") or k.startswith("VARCOMM_BENCH_")
+                                else "  (not a varcomm variable: misspelt?)") for k, v in env.items()]
+    try:
+        opts = _options.Options.resolve()
+    except InvalidArgument as e:
+        w(f"  bad option: {e}")
+        opts = _options.Options()
 
     w("")
     w("transport per peer class:")
-    forced = os.environ.get("VARCOMM_TRANSPORT", "auto").lower()
+    forced = opts.transport
     fallback = "fallback over torch.distributed (gloo on CPU, NCCL on GPU): a shape header, then the payload"
     if forced == "fallback":
         w(f"  every pair: {fallback} (VARCOMM_TRANSPORT=fallback)")
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = "no device transport in this build (no CUDA): send CPU tensors, or the fallback (NCCL)"
         w(f"  same host, GPU memory:   {gpu}")
         if "rdma" in transports:
-            remote = "rdma, provider " + _rdma_provider_choice(fab)
+            remote = "rdma, provider " + _rdma_provider_choice(fab, opts.rdma_provider, C)
         elif build is None:
             remote = f"unknown: {why}"
         else:

@@ -32,6 +32,8 @@ import threading
 import time
 from typing import IO, Any, Mapping, Sequence
 
+from .options import ToolOptions, env_name
+
 __all__ = ["main", "launch", "rank_env", "free_port"]
 
 #: Seconds between SIGTERM and SIGKILL when stopping ranks.
@@ -166,7 +168,8 @@ def launch(
     """Run ``command`` as ``nprocs`` ranks; return the job's exit code (see module doc)."""
     port = master_port or free_port(master_addr)
     # One seed for the whole job, so varcomm.testing.seeded() agrees across ranks.
-    seed = os.environ.get("VARCOMM_TEST_SEED") or str(random.SystemRandom().randrange(2**32))
+    given = ToolOptions.resolve().test_seed
+    seed = str(given if given is not None else random.SystemRandom().randrange(2**32))
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
@@ -195,8 +198,8 @@ def launch(
     try:
         for r in range(nprocs):
             env = rank_env(r, nprocs, port, master_addr)
-            env["VARCOMM_LAUNCHER"] = "1"
-            env["VARCOMM_TEST_SEED"] = seed
+            env[env_name(ToolOptions, "launcher")] = "1"
+            env[env_name(ToolOptions, "test_seed")] = seed
             if tag_output:
                 env.setdefault("PYTHONUNBUFFERED", "1")  # pipes are block-buffered otherwise
             pipe = subprocess.PIPE if tag_output else None

@@ -47,11 +47,16 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Mapping, NoReturn, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence, TypeVar, Union
 
-import pytest
-
+from .bootstrap import LOCAL_RANK_VARS, LOCAL_WORLD_SIZE_VARS, RANK_VARS, WORLD_SIZE_VARS, env_int, launched
+from .options import ToolOptions, env_name
 from .run import _exit_status, _signal_group, free_port, rank_env
+
+if TYPE_CHECKING:
+    import pytest
+
+_SEED_VAR = env_name(ToolOptions, "test_seed")
 
 __all__ = [
     "world",
@@ -75,14 +80,6 @@ FAIL_GRACE_S = 3.0
 #: Lines of a failing rank's output quoted in the failure message.
 TAIL_LINES = 40
 
-# (size variable, rank variable) pairs set by launchers, in order of preference.
-_LAUNCHER_VARS = (
-    ("WORLD_SIZE", "RANK"),
-    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
-    ("PMI_SIZE", "PMI_RANK"),
-)
-
-
 class WorldFailure(AssertionError):
     """A multi-rank test failed; the message holds every failing rank's traceback and output tail."""
 
@@ -91,22 +88,23 @@ class WorldFailure(AssertionError):
 # small helpers usable inside rank bodies
 
 
-def _env_int(keys: Sequence[str], default: int) -> int:
-    for key in keys:
-        value = os.environ.get(key)
-        if value:
-            return int(value)
-    return default
+def _pytest() -> Any:
+    """pytest, imported only where the harness acts as pytest's (skips, marks)."""
+    import pytest
+
+    return pytest
 
 
 def rank() -> int:
-    """This process's rank (RANK, or the MPI launcher's variable); 0 outside a world."""
-    return _env_int([r for _, r in _LAUNCHER_VARS], 0)
+    """This process's rank (RANK, or another launcher's variable); 0 outside a world."""
+    r = env_int(RANK_VARS)
+    return 0 if r is None else r
 
 
 def world_size() -> int:
-    """Number of ranks in this job (WORLD_SIZE, or the MPI launcher's variable); 1 outside a world."""
-    return _env_int([s for s, _ in _LAUNCHER_VARS], 1)
+    """Number of ranks in this job (WORLD_SIZE, or another launcher's variable); 1 outside a world."""
+    n = env_int(WORLD_SIZE_VARS)
+    return 1 if n is None else n
 
 
 def seeded(seed: int | None = None) -> int:
@@ -117,18 +115,15 @@ def seeded(seed: int | None = None) -> int:
     rank of a test gets the same seed.
     """
     if seed is None:
-        env = os.environ.get("VARCOMM_TEST_SEED")
-        seed = int(env) if env else random.SystemRandom().randrange(2**32)
+        env = ToolOptions.resolve().test_seed
+        seed = env if env is not None else random.SystemRandom().randrange(2**32)
     print(f"varcomm test seed: {seed}", flush=True)
     return seed
 
 
 def _timeout_scale() -> float:
     """Slow machines/CI can stretch every timeout with VARCOMM_TEST_TIMEOUT_SCALE."""
-    try:
-        return float(os.environ.get("VARCOMM_TEST_TIMEOUT_SCALE") or 1.0)
-    except ValueError:
-        return 1.0
+    return ToolOptions.resolve().test_timeout_scale
 
 
 # ---------------------------------------------------------------------------
@@ -214,34 +209,26 @@ def _skip_reason(requirements: Sequence[Requirement]) -> str | None:
     return None
 
 
-def skip_unless(*requirements: Requirement) -> pytest.MarkDecorator:
+def skip_unless(*requirements: Requirement) -> "pytest.MarkDecorator":
     """A ``pytest.mark.skipif`` for ordinary (single-process) tests, e.g. ``@skip_unless("root")``."""
     reason = _skip_reason(requirements)
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
+    mark: pytest.MarkDecorator = _pytest().mark.skipif(reason is not None, reason=reason or "")
+    return mark
 
 
 # ---------------------------------------------------------------------------
 # running under an external launcher
 
 
-def _launched_world() -> tuple[int, int] | None:
-    """(size, rank) when this pytest process is one rank of a launched job, else None."""
-    for size_key, rank_key in _LAUNCHER_VARS:
-        size, r = os.environ.get(size_key), os.environ.get(rank_key)
-        if size and r and int(size) > 1:
-            return int(size), int(r)
-    return None
-
-
 def _export_launcher_env(size: int, r: int) -> None:
-    """Fill in torchrun-style variables from MPI ones so ``varcomm.init()`` finds them."""
+    """Fill in torchrun's variables from another launcher's so ``varcomm.init()`` finds them."""
     env = os.environ
-    local_rank = _env_int(["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"], r)
-    local_size = _env_int(["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"], size)
+    local_rank = env_int(LOCAL_RANK_VARS)
+    local_size = env_int(LOCAL_WORLD_SIZE_VARS)
     env.setdefault("RANK", str(r))
     env.setdefault("WORLD_SIZE", str(size))
-    env.setdefault("LOCAL_RANK", str(local_rank))
-    env.setdefault("LOCAL_WORLD_SIZE", str(local_size))
+    env.setdefault("LOCAL_RANK", str(r if local_rank is None else local_rank))
+    env.setdefault("LOCAL_WORLD_SIZE", str(size if local_size is None else local_size))
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")  # torchrun's default; mpirun can't agree on a free one
 
@@ -290,16 +277,17 @@ def _child(
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
         faulthandler.dump_traceback_later(timeout - min(2.0, timeout / 2), file=sys.stderr)
         os.environ.update(rank_env(r, n, port, base={}))
-        os.environ["VARCOMM_TEST_SEED"] = seed
+        os.environ[_SEED_VAR] = seed
         torch = sys.modules.get("torch")
         if torch is not None:
-            torch.set_num_threads(int(os.environ.get("VARCOMM_TEST_THREADS", "1")))  # n ranks share few cores
+            torch.set_num_threads(ToolOptions.resolve().test_threads)  # n ranks share few cores
 
         status, payload = "ok", ""
         try:
             fn(*args, **kwargs)
         except BaseException as e:
-            if isinstance(e, pytest.skip.Exception):
+            pytest_mod = sys.modules.get("pytest")  # a skip can only come from a pytest already imported
+            if pytest_mod is not None and isinstance(e, pytest_mod.skip.Exception):
                 status, payload = "skip", str(getattr(e, "msg", e))
             elif isinstance(e, SystemExit) and e.code in (0, None):
                 pass
@@ -407,7 +395,8 @@ def run_world(
     expected: dict[int, int | None | str] = {r: "success" for r in range(n)}
     expected.update(expect_exit or {})
     port = free_port()
-    seed = os.environ.get("VARCOMM_TEST_SEED") or str(random.SystemRandom().randrange(2**32))
+    given = ToolOptions.resolve().test_seed
+    seed = str(given if given is not None else random.SystemRandom().randrange(2**32))
     workdir = tempfile.mkdtemp(prefix="varcomm-world-")
     pids: list[int] = []
     codes: dict[int, int] = {}
@@ -479,7 +468,7 @@ def run_world(
         raise WorldFailure(_failure_message(n, problems, timed_out, collateral, killed, outputs))
     skips = [(results[r] or "").partition("\n")[2] for r in range(n) if (results[r] or "").startswith("skip")]
     if skips:
-        pytest.skip(skips[0])
+        _pytest().skip(skips[0])
 
 
 def _failure_message(
@@ -541,16 +530,16 @@ def world(
             __tracebackhide__ = True
             reason = _skip_reason(reqs)
             if reason is not None:
-                pytest.skip(reason)
-            launched = _launched_world()
-            if launched is None:
+                _pytest().skip(reason)
+            job = launched()
+            if job is None:
                 run_world(fn, n, args, kwargs, timeout=timeout, expect_exit=expect_exit)
                 return None
-            size, r = launched
+            size, r = job
             if size != n:
-                pytest.skip(f"needs {n} ranks; this launched job has {size}")
+                _pytest().skip(f"needs {n} ranks; this launched job has {size}")
             if expect_exit:
-                pytest.skip("expect_exit needs the forking harness, not an external launcher")
+                _pytest().skip("expect_exit needs the forking harness, not an external launcher")
             _export_launcher_env(size, r)
             return _run_in_process(fn, args, kwargs, timeout * _timeout_scale())
 

@@ -14,7 +14,7 @@ Everything varcomm does not implement (all_reduce, all_gather, broadcast,
 reduce_scatter, gather, scatter, the coalesced and functional forms, object
 collectives, monitored_barrier) runs on a gloo backend made underneath from
 the same store, and CUDA tensors run on an NCCL backend (when torch has CUDA and
-NCCL; ``VARCOMM_TORCH_NCCL=0`` turns it off): both are registered as the
+NCCL; option ``torch_nccl``, ``VARCOMM_TORCH_NCCL=0``, turns it off): both are registered as the
 group's per-device backends, so torch's own dispatch finds them.
 
 Semantics are torch's: ``dist.recv`` receives into the given tensor, whose
@@ -25,10 +25,15 @@ variable-size forms (receive without knowing the size) are in
 ``varcomm.distributed``. Messages over varcomm's receive bound
 (``VARCOMM_BOUND``, which must be the same on every rank) travel as a small
 header plus bound-sized chunks, so any size works.
+
+varcomm's options come from the environment, or from a ``varcomm.Options``
+passed as ``pg_options`` (``dist.init_process_group("varcomm",
+pg_options=varcomm.Options.resolve(bound=...))``); groups made later without
+one take the default group's. The wait timeout is the group's ``timeout``.
 """
 from __future__ import annotations
 
-import os
+import dataclasses
 import re
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -36,10 +41,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import dtypes
-from .comm import Communicator, Descriptor
-from .comm import init as _init
+from . import _C, dtypes
+from .comm import Communicator, connect
 from .errors import MessageMismatch, MessageTooLarge, VarcommError
+from .options import Options
 
 try:  # the all-to-all module; without it, all-to-all runs on gloo
     from . import alltoall as _a2a
@@ -145,16 +150,27 @@ def _all_done(works: Sequence[Any]) -> Callable[[], bool]:
 # making a communicator for a group
 
 
-def _communicator(store: Any, rank: int, size: int, timeout: float | None) -> Communicator:
-    """A Communicator over `size` ranks meeting in `store` (timeout: seconds, None = none, -1 = VARCOMM_TIMEOUT)."""
+def _communicator(store: Any, rank: int, size: int, options: Options) -> Communicator:
+    """A Communicator over `size` ranks meeting in `store`."""
     # The group's store is already unique to the group: no instance count.
-    return _init(rank=rank, world_size=size, store=store, prefix="varcomm/", timeout=timeout)
+    return connect(options, rank=rank, world_size=size, store=store, prefix="varcomm/")
 
 
-def _want_nccl() -> bool:
-    if os.environ.get("VARCOMM_TORCH_NCCL", "1") in ("0", "false", "no", "off"):
-        return False
-    return bool(dist.is_nccl_available() and torch.cuda.is_available())
+def _group_options(backend_options: Any) -> Options:
+    """A group's varcomm options: its pg_options, else the default group's, else the environment's."""
+    if isinstance(backend_options, Options):
+        return backend_options
+    if backend_options is not None:
+        raise TypeError(f"varcomm backend: pg_options must be a varcomm.Options, not {type(backend_options).__name__}")
+    if dist.is_initialized():
+        pg = dist.distributed_c10d._get_default_group()
+        if isinstance(pg, VarcommProcessGroup):
+            return pg.options
+    return Options.resolve()
+
+
+def _want_nccl(options: Options) -> bool:
+    return options.torch_nccl and bool(dist.is_nccl_available() and torch.cuda.is_available())
 
 
 # ---------------------------------------------------------------------------
@@ -168,20 +184,23 @@ class VarcommProcessGroup(dist.ProcessGroup):
     underneath (gloo for CPU, NCCL for CUDA)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, *,
-                 global_ranks: Sequence[int] | None = None, group_id: str = ""):
+                 global_ranks: Sequence[int] | None = None, group_id: str = "", options: Options | None = None):
         super().__init__(rank, size)
         self._rank = rank
         self._size = size
         self._pg_timeout = timeout
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
-        self.comm = _communicator(store, rank, size, timeout.total_seconds() if timeout else None)
+        #: What groups made later without pg_options inherit (before the group's timeout is applied).
+        self.options = options if options is not None else Options.resolve()
+        self.comm = _communicator(store, rank, size, dataclasses.replace(
+            self.options, timeout=timeout.total_seconds() if timeout else None))
         self._closed = False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         _name_backend(self._gloo, self.global_ranks, group_id)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         self._nccl: Any = None
-        if _want_nccl():
+        if _want_nccl(self.options):
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             opts.is_high_priority_stream = False
@@ -259,7 +278,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
             def finish(timeout: float | None) -> None:
                 head = works[0].wait(timeout)
-                if not isinstance(head, Descriptor):
+                if not (isinstance(head, _C.Status) and head.descriptor):
                     raise refuse(f"the message has shape {tuple(head.shape)}, {head.nbytes} bytes")
                 if head.nbytes != t.nbytes or head.dtype != dtypes.from_torch(t.dtype):
                     raise refuse(f"the message is a {head.nbytes}-byte {dtypes.describe(head.dtype)} tensor of "
@@ -481,7 +500,8 @@ def _dtype_names(msg: str) -> str:
 
 def _create(opts: Any, backend_options: Any = None) -> VarcommProcessGroup:
     return VarcommProcessGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                               global_ranks=list(opts.global_ranks_in_group or []), group_id=str(opts.group_id))
+                               global_ranks=list(opts.global_ranks_in_group or []), group_id=str(opts.group_id),
+                               options=_group_options(backend_options))
 
 
 _registered = False

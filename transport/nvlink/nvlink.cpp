@@ -5,7 +5,7 @@
 //   receiver's device allocation (CUDA IPC, opened by peers), same offsets, from rings_off:
 //     per sender, per slot: [  | data flag ] [ ] [payload]
 //   (* the data flag lives in device memory by default, in the host region's
-//      slot control block with VARCOMM_NVLINK_FLAGS=host)
+//      slot control block with the option nvlink_flags=host)
 //
 // Send, on the caller's stream: copy payload -> peer's device slot; write seq to
 // the slot's data flag (a stream memory operation, fenced after the copy);
@@ -14,7 +14,7 @@
 // dst; write seq to the sender's credit word (host memory, registered with
 // the driver and written by the GPU). No CPU waits on GPU work.
 //
-// Small messages (n <= VARCOMM_NVLINK_KERNEL_MAX, off by default) may instead
+// Small messages (n <= option nvlink_kernel_max, off by default) may instead
 // go as one kernel launch that copies and then writes the flag (kernels.cu,
 // embedded in the build as a fatbin and loaded with cuModuleLoadData).
 #include "nvlink.h"
@@ -36,6 +36,7 @@
 #include "errors.h"
 #include "hostmem.h"
 #include "kernels.h"
+#include "registry.h"
 
 namespace varcomm {
 namespace {
@@ -83,31 +84,10 @@ std::string device_label(const cu::Driver& d, CUdevice dev) {
   return std::string(name) + " at " + bus;
 }
 
-FlagMem flag_mode() {
-  const char* v = std::getenv("VARCOMM_NVLINK_FLAGS");
-  if (!v || !*v || !std::strcmp(v, "device")) return FlagMem::Device;
-  if (!std::strcmp(v, "host")) return FlagMem::Host;
-  throw Error(ErrorKind::Invalid, std::string("VARCOMM_NVLINK_FLAGS=") + v + ": use 'device' or 'host'");
-}
-
-// VARCOMM_NVLINK_KERNEL_MAX: the largest message (bytes; K/M suffixes) sent
-// with the copy-and-flag kernel instead of cuMemcpyAsync + cuStreamWriteValue64.
-// 0 (the default) keeps the copy engine for every size.
-size_t kernel_max() {
-  const char* v = std::getenv("VARCOMM_NVLINK_KERNEL_MAX");
-  if (!v || !*v) return 0;
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(v, &end, 10);
-  if (end != v) {
-    if (*end == 'k' || *end == 'K') x <<= 10, ++end;
-    else if (*end == 'm' || *end == 'M') x <<= 20, ++end;
-    if (*end == 'i' || *end == 'I') ++end;
-    if (*end == 'b' || *end == 'B') ++end;
-  }
-  if (end == v || *end || v[0] == '-')
-    throw Error(ErrorKind::Invalid, std::string("VARCOMM_NVLINK_KERNEL_MAX=") + v +
-                                        ": use a size in bytes (e.g. 8192 or 8K; 0 turns the kernel off)");
-  return static_cast<size_t>(x);
+FlagMem flag_mode(const std::string& v) {
+  if (v.empty() || v == "device") return FlagMem::Device;
+  if (v == "host") return FlagMem::Host;
+  throw Error(ErrorKind::Invalid, "VARCOMM_NVLINK_FLAGS=" + v + ": use 'device' or 'host'");
 }
 
 // The fatbin's image for a GPU of compute capability major.minor: "sm_90"
@@ -172,8 +152,11 @@ class CtxScope {
 
 class NvlinkTransport : public Transport {
  public:
-  NvlinkTransport(const cu::Driver& d, Region& local, const Layout& L, int device)
-      : d_(d), local_(local), mode_(flag_mode()) {
+  // Options: nvlink_flags (where data flags live), nvlink_kernel_max (the
+  // largest message sent with the copy-and-flag kernel instead of
+  // cuMemcpyAsync + cuStreamWriteValue64; 0 keeps the copy engine for every size).
+  NvlinkTransport(const cu::Driver& d, Region& local, const Layout& L, int device, const Options& o)
+      : d_(d), local_(local), layout_(L), mode_(flag_mode(o.nvlink_flags)), kernel_max_(o.nvlink_kernel_max) {
     if (local.size() != L.total()) throw Error(ErrorKind::Invalid, "nvlink: region size does not match its layout");
     rings_off_ = L.rings_off();
     dev_bytes_ = L.total() - rings_off_;
@@ -196,7 +179,6 @@ class NvlinkTransport : public Transport {
       if (d_.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev_) == CUDA_SUCCESS && !v)
         throw Error(ErrorKind::Invalid, "nvlink: " + device_label(d_, dev_) + " has no unified addressing");
       check(d_.StreamCreate(&priv_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-      kernel_max_ = kernel_max();
       if (kernel_max_) load_kernel();
       CUresult r = d_.MemAlloc(&alloc_, dev_bytes_);
       if (r != CUDA_SUCCESS)
@@ -239,9 +221,9 @@ class NvlinkTransport : public Transport {
     char bus[32] = {0};
     if (d_.DeviceGetPCIBusId(bus, sizeof bus, dev_) != CUDA_SUCCESS || !bus[0]) std::strcpy(bus, "?");
     std::ostringstream o;
-    o << "nvlink1 " << getpid() << ' ' << local_.fd() << ' ' << size << ' ' << start << ' ' << rings_off_ << ' '
+    o << "nvlink2 " << getpid() << ' ' << local_.fd() << ' ' << size << ' ' << start << ' ' << rings_off_ << ' '
       << dev_bytes_ << ' ' << (mode_ == FlagMem::Device ? "device" : "host") << ' ' << bus << ' '
-      << to_hex(&ipc_, sizeof ipc_);
+      << to_hex(&ipc_, sizeof ipc_) << ' ' << layout_.nslots << ' ' << layout_.bound;
     return o.str();
   }
 
@@ -251,9 +233,12 @@ class NvlinkTransport : public Transport {
     Peer p;
     int fd = -1;
     size_t dev_bytes = 0;
-    in >> magic >> p.pid >> fd >> p.host_size >> p.start >> p.rings_off >> dev_bytes >> mode >> bus >> handle;
+    Layout L;
+    L.world = layout_.world;
+    in >> magic >> p.pid >> fd >> p.host_size >> p.start >> p.rings_off >> dev_bytes >> mode >> bus >> handle >>
+        L.nslots >> L.bound;
     CUipcMemHandle h;
-    if (!in || magic != "nvlink1" || !from_hex(handle, &h, sizeof h))
+    if (!in || magic != "nvlink2" || !from_hex(handle, &h, sizeof h))
       throw Error(ErrorKind::Invalid, "bad nvlink descriptor from rank " + std::to_string(peer));
     if (mode != (mode_ == FlagMem::Device ? "device" : "host"))
       throw Error(ErrorKind::Invalid, "rank " + std::to_string(peer) + " keeps nvlink data flags in " + mode +
@@ -271,6 +256,10 @@ class NvlinkTransport : public Transport {
           throw Error(ErrorKind::PeerFailure, "nvlink: cannot map rank " + std::to_string(peer) + "'s region: " + err,
                       peer);
         p.mapped = true;
+        std::string bad = region_mismatch(p.host, p.host_size, peer, p.pid, L);
+        if (!bad.empty())
+          throw Error(ErrorKind::PeerFailure, "nvlink: cannot use " + bad + " (a stale descriptor, or a reused pid)",
+                      peer);
         CUresult r = d_.IpcOpenMemHandle(&p.opened, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
         if (r != CUDA_SUCCESS)
           throw Error(ErrorKind::Invalid,
@@ -556,6 +545,7 @@ class NvlinkTransport : public Transport {
 
   const cu::Driver& d_;
   Region& local_;
+  Layout layout_;
   FlagMem mode_;
   int ordinal_ = 0;
   CUdevice dev_ = 0;
@@ -565,7 +555,7 @@ class NvlinkTransport : public Transport {
   size_t rings_off_ = 0, dev_bytes_ = 0;
   CUdeviceptr alloc_ = 0, dev_base_ = 0, own_flags_dev_ = 0;
   CUipcMemHandle ipc_{};
-  size_t kernel_max_ = 0;  // VARCOMM_NVLINK_KERNEL_MAX; 0: copy engine for every size
+  size_t kernel_max_ = 0;  // option nvlink_kernel_max; 0: copy engine for every size
   CUmodule module_ = nullptr;
   std::atomic<CUfunction> copy_signal_{nullptr};  // null: kernel not loaded, or turned off
   mutable std::mutex kernel_mu_;
@@ -582,7 +572,7 @@ std::string nvlink_unavailable_reason() {
   return why;
 }
 
-std::string nvlink_info() {
+std::string nvlink_info(const std::string& flags, uint64_t kernel_max) {
   std::string why;
   const cu::Driver* d = cu::driver(&why);
   if (!d) return "nvlink: unavailable: " + why;
@@ -608,8 +598,7 @@ std::string nvlink_info() {
     }
     if (!peers.empty()) o << "; peer access: " << peers;
   }
-  const char* flags = std::getenv("VARCOMM_NVLINK_FLAGS");
-  o << "\n  data flags in " << (flags && *flags ? flags : "device") << " memory (VARCOMM_NVLINK_FLAGS)";
+  o << "\n  data flags in " << (flags.empty() ? "device" : flags) << " memory (VARCOMM_NVLINK_FLAGS)";
   const std::string images = built_kernel_images();
   if (images.empty()) {
     o << "\n  copy-and-flag kernel: not in this build (no nvcc at build time): copy engine for every size";
@@ -626,14 +615,10 @@ std::string nvlink_info() {
         << (img.empty() ? "no image" : img.rfind("sm_", 0) == 0 ? img : img + " JIT");
     }
     o << ")";
-    try {
-      if (size_t max = kernel_max())
-        o << "; used for messages up to " << max << " bytes (VARCOMM_NVLINK_KERNEL_MAX)";
-      else
-        o << "; off (VARCOMM_NVLINK_KERNEL_MAX=0): copy engine for every size";
-    } catch (const Error& e) {
-      o << "; " << e.what();
-    }
+    if (kernel_max)
+      o << "; used for messages up to " << kernel_max << " bytes (VARCOMM_NVLINK_KERNEL_MAX)";
+    else
+      o << "; off (VARCOMM_NVLINK_KERNEL_MAX=0): copy engine for every size";
   }
   {
     std::lock_guard<std::mutex> g(g_kernel_mu);
@@ -642,11 +627,27 @@ std::string nvlink_info() {
   return o.str();
 }
 
-std::shared_ptr<Transport> make_nvlink_transport(Region& local, const Layout& layout, int device) {
-  std::string why;
-  const cu::Driver* d = cu::driver(&why);
-  if (!d) throw Error(ErrorKind::Invalid, "nvlink transport unavailable: " + why);
-  return std::make_shared<NvlinkTransport>(*d, local, layout, device);
-}
+namespace {
+
+TransportRegistrar nvlink_registrar({
+    "nvlink",
+    /*device=*/true,
+    /*same_host_only=*/true,
+    [](const PeerInfo& self, const PeerInfo& peer, const Options&) -> std::string {
+      if (peer.host != self.host) return "rank " + std::to_string(peer.rank) + " is on another host";
+      if (!peer.has("nvlink")) return "rank " + std::to_string(peer.rank) + " exposed no GPU memory";
+      if (!self.has("nvlink")) return "this rank exposed no GPU memory";
+      return "";
+    },
+    // Allocates layout.total() - layout.rings_off() bytes on options.cuda_device.
+    [](const TransportContext& c) -> std::shared_ptr<Transport> {
+      std::string why;
+      const cu::Driver* d = cu::driver(&why);
+      if (!d) throw Error(ErrorKind::Invalid, "nvlink transport unavailable: " + why);
+      return std::make_shared<NvlinkTransport>(*d, c.region, c.layout, c.options.cuda_device, c.options);
+    },
+});
+
+}  // namespace
 
 }  // namespace varcomm

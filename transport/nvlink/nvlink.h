@@ -8,9 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "protocol.h"
-#include "region.h"
-#include "transport.h"
+#include <cstdint>
 
 namespace varcomm {
 
@@ -19,13 +17,11 @@ namespace varcomm {
 // do not call it in a process that forks CUDA-using children afterwards.
 std::string nvlink_unavailable_reason();
 
-// A human-readable summary: driver version, GPUs, peer access between them.
-std::string nvlink_info();
+// A human-readable summary: driver version, GPUs, peer access between them,
+// and what the options nvlink_flags / nvlink_kernel_max would select.
+std::string nvlink_info(const std::string& flags, uint64_t kernel_max);
 
-// The transport for `local` (this rank's host region, laid out as `layout`)
-// with its device slots on CUDA device ordinal `device` (as torch numbers
-// them). Allocates layout.total() - layout.rings_off() bytes of device memory.
-// Throws Error(Invalid) with the reason when CUDA is unusable.
-std::shared_ptr<Transport> make_nvlink_transport(Region& local, const Layout& layout, int device);
+// The transport itself registers as "nvlink" (registry.h): device receive
+// slots on options.cuda_device, exported with CUDA IPC.
 
 }  // namespace varcomm

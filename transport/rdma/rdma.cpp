@@ -22,11 +22,11 @@
 // peer ride in a small message's own write. Otherwise they are 8-byte
 // fi_writes from a staging slot, tracked like messages (fi_inject_write would
 // save a completion, but libfabric 1.17's tcp;ofi_rxm crashes when an
-// injected write meets a closing connection). VARCOMM_RDMA_EAGER_CREDITS=1
-// posts each credit at once.
+// injected write meets a closing connection). The option
+// rdma_eager_credits posts each credit at once.
 //
 // Liveness. Each pair keeps an idle TCP connection with aggressive keepalive
-// (VARCOMM_PEER_TIMEOUT seconds, default 5). The kernel answers keepalive
+// (option peer_timeout, seconds, default 5). The kernel answers keepalive
 // probes, so a peer busy computing for minutes is never reported dead, while
 // a killed process gives EOF/RST at once and a link that went down gives
 // ETIMEDOUT within the timeout. A heartbeat written from progress() would need
@@ -65,6 +65,7 @@
 
 #include "errors.h"
 #include "protocol.h"
+#include "registry.h"
 
 namespace varcomm {
 namespace {
@@ -80,6 +81,7 @@ constexpr size_t kMaxOps = 256;  // writes in flight per transport
 constexpr size_t kRxPosts = 64;  // receives posted for FI_RX_CQ_DATA providers
 constexpr uint64_t kMrModes = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
 // Tried in order when no provider is named; the first that offers FI_RMA on an RDM endpoint wins.
+// (rdma_default_providers(): varcomm-doctor shows the same list.)
 const char* const kDefaultProviders[] = {"verbs;ofi_rxm", "efa", "cxi", "tcp;ofi_rxm"};
 
 [[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorKind::Invalid, "rdma: " + msg); }
@@ -89,11 +91,6 @@ const char* const kDefaultProviders[] = {"verbs;ofi_rxm", "efa", "cxi", "tcp;ofi
     long rc_ = long(call);                \
     if (rc_) fail(#call, rc_);            \
   } while (0)
-
-std::string env(const char* k) {
-  const char* v = getenv(k);
-  return v ? v : "";
-}
 
 std::string hex(const void* p, size_t n) {
   static const char* d = "0123456789abcdef";
@@ -165,9 +162,9 @@ void set_keepalive(int fd, int timeout_s) {
 }
 
 // An IP for the liveness listener when the fabric address is not one (efa, cxi).
-std::string host_ip() {
-  std::string ip = env("VARCOMM_LIVENESS_ADDR");
-  if (!ip.empty()) return ip;
+std::string host_ip(const std::string& forced) {
+  if (!forced.empty()) return forced;
+  std::string ip;
   ifaddrs* ifs = nullptr;
   if (getifaddrs(&ifs) == 0) {
     for (ifaddrs* i = ifs; i; i = i->ifa_next) {
@@ -186,7 +183,7 @@ std::string host_ip() {
 
 class RdmaTransport final : public Transport {
  public:
-  RdmaTransport(int rank, int world, std::string provider, std::string iface);
+  RdmaTransport(int rank, int world, std::string provider, std::string iface, const Options& o);
   ~RdmaTransport() override;
 
   std::string name() const override { return "rdma"; }
@@ -228,7 +225,7 @@ class RdmaTransport final : public Transport {
     std::deque<U64> credits;
   };
 
-  void init(std::string provider, std::string iface);
+  void init(std::string provider, std::string iface, const Options& o);
   void close_all();
   void quiesce();
   fid_mr* reg(void* p, size_t n, uint64_t access);
@@ -251,7 +248,8 @@ class RdmaTransport final : public Transport {
     return r >= rx_.data() && r < rx_.data() + rx_.size() ? r : nullptr;
   }
 
-  int rank_, world_, timeout_s_;
+  int rank_, world_, timeout_s_ = 5;
+  bool debug_ = false;
   std::string describe_;
   fi_info* info_ = nullptr;
   fid_fabric* fabric_ = nullptr;
@@ -275,28 +273,26 @@ class RdmaTransport final : public Transport {
   std::vector<uint32_t> free_ops_;  // any free op, so one stuck write (dead peer) blocks nothing else
   size_t queued_credits_ = 0;
   bool said_hello_ = false;
-  bool eager_credits_ = false;  // VARCOMM_RDMA_EAGER_CREDITS=1: post each credit at once
+  bool eager_credits_ = false;  // option rdma_eager_credits: post each credit at once
   size_t max_ride_ = 0;         // credits per message write: rma_iov_limit - 1, at most kMaxRide
   int listen_fd_ = -1;
   std::string live_ip_;
   int live_port_ = 0;
 };
 
-RdmaTransport::RdmaTransport(int rank, int world, std::string provider, std::string iface)
+RdmaTransport::RdmaTransport(int rank, int world, std::string provider, std::string iface, const Options& o)
     : rank_(rank), world_(world), peers_(size_t(world)) {
   try {
-    init(std::move(provider), std::move(iface));
+    init(std::move(provider), std::move(iface), o);
   } catch (...) {
     close_all();  // a throwing constructor runs no destructor
     throw;
   }
 }
 
-void RdmaTransport::init(std::string provider, std::string iface) {
-  if (provider.empty()) provider = env("VARCOMM_FI_PROVIDER");
-  if (iface.empty()) iface = env("VARCOMM_FI_IFACE");
-  int t = atoi(env("VARCOMM_PEER_TIMEOUT").c_str());
-  timeout_s_ = t >= 2 ? t : 5;
+void RdmaTransport::init(std::string provider, std::string iface, const Options& o) {
+  timeout_s_ = o.peer_timeout >= 2 ? int(o.peer_timeout) : 5;
+  debug_ = o.debug;
   std::string reason;
   if (!provider.empty()) {
     std::string why;
@@ -317,11 +313,10 @@ void RdmaTransport::init(std::string provider, std::string iface) {
       invalid("no libfabric provider offers an RDM endpoint with RMA and remote CQ data" +
               (iface.empty() ? std::string() : " on '" + iface + "'") + "; see `varcomm-doctor`");
   }
-  if (!env("FI_PROVIDER").empty()) reason += ", FI_PROVIDER=" + env("FI_PROVIDER");
   mr_mode_ = info_->domain_attr->mr_mode;
-  eager_credits_ = env("VARCOMM_RDMA_EAGER_CREDITS") == "1";
+  eager_credits_ = o.rdma_eager_credits;
   max_ride_ = info_->tx_attr->rma_iov_limit > 1 ? std::min(kMaxRide, info_->tx_attr->rma_iov_limit - 1) : 0;
-  if (env("VARCOMM_RDMA_STRICT") == "1") {  // tests: take the verbs/efa registration path on tcp too
+  if (o.rdma_strict) {  // tests: take the verbs/efa registration path on tcp too
     mr_mode_ |= FI_MR_LOCAL;
     reason += ", VARCOMM_RDMA_STRICT=1";
   }
@@ -372,7 +367,7 @@ void RdmaTransport::init(std::string provider, std::string iface) {
     ss = {};
     auto* a = reinterpret_cast<sockaddr_in*>(&ss);
     a->sin_family = AF_INET;
-    inet_pton(AF_INET, host_ip().c_str(), &a->sin_addr);
+    inet_pton(AF_INET, host_ip(o.liveness_addr).c_str(), &a->sin_addr);
   }
   if (ss.ss_family == AF_INET) {
     reinterpret_cast<sockaddr_in*>(&ss)->sin_port = 0;
@@ -400,7 +395,7 @@ void RdmaTransport::init(std::string provider, std::string iface) {
     << info_->domain_attr->name << "): " << reason << "; liveness via tcp keepalive " << live_ip_ << ", "
     << timeout_s_ << " s";
   describe_ = d.str();
-  if (!env("VARCOMM_DEBUG").empty()) fprintf(stderr, "[varcomm rank %d] %s\n", rank_, describe_.c_str());
+  if (debug_) fprintf(stderr, "[varcomm rank %d] %s\n", rank_, describe_.c_str());
 }
 
 RdmaTransport::~RdmaTransport() { close_all(); }
@@ -779,7 +774,7 @@ void RdmaTransport::read_error() {
     if (err.err != FI_ECANCELED) fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, &r->ctx);
     return;
   }
-  if (!env("VARCOMM_DEBUG").empty())
+  if (debug_)
     fprintf(stderr, "[varcomm rank %d] rdma cq error: %s (%s)\n", rank_, fi_strerror(err.err), what.c_str());
 }
 
@@ -817,14 +812,37 @@ std::string RdmaTransport::peer_error(int peer) {
   return p.error;
 }
 
+TransportRegistrar rdma_registrar({
+    "rdma",
+    /*device=*/false,
+    /*same_host_only=*/false,
+    [](const PeerInfo& self, const PeerInfo& peer, const Options&) -> std::string {
+      if (!peer.has("rdma")) return "rank " + std::to_string(peer.rank) + " has no rdma endpoint (see varcomm-doctor)";
+      if (!self.has("rdma")) return "this rank has no rdma endpoint (see varcomm-doctor)";
+      return "";
+    },
+    [](const TransportContext& c) -> std::shared_ptr<Transport> {
+      const Options& o = c.options;
+      if (!c.any_remote && o.rdma_iface.empty()) {
+        // Forced on one host (tests, benchmarks): keep the traffic on
+        // loopback rather than the host's own network address.
+        try {
+          return std::make_shared<RdmaTransport>(c.rank, c.world, o.rdma_provider, "lo", o);
+        } catch (const Error&) {
+          // a provider with no loopback domain (verbs, efa): its default
+        }
+      }
+      return std::make_shared<RdmaTransport>(c.rank, c.world, o.rdma_provider, o.rdma_iface, o);
+    },
+});
+
 }  // namespace
 
-std::unique_ptr<Transport> make_rdma_transport(int rank, int world, const std::string& provider,
-                                               const std::string& iface) {
-  return std::make_unique<RdmaTransport>(rank, world, provider, iface);
+std::vector<std::string> rdma_default_providers() {
+  return std::vector<std::string>(std::begin(kDefaultProviders), std::end(kDefaultProviders));
 }
 
-std::string rdma_info() {
+std::string rdma_info(const std::string& provider, const std::string& iface) {
   uint32_t v = fi_version();
   std::ostringstream o;
   o << "libfabric " << FI_MAJOR(v) << "." << FI_MINOR(v) << " (built against " << FI_MAJOR_VERSION << "."
@@ -851,14 +869,14 @@ std::string rdma_info() {
   fi_freeinfo(hints);
   std::string choice;
   for (const char* p : kDefaultProviders) {
-    fi_info* i = query(p, env("VARCOMM_FI_IFACE"), nullptr);
+    fi_info* i = query(p, iface, nullptr);
     if (!i) continue;
     choice = std::string(p) + " (domain " + i->domain_attr->name + ")";
     fi_freeinfo(i);
     break;
   }
   o << "default provider: " << (choice.empty() ? "none usable" : choice);
-  if (!env("VARCOMM_FI_PROVIDER").empty()) o << "; VARCOMM_FI_PROVIDER=" << env("VARCOMM_FI_PROVIDER");
+  if (!provider.empty()) o << "; VARCOMM_FI_PROVIDER=" << provider;
   o << "\n";
   return o.str();
 }

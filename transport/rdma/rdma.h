@@ -6,22 +6,24 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "transport.h"
 
 namespace varcomm {
 
-// provider: a libfabric provider spec ("tcp;ofi_rxm", "verbs;ofi_rxm", "efa",
-// "cxi"); "" means $VARCOMM_FI_PROVIDER, else verbs/efa/cxi when present, else
-// tcp;ofi_rxm. iface: the libfabric domain name (tcp: a network interface such
-// as "eth0"; verbs: "mlx5_0"; efa: "rdmap0s6-rdm"); "" means $VARCOMM_FI_IFACE,
-// else the first non-loopback IPv4 domain. Throws varcomm::Error (Invalid) when no
-// provider fits.
-std::unique_ptr<Transport> make_rdma_transport(int rank, int world, const std::string& provider,
-                                               const std::string& iface);
+// The transport itself registers as "rdma" (registry.h). Options:
+// rdma_provider, a libfabric provider spec ("tcp;ofi_rxm", "verbs;ofi_rxm",
+// "efa", "cxi"), "" for the first of rdma_default_providers() present;
+// rdma_iface, the libfabric domain name (tcp: a network interface such as
+// "eth0"; verbs: "mlx5_0"; efa: "rdmap0s6-rdm"), "" for the first
+// non-loopback IPv4 domain.
 
-// libfabric version and the RDM providers/domains it offers, one per line
-// (for `varcomm doctor` and bug reports).
-std::string rdma_info();
+// The providers tried, in order, when none is named.
+std::vector<std::string> rdma_default_providers();
+
+// libfabric version and the RDM providers/domains it offers, one per line,
+// and which provider `provider`/`iface` would pick (for `varcomm doctor`).
+std::string rdma_info(const std::string& provider, const std::string& iface);
 
 }  // namespace varcomm

@@ -1,10 +1,10 @@
 // Standalone test of the rdma transport (not part of the package): two forked
 // ranks, descriptors exchanged over pipes, the protocol's own region layout.
 //
-//   g++ -std=c++17 -O2 -I csrc -I transport/rdma transport/rdma/selftest.cpp
+//   g++ -std=c++17 -O2 -I csrc transport/rdma/selftest.cpp csrc/registry.cpp csrc/region.cpp
 //       transport/rdma/rdma.cpp $(pkg-config --cflags --libs libfabric) -o /tmp/rdma_selftest
 //   /tmp/rdma_selftest [--provider P] [--iface I] [--netns NS0,NS1 [--down "ip -n NS1 link set eth0 down"]]
-//   /tmp/rdma_selftest --bench [--size B]... [--iters N]   ping-pong only, JSON lines like bench/fi_pingpong
+//   /tmp/rdma_selftest --bench [--size B]... [--iters N]   ping-pong only, JSON lines like bench/varcomm_bench/fi_pingpong
 //
 // Checks: messages of many sizes land with header and payload intact and the
 // ready word set from the completion; credits via write_u64; tickets complete;
@@ -28,7 +28,8 @@
 #include <vector>
 
 #include "protocol.h"
-#include "rdma.h"
+#include "region.h"
+#include "registry.h"
 
 using namespace varcomm;
 using Clock = std::chrono::steady_clock;
@@ -66,7 +67,8 @@ struct Rank {
   int rank, peer;
   Layout L;
   char* base;
-  std::unique_ptr<Transport> t;
+  std::unique_ptr<Region> region;
+  std::shared_ptr<Transport> t;
   std::vector<uint8_t> src;
   uint64_t next_seq = 1;   // next message we send
   uint64_t next_recv = 1;  // next message we expect
@@ -193,8 +195,7 @@ static void stream_until_error(Rank& r, const std::string& down, double limit_s)
   fflush(stdout);
 }
 
-static int run(int rank, pid_t child, const std::string& provider, const std::string& iface, bool bench,
-               const std::string& down) {
+static int run(int rank, pid_t child, const Options& opt, bool bench, const std::string& down) {
   g_rank = rank;
   Rank r;
   r.rank = rank;
@@ -203,9 +204,12 @@ static int run(int rank, pid_t child, const std::string& provider, const std::st
   r.L.nslots = 4;
   r.L.bound = 16 << 20;
   size_t total = r.L.total();
-  r.base = (char*)mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  r.region = std::make_unique<Region>(total);
+  r.base = r.region->base();
   r.src.resize(r.L.bound);
-  r.t = make_rdma_transport(rank, 2, provider, iface);
+  const TransportFactory* rdma = find_transport("rdma");
+  REQUIRE(rdma, "rdma transport registered");
+  r.t = rdma->make(TransportContext{rank, 2, *r.region, r.L, opt, /*any_remote=*/true});
   if (rank == 0) printf("# %s\n", r.t->describe().c_str());
   std::string mine = r.t->expose(r.base, total);
   say(mine);
@@ -315,13 +319,15 @@ static void enter_netns(const std::string& ns) {
 }
 
 int main(int argc, char** argv) {
-  std::string provider, iface, down, ns[2];
+  std::string down, ns[2];
+  Options opt;
   bool bench = false;
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--provider") provider = next();
-    else if (a == "--iface") iface = next();
+    if (a == "--provider") opt.rdma_provider = next();
+    else if (a == "--iface") opt.rdma_iface = next();
+    else if (a == "--strict") opt.rdma_strict = true;
     else if (a == "--bench") bench = true;
     else if (a == "--iters") g_iters = atoi(next().c_str());
     else if (a == "--size") g_sizes.push_back(strtoull(next().c_str(), nullptr, 0));
@@ -332,7 +338,7 @@ int main(int argc, char** argv) {
       ns[0] = v.substr(0, c);
       ns[1] = c == std::string::npos ? "" : v.substr(c + 1);
     } else {
-      fprintf(stderr, "usage: %s [--provider P] [--iface I] [--bench [--size B]... [--iters N]] [--netns A,B] "
+      fprintf(stderr, "usage: %s [--provider P] [--iface I] [--strict] [--bench [--size B]... [--iters N]] [--netns A,B] "
                       "[--down CMD]\n", argv[0]);
       return 2;
     }
@@ -347,7 +353,7 @@ int main(int argc, char** argv) {
     enter_netns(ns[1]);
     g_in = a[0], g_out = b[1];
     try {
-      _exit(run(1, 0, provider, iface, bench, down));
+      _exit(run(1, 0, opt, bench, down));
     } catch (const std::exception& e) {
       fprintf(stderr, "rank 1: %s\n", e.what());
       _exit(1);
@@ -357,7 +363,7 @@ int main(int argc, char** argv) {
   g_in = b[0], g_out = a[1];
   int rc;
   try {
-    rc = run(0, pid, provider, iface, bench, down);
+    rc = run(0, pid, opt, bench, down);
   } catch (const std::exception& e) {
     fprintf(stderr, "rank 0: %s\n", e.what());
     kill(pid, SIGKILL);

@@ -1,5 +1,3 @@
-#include "shm.h"
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,13 +9,14 @@
 #include "errors.h"
 #include "hostmem.h"
 #include "protocol.h"
+#include "registry.h"
 
 namespace varcomm {
 namespace {
 
 class ShmTransport : public Transport {
  public:
-  explicit ShmTransport(Region& local) : local_(local) {}
+  ShmTransport(Region& local, const Layout& layout) : local_(local), layout_(layout) {}
   ~ShmTransport() override {
     for (auto& kv : peers_)
       if (kv.second.base != local_.base()) unmap_region(kv.second.base, kv.second.size);
@@ -29,16 +28,20 @@ class ShmTransport : public Transport {
   std::string expose(void* base, size_t size) override {
     unsigned long long start = process_start(getpid());
     (void)base;
-    return std::to_string(getpid()) + ":" + std::to_string(local_.fd()) + ":" +
-           std::to_string(size) + ":" + std::to_string(start);
+    return std::to_string(getpid()) + ":" + std::to_string(local_.fd()) + ":" + std::to_string(size) + ":" +
+           std::to_string(start) + ":" + std::to_string(layout_.nslots) + ":" + std::to_string(layout_.bound);
   }
 
   void connect(int peer, const std::string& d) override {
     Peer p;
     int fd = -1;
     size_t size = 0;
-    if (sscanf(d.c_str(), "%d:%d:%zu:%llu", &p.pid, &fd, &size, &p.start) != 4)
+    Layout L;
+    L.world = layout_.world;
+    unsigned long long bound = 0;
+    if (sscanf(d.c_str(), "%d:%d:%zu:%llu:%d:%llu", &p.pid, &fd, &size, &p.start, &L.nslots, &bound) != 6)
       throw Error(ErrorKind::Invalid, "bad shm descriptor from rank " + std::to_string(peer));
+    L.bound = bound;
     p.size = size;
     if (p.pid == getpid()) {
       p.base = local_.base();
@@ -50,6 +53,12 @@ class ShmTransport : public Transport {
                     "cannot map rank " + std::to_string(peer) + "'s region: " + err +
                         " (same-host ranks must run as the same user; set VARCOMM_TRANSPORT=fallback to avoid shm)",
                     peer);
+    }
+    std::string bad = region_mismatch(p.base, size, peer, p.pid, L);
+    if (!bad.empty()) {
+      if (p.base != local_.base()) unmap_region(p.base, size);
+      throw Error(ErrorKind::PeerFailure, "cannot use " + bad + " (a stale descriptor, or a process that reused its pid)",
+                  peer);
     }
     peers_[peer] = p;
   }
@@ -79,13 +88,24 @@ class ShmTransport : public Transport {
     unsigned long long start = 0;
   };
   Region& local_;
+  Layout layout_;
   std::unordered_map<int, Peer> peers_;
 };
 
-}  // namespace
+TransportRegistrar shm_registrar({
+    "shm",
+    /*device=*/false,
+    /*same_host_only=*/true,
+    [](const PeerInfo& self, const PeerInfo& peer, const Options&) -> std::string {
+      if (peer.host != self.host) return "rank " + std::to_string(peer.rank) + " is on another host";
+      if (!peer.has("shm") || !self.has("shm")) return "rank " + std::to_string(peer.rank) + " has no shm endpoint";
+      return "";
+    },
+    [](const TransportContext& c) -> std::shared_ptr<Transport> {
+      return std::make_shared<ShmTransport>(c.region, c.layout);
+    },
+});
 
-std::shared_ptr<Transport> make_shm_transport(Region& local) {
-  return std::make_shared<ShmTransport>(local);
-}
+}  // namespace
 
 }  // namespace varcomm

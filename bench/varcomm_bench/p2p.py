@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from .bench_core import (Ctx, Method, MpiEP, NumpyEP, Test, TorchEP, ZeroCopyEP, agree, d2d_method, fi_binary,
+from .core import (Ctx, Method, MpiEP, NumpyEP, Test, TorchEP, ZeroCopyEP, agree, d2d_method, fi_binary,
                          fi_provider, fi_runner, init_comms, memcpy_method, run_test, sweep)
 
 TESTS = ("latency", "unibw", "bibw")

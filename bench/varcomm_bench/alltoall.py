@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_core import BenchError, Ctx, Method, Test, agree, corrupting, d2d_method, init_comms, log, \
+from .core import BenchError, Ctx, Method, Test, agree, corrupting, d2d_method, init_comms, log, \
     memcpy_method, run_test, sweep
 
 ROUTINGS = ("uniform", "zipf", "all-to-one")
@@ -80,7 +80,7 @@ def make_mpi_op(comm: Any, x: np.ndarray, counts: np.ndarray, row_bytes: int) ->
 
 
 def run(ctx: Ctx) -> list[dict[str, Any]]:
-    from . import alltoall as A
+    from varcomm import alltoall as A
 
     a = ctx.a
     torch = ctx.torch
@@ -130,8 +130,8 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     def varcomm_kernel(name: str, comm: Any, algorithm: str) -> Any:
         def kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:
             x, mine, want = inputs(*p)
-            old = os.environ.get("VARCOMM_A2A_ALGORITHM")
-            os.environ["VARCOMM_A2A_ALGORITHM"] = algorithm  # read by each call
+            old = comm.options
+            comm.options = old.override(a2a_algorithm=algorithm)
             try:
                 wrong = 0
                 for _ in range(w):
@@ -146,10 +146,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                 ctx.sync()
                 return time.perf_counter() - t0, iters, wrong
             finally:
-                if old is None:
-                    os.environ.pop("VARCOMM_A2A_ALGORITHM", None)
-                else:
-                    os.environ["VARCOMM_A2A_ALGORITHM"] = old
+                comm.options = old
         return kernel
 
     def mpi_kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """The MPI all-to-all-v baseline alone (needs numpy and mpi4py; `varcomm-bench
 alltoall` runs the same op in-process when it runs under mpirun): per iteration,
 comm.Alltoall of the row counts, allocate the output, then comm.Alltoallv of
 [T, hidden] rows as bytes, routed as in varcomm-bench.
 
-    mpirun -n 4 --oversubscribe --allow-run-as-root python bench/mpi_alltoallv.py \
+    mpirun -n 4 --oversubscribe --allow-run-as-root python -m varcomm_bench.mpi_alltoallv \
         [--sizes 8K,128K,1M,8M] [--routing uniform,zipf] [--iters 50] [--repeats 5] [--out r.json]
 
 Prints one JSON line per point (rank 0): time per op (the slowest rank, median
@@ -22,10 +21,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-
-from varcomm.bench_alltoall import make_mpi_op, splits_matrix  # noqa: E402
-from varcomm.bench_core import parse_bytes  # noqa: E402
+from .alltoall import make_mpi_op, splits_matrix
+from .core import parse_bytes
 
 
 def main() -> int:

@@ -104,12 +104,6 @@ def corrupting(method: str) -> bool:
     return bool(v) and (v in ("1", "all") or method in v.split(","))
 
 
-def source_root() -> Path | None:
-    """The source checkout this varcomm was imported from (has bench/), if any."""
-    p = Path(__file__).resolve().parents[2]
-    return p if (p / "bench").is_dir() else None
-
-
 # ---- the per-rank context --------------------------------------------------------
 
 class Ctx:
@@ -140,6 +134,8 @@ class Ctx:
         self.mpi, self.mpi_reason = self._mpi()
         self.cap = 0
         self.hostname = socket.gethostname()
+        self.transport: str | None = None  # varcomm's route to the next rank (set by init_comms)
+        self.transport_detail: str | None = None
 
     # -- collective helpers over the control channel (shm: microseconds) --
     def gather(self, vals: Sequence[float]) -> np.ndarray | None:
@@ -640,10 +636,10 @@ def init_comms(ctx: Ctx, bound: int, slots: int) -> tuple[Any, Any, str | None]:
     a = ctx.varcomm
     opts = ctx.a
     vc = a.init(bound=bound, slots=slots, transport=opts.transport, array="torch", timeout=opts.op_timeout)
-    try:
-        d = vc.describe_transport((ctx.rank + 1) % ctx.world)
-        ctx.transport = d[:d.index(")") + 1] if ")" in d else d.split(";")[0]
-    except Exception:  # noqa: BLE001 - informational only
+    try:  # informational: the route to the next rank, by name and described
+        peer = (ctx.rank + 1) % ctx.world
+        ctx.transport, ctx.transport_detail = vc.transport_for(peer), vc.describe_transport(peer)
+    except Exception:  # noqa: BLE001
         pass
     fb, why = None, None
     if "fallback" not in opts.baselines:
@@ -658,51 +654,59 @@ def init_comms(ctx: Ctx, bound: int, slots: int) -> tuple[Any, Any, str | None]:
     return vc, fb, why
 
 
-# ---- raw libfabric (bench/fi_pingpong) ------------------------------------------------
+# ---- raw libfabric (fi_pingpong.c, beside this file) ------------------------------------
+
+FI_SRC = Path(__file__).with_name("fi_pingpong.c")
+
 
 def fi_binary(ctx: Ctx) -> tuple[str | None, str | None]:
-    """(path, None) or (None, why). Builds bench/fi_pingpong from its source when missing
-    or stale and libfabric's pkg-config file is there."""
+    """(path, None) or (None, why). Builds fi_pingpong from the fi_pingpong.c next to
+    this module when missing or stale and libfabric's pkg-config file is there: into
+    this folder when it is writable (a checkout or an editable install), else /tmp."""
     a = ctx.a
     if a.fi_pingpong:
         p = Path(a.fi_pingpong)
         return (str(p), None) if os.access(p, os.X_OK) else (None, f"--fi-pingpong {p}: not executable")
-    root = source_root()
-    if root is None:
-        return None, "bench/fi_pingpong.c not found (source checkout only; or pass --fi-pingpong PATH)"
-    src, exe = root / "bench" / "fi_pingpong.c", root / "bench" / "fi_pingpong"
+    src = FI_SRC
     if not src.is_file():
-        return (str(exe), None) if os.access(exe, os.X_OK) else (None, "bench/fi_pingpong.c not found")
+        return None, f"{src} is missing from this install of varcomm_bench (or pass --fi-pingpong PATH)"
+    exe = src.with_suffix("")
+    if not os.access(exe.parent, os.W_OK):
+        exe = Path("/tmp") / f"varcomm-fi_pingpong-{os.getuid()}"
     if os.access(exe, os.X_OK) and exe.stat().st_mtime >= src.stat().st_mtime:
         return str(exe), None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if not shutil.which("pkg-config"):
-        return None, "pkg-config not found: cannot locate libfabric to build bench/fi_pingpong"
+        return None, "pkg-config not found: cannot locate libfabric to build fi_pingpong"
     r = subprocess.run(["pkg-config", "--cflags", "--libs", "libfabric"], capture_output=True, text=True)
     if r.returncode != 0:
         return None, "libfabric not found by pkg-config (apt-get install libfabric-dev)"
     if not cc:
-        return None, "no C compiler (cc) to build bench/fi_pingpong"
-    target = exe if os.access(exe.parent, os.W_OK) else Path("/tmp") / f"varcomm-fi_pingpong-{os.getuid()}"
-    b = subprocess.run([cc, "-O2", str(src), "-o", str(target), *r.stdout.split()], capture_output=True, text=True)
+        return None, "no C compiler (cc) to build fi_pingpong"
+    b = subprocess.run([cc, "-O2", str(src), "-o", str(exe), *r.stdout.split()], capture_output=True, text=True)
     if b.returncode != 0:
         tail = " | ".join((b.stderr or b.stdout).strip().splitlines()[-2:])
-        return None, f"building bench/fi_pingpong failed: {tail}"
-    log(f"built {target} from bench/fi_pingpong.c")
-    return str(target), None
+        return None, f"building fi_pingpong from {src} failed: {tail}"
+    log(f"built {exe} from {src}")
+    return str(exe), None
 
 
 def fi_provider(ctx: Ctx, vc: Any) -> str:
-    """The provider the raw baseline uses: --fi-provider, else the one varcomm's rdma
-    route to rank 1 uses, else shm on one host."""
-    if ctx.a.fi_provider:
-        return ctx.a.fi_provider
-    try:
-        if vc.transport_for(1) == "rdma":
-            d = vc.describe_transport(1)
-            return d.split("(", 1)[1].split(",", 1)[0].strip()
-    except Exception:  # noqa: BLE001
-        pass
+    """The provider the raw baseline uses: --fi-provider, else varcomm's (_rdma_provider)."""
+    return ctx.a.fi_provider or _rdma_provider(vc)
+
+
+def _rdma_provider(comm: Any) -> str:
+    """The libfabric provider varcomm was asked to use for rdma: the bench passes
+    varcomm.init no rdma_provider, so that is VARCOMM_FI_PROVIDER (init's default;
+    the relaunch exports it to every rank); when none was asked for, "shm", libfabric's
+    same-host provider (fi_pingpong forks both sides on one host).
+
+    The one place the bench learns the provider: when the core reports the provider
+    `comm`'s rdma route chose, this body becomes that call (then a default choice
+    of varcomm's, e.g. tcp;ofi_rxm under --transport rdma, is seen too). It never
+    parses describe_transport or _C.rdma_info(), which are text for people."""
+    del comm  # until the core reports its choice
     return os.environ.get("VARCOMM_FI_PROVIDER") or "shm"
 
 

@@ -29,14 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from .bench_core import (BenchError, Ctx, Method, MpiEP, Test, TorchEP, agree, d2d_method, init_comms,
+from .core import (BenchError, Ctx, Method, MpiEP, Test, TorchEP, agree, d2d_method, init_comms,
                          memcpy_method, parse_bytes, run_test, sweep)
 
 
 def read_sizes(path: str) -> list[int]:
+    """The sizes in a --dist file; ValueError saying what is wrong with it."""
     p = Path(path)
     if not p.is_file():
-        raise BenchError(f"--dist file:{path}: no such file")
+        raise ValueError(f"file:{path}: no such file")
     out = []
     for i, line in enumerate(p.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -45,12 +46,12 @@ def read_sizes(path: str) -> list[int]:
         try:
             v = parse_bytes(line)
         except ValueError:
-            raise BenchError(f"--dist file:{path}, line {i}: not a size: {line!r}") from None
+            raise ValueError(f"file:{path}, line {i}: not a size: {line!r}") from None
         if v < 0:
-            raise BenchError(f"--dist file:{path}, line {i}: negative size")
+            raise ValueError(f"file:{path}, line {i}: negative size")
         out.append(v)
     if not out:
-        raise BenchError(f"--dist file:{path}: no sizes in it")
+        raise ValueError(f"file:{path}: no sizes in it")
     return out
 
 

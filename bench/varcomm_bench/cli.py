@@ -11,13 +11,16 @@
 
 Baselines (each skipped with a stated reason when missing): varcomm's fallback
 (gloo, shape header + payload), mpi4py (in-process, when the job runs under
-mpirun), raw libfabric (bench/fi_pingpong, p2p latency), single-thread memcpy,
+mpirun), raw libfabric (fi_pingpong.c beside this package, p2p latency), single-thread memcpy,
 device-to-device copy (--device cuda), and for alltoall the two-phase algorithm.
 
 Started outside a launcher it relaunches itself on --nranks ranks (default 2):
 under mpirun when mpi4py and mpirun are there (so the MPI baseline runs in the
 same processes), else under python -m varcomm.run. Under varcomm-run, torchrun
-or mpirun it uses their environment. Timing rules: see varcomm.bench_core.
+or mpirun it uses their environment. Timing rules: see varcomm_bench.core.
+
+Every option is checked by argparse before any rank starts: a bad value is a
+usage error (exit status 2) that names the option.
 """
 from __future__ import annotations
 
@@ -35,9 +38,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from .bench_core import BASELINES, LABELS, BenchError, fmt_bytes, log, parse_bytes
+from .alltoall import ROUTINGS
+from .core import BASELINES, LABELS, BenchError, fmt_bytes, log, parse_bytes
+from .p2p import TESTS
+from .varlen import read_sizes
 
 __all__ = ["main", "parse_bytes", "fmt_bytes"]
 
@@ -57,7 +63,7 @@ QUICK = {"repeats": 3, "warmup": 1, "sample_ms": 3.0, "cal_iters": 2, "window": 
 FULL = {"repeats": 5, "warmup": 2, "sample_ms": 20.0, "cal_iters": 3, "window": 8, "messages": 64,
         "fallback_maxbytes": 4 << 20}
 # Defaults of options a subcommand does not have (so every namespace has all).
-OTHER = {"tests": "latency,unibw,bibw", "fi_provider": None, "fi_pingpong": None, "fi_timeout": 20.0,
+OTHER = {"tests": ["latency", "unibw", "bibw"], "fi_provider": None, "fi_pingpong": None, "fi_timeout": 20.0,
          "dist": "lognormal", "sigma": 0.8, "slots": 8, "routing": "uniform", "hidden": 1024}
 
 
@@ -121,10 +127,8 @@ def machine(ctx: Any = None) -> dict[str, Any]:
             fi["provider_used"] = getattr(ctx, "fi_seen_provider", None) or ctx.fi_provider_used
         if ctx.mpi is not None:
             info["mpi"] = ctx.mpi.Get_library_version().strip().splitlines()[0].rstrip("\x00").strip()
-        try:
-            info["transport"] = ctx.transport
-        except AttributeError:
-            pass
+        info["transport"] = ctx.transport
+        info["transport_detail"] = ctx.transport_detail
         if ctx.device.type == "cuda":
             info["gpu"] = ctx.torch.cuda.get_device_name(ctx.device)
     info["libfabric"] = fi
@@ -132,31 +136,109 @@ def machine(ctx: Any = None) -> dict[str, Any]:
 
 
 # ---- command line ------------------------------------------------------------------------
+# Each option is parsed and checked by its argparse type, so a bad value is a
+# usage error naming the option, raised before any rank starts.
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def conv(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v}: must be >= {low}")
+        return v
+
+    return conv
+
+
+def _size(s: str) -> int:
+    try:
+        v = parse_bytes(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a size (bytes, or with K/M/G: 64K, 1M)") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: must be at least 1 byte")
+    return v
+
+
+def _dtype(s: str) -> str:
+    v = DTYPES.get(s, s)
+    if v not in _OK_DTYPES:
+        raise argparse.ArgumentTypeError(f"{s!r}: use one of {', '.join(_OK_DTYPES)} (or float, half)")
+    return v
+
+
+def _baselines(s: str) -> list[str]:
+    names = [b.strip() for b in s.split(",") if b.strip()]
+    if names == ["all"]:
+        return list(BASELINES)
+    if names in (["none"], []):
+        return []
+    alias = {"fi": "libfabric", "mpi": "mpi4py", "gloo": "fallback", "two_phase": "two-phase"}
+    names = [alias.get(b, b) for b in names]
+    bad = [b for b in names if b not in BASELINES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(BASELINES)}, all or none")
+    return names
+
+
+def _tests(s: str) -> list[str]:
+    names = [t.strip() for t in s.split(",") if t.strip()]
+    bad = [t for t in names if t not in TESTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {bad or [s]}; choose from {', '.join(TESTS)}")
+    return names
+
+
+def _routing(s: str) -> str:
+    names = [r.strip() for r in s.split(",") if r.strip()]
+    bad = [r for r in names if r not in ROUTINGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {bad or [s]}; use {', '.join(ROUTINGS)}, or a comma list")
+    return s
+
+
+def _dist(s: str) -> str:
+    if s.startswith("file:"):
+        try:
+            read_sizes(s[5:])  # read here so that a bad file stops the command before ranks start
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    elif s not in ("uniform", "lognormal"):
+        raise argparse.ArgumentTypeError(f"{s!r}: use uniform, lognormal or file:PATH")
+    return s
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sweep (nccl-tests flags)")
-    g.add_argument("-b", "--minbytes", type=parse_bytes, default=None, help="smallest size (default per subcommand)")
-    g.add_argument("-e", "--maxbytes", type=parse_bytes, default=None, help="largest size (default per subcommand)")
-    g.add_argument("-f", "--stepfactor", type=int, default=None, help="size multiplier (default per subcommand)")
-    g.add_argument("-n", "--iters", type=int, default=0,
+    g.add_argument("-b", "--minbytes", type=_size, default=None, help="smallest size (default per subcommand)")
+    g.add_argument("-e", "--maxbytes", type=_size, default=None, help="largest size (default per subcommand)")
+    g.add_argument("-f", "--stepfactor", type=_at_least(2), default=None,
+                   help="size multiplier (default per subcommand)")
+    g.add_argument("-n", "--iters", type=_at_least(0), default=0,
                    help="timed iterations per sample (default: calibrated, about --sample-ms per sample)")
-    g.add_argument("-w", "--warmup", type=int, default=None, help="untimed iterations before each sample (2; quick 1)")
-    g.add_argument("-r", "--repeats", type=int, default=None, help="samples per point, median reported (5; quick 3)")
+    g.add_argument("-w", "--warmup", type=_at_least(0), default=None,
+                   help="untimed iterations before each sample (2; quick 1)")
+    g.add_argument("-r", "--repeats", type=_at_least(1), default=None,
+                   help="samples per point, median reported (5; quick 3)")
     g.add_argument("-c", "--check", type=int, nargs="?", const=1, default=0,
                    help="verify every message of the warm-up iterations (sizes and bytes); #wrong counts them")
     g.add_argument("--sample-ms", type=float, default=None, help="calibrated sample length (20; quick 3)")
-    g.add_argument("--min-iters", type=int, default=2, help="fewest calibrated iterations (default 2)")
-    g.add_argument("--max-iters", type=int, default=20000, help="most calibrated iterations (default 20000)")
-    g.add_argument("--cal-iters", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--min-iters", type=_at_least(1), default=2, help="fewest calibrated iterations (default 2)")
+    g.add_argument("--max-iters", type=_at_least(1), default=20000, help="most calibrated iterations (default 20000)")
+    g.add_argument("--cal-iters", type=_at_least(1), default=None, help=argparse.SUPPRESS)
     g = p.add_argument_group("what to run")
-    g.add_argument("--dtype", default="float32", help=f"element type: {', '.join(_OK_DTYPES)} (or float, half)")
+    g.add_argument("--dtype", type=_dtype, default="float32",
+                   help=f"element type: {', '.join(_OK_DTYPES)} (or float, half)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the buffers live (default cpu)")
     g.add_argument("--transport", choices=("auto", "shm", "rdma", "fallback"), default=None,
                    help="varcomm's transport (default: VARCOMM_TRANSPORT or auto)")
-    g.add_argument("--baselines", default="all",
+    g.add_argument("--baselines", type=_baselines, default="all",
                    help=f"comma list of {','.join(BASELINES)}, 'all' or 'none' (default all)")
     g.add_argument("--quick", action="store_true", help="a few seconds per subcommand: fewer sizes and repeats")
-    g.add_argument("--nranks", type=int, default=2, help="ranks to start when not under a launcher (default 2)")
+    g.add_argument("--nranks", type=_at_least(2), default=2,
+                   help="ranks to start when not under a launcher (default 2)")
     g.add_argument("--launcher", choices=("auto", "mpirun", "varcomm"), default="auto",
                    help="how to start the ranks when not under a launcher (auto: mpirun if mpi4py is there)")
     g.add_argument("--mpirun", default="mpirun", help="mpirun to use (default: on PATH)")
@@ -173,29 +255,33 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _p2p_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("p2p")
-    g.add_argument("--tests", default="latency,unibw,bibw", help="comma list of latency, unibw, bibw (default all)")
-    g.add_argument("--window", type=int, default=None, help="messages in flight for unibw/bibw (8; quick 4)")
-    g.add_argument("--fallback-maxbytes", type=parse_bytes, default=None,
+    g.add_argument("--tests", type=_tests, default="latency,unibw,bibw",
+                   help="comma list of latency, unibw, bibw (default all)")
+    g.add_argument("--window", type=_at_least(1), default=None, help="messages in flight for unibw/bibw (8; quick 4)")
+    g.add_argument("--fallback-maxbytes", type=_size, default=None,
                    help="largest size for the fallback, ~0.5 ms per message (4M; quick 1M)")
     g.add_argument("--fi-provider", default=None,
-                   help="libfabric provider of the raw baseline (default: varcomm's rdma provider, else shm)")
-    g.add_argument("--fi-pingpong", default=None, help="path of fi_pingpong (default: built from bench/)")
+                   help="libfabric provider of the raw baseline (default: the one varcomm was asked for, else shm)")
+    g.add_argument("--fi-pingpong", default=None, help="path of fi_pingpong (default: built from the package's "
+                   "fi_pingpong.c)")
     g.add_argument("--fi-timeout", type=float, default=20.0,
                    help="seconds for one fi_pingpong run; past it the baseline stops (default 20)")
 
 
 def _varlen_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("varlen")
-    g.add_argument("--dist", default="lognormal", help="uniform | lognormal | file:PATH (sizes, one per line)")
+    g.add_argument("--dist", type=_dist, default="lognormal",
+                   help="uniform | lognormal | file:PATH (sizes, one per line)")
     g.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma (default 0.8)")
-    g.add_argument("--messages", type=int, default=None, help="distinct sizes per point (64; quick 16)")
-    g.add_argument("--slots", type=int, default=8, help="varcomm slots: messages in flight per stage (default 8)")
+    g.add_argument("--messages", type=_at_least(1), default=None, help="distinct sizes per point (64; quick 16)")
+    g.add_argument("--slots", type=_at_least(1), default=8,
+                   help="varcomm slots: messages in flight per stage (default 8)")
 
 
 def _a2a_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("alltoall")
-    g.add_argument("--routing", default="uniform", help="uniform | zipf | all-to-one, or a comma list")
-    g.add_argument("--hidden", type=int, default=1024, help="elements per token row (default 1024)")
+    g.add_argument("--routing", type=_routing, default="uniform", help="uniform | zipf | all-to-one, or a comma list")
+    g.add_argument("--hidden", type=_at_least(1), default=1024, help="elements per token row (default 1024)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -220,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _finish_args(a: argparse.Namespace) -> argparse.Namespace:
-    """Fill presets and defaults; validate what can be checked before launching."""
+    """Fill presets and the defaults of options the subcommand does not have."""
     for k, v in OTHER.items():
         if not hasattr(a, k):
             setattr(a, k, v)
@@ -228,37 +314,8 @@ def _finish_args(a: argparse.Namespace) -> argparse.Namespace:
     for k, v in preset.items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
-    a.dtype = DTYPES.get(a.dtype, a.dtype)
-    if a.dtype not in _OK_DTYPES:
-        raise BenchError(f"--dtype {a.dtype!r}: use one of {', '.join(_OK_DTYPES)}")
     if a.transport is None:
         a.transport = (os.environ.get("VARCOMM_TRANSPORT") or "auto").lower()
-    names = [b.strip() for b in a.baselines.split(",") if b.strip()]
-    if names in (["all"], []):
-        names = list(BASELINES) if names == ["all"] else []
-    if names == ["none"]:
-        names = []
-    alias = {"fi": "libfabric", "mpi": "mpi4py", "gloo": "fallback", "two_phase": "two-phase"}
-    names = [alias.get(b, b) for b in names]
-    bad = [b for b in names if b not in BASELINES]
-    if bad:
-        raise BenchError(f"--baselines: unknown {bad}; choose from {', '.join(BASELINES)}")
-    a.baselines = names
-    a.tests = [t.strip() for t in a.tests.split(",") if t.strip()] if isinstance(a.tests, str) else a.tests
-    bad = [t for t in a.tests if t not in ("latency", "unibw", "bibw")]
-    if bad:
-        raise BenchError(f"--tests: unknown {bad}; choose from latency, unibw, bibw")
-    for rt in a.routing.split(","):
-        if rt.strip() and rt.strip() not in ("uniform", "zipf", "all-to-one"):
-            raise BenchError(f"--routing {rt!r}: use uniform, zipf or all-to-one")
-    if not (a.dist in ("uniform", "lognormal") or a.dist.startswith("file:")):
-        raise BenchError(f"--dist {a.dist!r}: use uniform, lognormal or file:PATH")
-    if a.dist.startswith("file:"):
-        from .bench_varlen import read_sizes
-
-        read_sizes(a.dist[5:])  # fail early, before starting ranks
-    if a.window < 1 or a.repeats < 1 or a.messages < 1 or a.warmup < 0:
-        raise BenchError("--window, --repeats and --messages must be >= 1, --warmup >= 0")
     if a.check:
         a.warmup = max(a.warmup, 1)  # -c verifies warm-up iterations
     a.benches = list(BENCHES) if a.cmd == "all" else [a.cmd]
@@ -305,17 +362,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---- the job -------------------------------------------------------------------------------
 
 def run_job(a: argparse.Namespace) -> int:
-    from . import bench_alltoall, bench_p2p, bench_report, bench_varlen
-    from .bench_core import Ctx
+    from . import alltoall, p2p, report, varlen
+    from .core import Ctx
 
-    mods = {"p2p": bench_p2p, "varlen": bench_varlen, "alltoall": bench_alltoall}
+    mods = {"p2p": p2p, "varlen": varlen, "alltoall": alltoall}
     t0 = time.monotonic()
     try:
         load0 = list(os.getloadavg())
     except OSError:
         load0 = None
     ctx = Ctx(a)
-    ctx.transport = None
     results: list[dict[str, Any]] = []
     try:
         if ctx.rank == 0 and not a.quiet:
@@ -341,8 +397,8 @@ def run_job(a: argparse.Namespace) -> int:
            "elapsed_s": round(time.monotonic() - t0, 1), "machine": info,
            "options": {k: v for k, v in vars(a).items() if k not in ("func",)},
            "labels": dict(LABELS), "results": results}
-    doc["wrong_total"] = bench_report.wrong_total(results)
-    print(bench_report.text(doc), flush=True)
+    doc["wrong_total"] = report.wrong_total(results)
+    print(report.text(doc), flush=True)
     _write(a, doc)
     if doc["wrong_total"]:
         log(f"FAILED: -c found {doc['wrong_total']} wrong messages/results (see #wrong)")
@@ -359,7 +415,7 @@ def _launcher_name() -> str:
 
 
 def _write(a: argparse.Namespace, doc: dict[str, Any]) -> None:
-    from . import bench_report
+    from . import report
 
     paths: list[tuple[Path, str]] = []
     if a.save:
@@ -372,12 +428,12 @@ def _write(a: argparse.Namespace, doc: dict[str, Any]) -> None:
         paths.append((Path(a.md), "md"))
     for p, kind in paths:
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=1, default=str) + "\n" if kind == "json" else bench_report.markdown(doc))
+        p.write_text(json.dumps(doc, indent=1, default=str) + "\n" if kind == "json" else report.markdown(doc))
         log(f"wrote {p}")
     if a.plot:
         try:
             Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
-            bench_report.plot(doc, a.plot)
+            report.plot(doc, a.plot)
             log(f"wrote {a.plot}")
         except ImportError:
             log("--plot: matplotlib is not installed (pip install matplotlib): no plot written")
@@ -404,18 +460,20 @@ def _mpi_choice(a: argparse.Namespace) -> str | None:
 
 def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
     """Not under a launcher: run this same command on --nranks ranks."""
-    from . import __file__ as pkg_init, run
+    import varcomm
+    from varcomm import run
 
     n = a.nranks
-    if n < 2:
-        raise BenchError("--nranks must be >= 2")
-    pkg_root = str(Path(pkg_init).absolute().parents[1])  # where this varcomm was imported from
-    pp = os.environ.get("PYTHONPATH", "")
-    if pkg_root not in pp.split(os.pathsep):
-        os.environ["PYTHONPATH"] = pkg_root + (os.pathsep + pp if pp else "")
+    # The ranks import this varcomm and this varcomm_bench, installed or not.
+    pp = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for mod in (varcomm.__file__, __file__):
+        root = str(Path(mod).absolute().parents[1])
+        if root not in pp:
+            pp.insert(0, root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(pp)
     os.environ.setdefault("VARCOMM_BENCH_CMD", shlex.join(["varcomm-bench", *args_in]))
     timeout = a.timeout if a.timeout is not None else 900.0
-    cmd = [sys.executable, "-m", "varcomm.bench", *args_in]
+    cmd = [sys.executable, "-m", "varcomm_bench", *args_in]
     why = _mpi_choice(a)
     if why is None:
         os.environ["VARCOMM_BENCH_LAUNCHER"] = f"mpirun -n {n}"
@@ -445,7 +503,3 @@ def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
         os.environ["VARCOMM_BENCH_NO_MPI"] = f"not run under mpirun: {why}"
     os.environ["VARCOMM_BENCH_LAUNCHER"] = f"varcomm.run -n {n}"
     return run.launch(cmd, n, timeout=timeout)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

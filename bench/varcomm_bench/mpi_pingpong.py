@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mpi4py ping-pong baseline for `varcomm-bench p2p` (needs only numpy and mpi4py).
 
-    mpirun -n 2 --allow-run-as-root --oversubscribe python bench/mpi_pingpong.py \
+    mpirun -n 2 --allow-run-as-root --oversubscribe python -m varcomm_bench.mpi_pingpong \
         --sizes 8,1024,16777216 --iters 2000,1000,3 --warmup 200,100,2 [--repeats 1] [--check]
 
 Rank 0 sends `size` bytes with Comm.Send from a preallocated numpy buffer; rank

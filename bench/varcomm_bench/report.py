@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .bench_core import SHORT, fmt_bytes
+from .core import SHORT, fmt_bytes
 
 ORDER = ("varcomm", "two-phase", "fallback", "mpi4py", "libfabric", "memcpy", "d2d")
 

@@ -1,16 +1,19 @@
 // pybind11 surface of the core. Arrays arrive as raw pointers (torch, via
 // data_ptr) or through the buffer protocol (numpy); the core never sees a
-// framework type.
+// framework type. The transport headers are included only for the doctor's
+// info functions: routes come from the registry (csrc/routes.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <map>
 #include <memory>
+#include <set>
 
 #include "collectives.h"
 #include "engine.h"
-#include "shm.h"
+#include "options.h"
+#include "routes.h"
 #ifdef VARCOMM_HAVE_RDMA
 #include "rdma.h"
 #endif
@@ -83,11 +86,98 @@ struct Buf {
   }
 };
 
-// The core owns the engine and whichever transports this build has.
+// The one place an option is read on the C++ side: the Python options module's
+// dict, with exactly these keys, becomes the Options every part of the core gets.
+Options options_from_dict(const py::dict& d) {
+  static const std::set<std::string> keys = {
+      "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
+      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max"};
+  std::set<std::string> seen;
+  for (auto kv : d) {
+    std::string k = py::str(kv.first);
+    if (!keys.count(k)) throw Error(ErrorKind::Invalid, "unknown core option '" + k + "'");
+    seen.insert(k);
+  }
+  for (auto& k : keys)
+    if (!seen.count(k)) throw Error(ErrorKind::Invalid, "core option '" + k + "' is missing");
+  auto get = [&](const char* k, auto* out) {
+    try {
+      *out = d[k].cast<std::decay_t<decltype(*out)>>();
+    } catch (const py::cast_error&) {
+      throw Error(ErrorKind::Invalid, std::string("core option '") + k + "' has the wrong type: " +
+                                          std::string(py::str(py::type::of(d[k]).attr("__name__"))));
+    }
+  };
+  auto one_of = [](const char* k, const std::string& v, std::initializer_list<const char*> ok) {
+    std::string list;
+    for (const char* x : ok) {
+      if (v == x) return;
+      list += std::string(list.empty() ? "" : ", ") + x;
+    }
+    throw Error(ErrorKind::Invalid, std::string(k) + "='" + v + "': use " + list);
+  };
+  Options o;
+  get("bound", &o.bound);
+  get("slots", &o.slots);
+  get("spin_us", &o.spin_us);
+  get("transport", &o.transport);
+  get("rdma_provider", &o.rdma_provider);
+  get("rdma_iface", &o.rdma_iface);
+  get("peer_timeout", &o.peer_timeout);
+  get("rdma_strict", &o.rdma_strict);
+  get("rdma_eager_credits", &o.rdma_eager_credits);
+  get("liveness_addr", &o.liveness_addr);
+  get("debug", &o.debug);
+  get("nvlink", &o.nvlink);
+  get("cuda_device", &o.cuda_device);
+  get("nvlink_flags", &o.nvlink_flags);
+  get("nvlink_kernel_max", &o.nvlink_kernel_max);
+  one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
+  one_of("nvlink", o.nvlink, {"auto", "on", "off"});
+  one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});
+  if (o.bound == 0) throw Error(ErrorKind::Invalid, "bound must be positive (bytes)");
+  return o;
+}
+
+// The status of one received message: what its header said.
+struct Status {
+  int src;
+  int64_t tag;
+  uint64_t nbytes;
+  uint32_t dtype;  // DLPack word, see python/varcomm/dtypes.py
+  py::tuple shape;
+  bool device;      // the payload is in device memory
+  bool descriptor;  // a descriptor (kDescriptor): nbytes, dtype, shape describe data sent separately
+};
+
+py::object status_of(int src, const MsgHeader& h) {
+  py::tuple shape(h.ndim);
+  for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
+  return py::cast(Status{src, h.tag, h.nbytes, h.dtype, std::move(shape), (h.flags & kDevicePayload) != 0,
+                         (h.flags & kDescriptor) != 0});
+}
+
+py::object status_of(const MsgInfo& m) {
+  py::tuple shape(m.shape.size());
+  for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = py::int_(m.shape[i]);
+  return py::cast(Status{m.src, m.tag, m.nbytes, m.dtype, std::move(shape), (m.flags & kDevicePayload) != 0,
+                         (m.flags & kDescriptor) != 0});
+}
+
+// The core: the engine and the set-up that chose and connected its routes.
 struct Comm {
   std::unique_ptr<Engine> engine;
-  std::map<std::string, std::shared_ptr<Transport>> transports;
-  std::map<std::string, std::string> descriptors;
+  std::unique_ptr<Setup> setup;
+
+  Setup& ready() {
+    if (!setup->done()) throw Error(ErrorKind::Invalid, "set-up is not complete (setup_step until it returns None)");
+    return *setup;
+  }
+  void check_peer(int peer) {
+    if (peer < 0 || peer >= engine->world())
+      throw Error(ErrorKind::Invalid, "peer " + std::to_string(peer) + " out of range [0, " +
+                                          std::to_string(engine->world()) + ")");
+  }
 
   // Waits in slices so Ctrl-C reaches Python while a peer is silent.
   void wait(uint64_t id, std::optional<double> timeout) {
@@ -159,19 +249,6 @@ bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint3
                   src);
     }
   }
-}
-
-py::tuple header_tuple(int src, const MsgHeader& h) {
-  py::tuple shape(h.ndim);
-  for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = h.shape[i];
-  return py::make_tuple(src, h.tag, h.nbytes, h.dtype, shape);
-}
-
-// (src, tag, nbytes, dtype word, shape, flags): flags has FLAG_DEVICE, FLAG_DESCRIPTOR.
-py::tuple info_tuple(const MsgInfo& m) {
-  py::tuple shape(m.shape.size());
-  for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = m.shape[i];
-  return py::make_tuple(m.src, m.tag, m.nbytes, m.dtype, shape, m.flags);
 }
 
 std::vector<int64_t> to_shape(const py::sequence& s) {
@@ -271,8 +348,6 @@ py::object a2a_run(AllToAllHandle& h, std::optional<double> timeout, py::object 
 void bind_collectives(py::module_& m) {
   m.attr("COLL_TAG_BASE") = kCollTagBase;
   m.attr("MAX_COLL_TAG") = kMaxCollTag;
-  m.attr("FLAG_DEVICE") = kDevicePayload;
-  m.attr("FLAG_DESCRIPTOR") = kDescriptor;
   py::class_<AllToAllHandle>(m, "AllToAll")
       .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none());
   // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
@@ -344,22 +419,32 @@ PYBIND11_MODULE(_C, m) {
   m.attr("build_info") = build;
   bind_collectives(m);
 
-  m.def("rdma_info", []() -> std::string {
+  // The doctor's views; with an options dict they describe what those options would select.
+  m.def("rdma_info", [](std::optional<py::dict> opts) -> std::string {
 #ifdef VARCOMM_HAVE_RDMA
-    return rdma_info();
+    Options o = opts ? options_from_dict(*opts) : Options();
+    return rdma_info(o.rdma_provider, o.rdma_iface);
 #else
+    (void)opts;
     return "varcomm was built without libfabric (install libfabric-dev and rebuild)";
 #endif
-  });
+  }, py::arg("options") = py::none());
+#ifdef VARCOMM_HAVE_RDMA
+  m.attr("rdma_providers") = py::cast(rdma_default_providers());
+#else
+  m.attr("rdma_providers") = py::list();
+#endif
 
   // Both load the NVIDIA driver (cuInit): not in a process that forks CUDA users later.
-  m.def("nvlink_info", []() -> std::string {
+  m.def("nvlink_info", [](std::optional<py::dict> opts) -> std::string {
 #ifdef VARCOMM_HAVE_CUDA
-    return nvlink_info();
+    Options o = opts ? options_from_dict(*opts) : Options();
+    return nvlink_info(o.nvlink_flags, o.nvlink_kernel_max);
 #else
+    (void)opts;
     return "varcomm was built without the nvlink transport";
 #endif
-  });
+  }, py::arg("options") = py::none());
   m.def("nvlink_unavailable_reason", []() -> std::string {
 #ifdef VARCOMM_HAVE_CUDA
     return nvlink_unavailable_reason();
@@ -368,91 +453,98 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
 
+  py::class_<Status>(m, "Status",
+                     "A received message's header: source, tag, size, dtype, shape, device and descriptor flags.")
+      .def_readonly("src", &Status::src)
+      .def_readonly("tag", &Status::tag)
+      .def_readonly("nbytes", &Status::nbytes)
+      .def_readonly("dtype", &Status::dtype)
+      .def_readonly("shape", &Status::shape)
+      .def_readonly("device", &Status::device)
+      .def_readonly("descriptor", &Status::descriptor)
+      .def("__eq__", [](const Status& a, const Status& b) {
+        return a.src == b.src && a.tag == b.tag && a.nbytes == b.nbytes && a.dtype == b.dtype && a.device == b.device &&
+               a.descriptor == b.descriptor &&
+               a.shape.equal(b.shape);
+      })
+      .def("__repr__", [](const Status& s) {
+        std::string dt;
+        try {
+          dt = py::str(py::module_::import("varcomm.dtypes").attr("describe")(s.dtype));
+        } catch (const py::error_already_set&) {
+          char w[16];
+          snprintf(w, sizeof w, "0x%x", s.dtype);
+          dt = w;
+        }
+        return "Status(src=" + std::to_string(s.src) + ", tag=" + std::to_string(s.tag) + ", nbytes=" +
+               std::to_string(s.nbytes) + ", dtype=" + dt + ", shape=" + std::string(py::repr(s.shape)) +
+               ", device=" + (s.device ? "True" : "False") + (s.descriptor ? ", descriptor=True" : "") + ")";
+      });
+
   py::class_<Comm>(m, "Comm")
-      .def(py::init([](int rank, int world, uint64_t bound, int slots, int spin_us) {
+      .def(py::init([](int rank, int world, const py::dict& options) {
              auto c = std::make_unique<Comm>();
-             Options o;
-             o.bound = bound;
-             o.nslots = slots;
-             o.spin_us = spin_us;
-             c->engine = std::make_unique<Engine>(rank, world, o);
+             c->engine = std::make_unique<Engine>(rank, world, options_from_dict(options));
+             c->setup = std::make_unique<Setup>(*c->engine);
              return c;
            }),
-           py::arg("rank"), py::arg("world"), py::arg("bound"), py::arg("slots"), py::arg("spin_us") = 50)
+           py::arg("rank"), py::arg("world"), py::arg("options"))
       .def_property_readonly("rank", [](Comm& c) { return c.engine->rank(); })
       .def_property_readonly("world", [](Comm& c) { return c.engine->world(); })
       .def_property_readonly("bound", [](Comm& c) { return c.engine->layout().bound; })
       .def_property_readonly("slots", [](Comm& c) { return c.engine->layout().nslots; })
       .def_property_readonly("region_bytes", [](Comm& c) { return c.engine->region().size(); })
-      .def("expose",
-           [](Comm& c, const std::string& kind, const std::string& provider, const std::string& iface, int device) {
-             auto it = c.descriptors.find(kind);
-             if (it != c.descriptors.end()) return it->second;
-             std::shared_ptr<Transport> t;
-             if (kind == "shm") {
-               t = make_shm_transport(c.engine->region());
-#ifdef VARCOMM_HAVE_RDMA
-             } else if (kind == "rdma") {
-               t = make_rdma_transport(c.engine->rank(), c.engine->world(), provider, iface);
-#endif
-#ifdef VARCOMM_HAVE_CUDA
-             } else if (kind == "nvlink") {
-               t = make_nvlink_transport(c.engine->region(), c.engine->layout(), device);
-#endif
-             } else {
-               (void)provider;
-               (void)iface;
-               (void)device;
-               throw Error(ErrorKind::Invalid, "transport '" + kind + "' is not built into this varcomm");
+      // Set-up rounds: each rank publishes the blob it is given, and hands back
+      // every rank's blob of that round, until the core answers None.
+      .def("setup_begin", [](Comm& c) { return py::bytes(c.setup->begin()); })
+      .def("setup_step",
+           [](Comm& c, const std::vector<std::string>& blobs) -> py::object {
+             std::optional<std::string> next;
+             {
+               py::gil_scoped_release nogil;
+               next = c.setup->step(blobs);
              }
-             std::string d = t->expose(c.engine->region().base(), c.engine->region().size());
-             c.transports[kind] = t;
-             c.descriptors[kind] = d;
-             return d;
-           },
-           py::arg("kind"), py::arg("provider") = "", py::arg("iface") = "", py::arg("device") = -1)
-      .def("connect",
-           [](Comm& c, int peer, const std::string& kind, const std::string& desc, int world, int slots,
-              uint64_t bound) {
-             auto it = c.transports.find(kind);
-             if (it == c.transports.end()) throw Error(ErrorKind::Invalid, "transport '" + kind + "' not exposed");
-             it->second->connect(peer, desc);
-             Layout L;
-             L.world = world;
-             L.nslots = slots;
-             L.bound = bound;
-             c.engine->set_transport(peer, it->second, L);
+             return next ? py::object(py::bytes(*next)) : py::object(py::none());
            })
-      // A device-memory transport (nvlink) to a peer already connected on the
-      // host path: connect_device imports the peer's descriptor; once both
-      // sides could, set_device_transport routes device messages through it.
-      .def("connect_device",
-           [](Comm& c, int peer, const std::string& kind, const std::string& desc) {
-             auto it = c.transports.find(kind);
-             if (it == c.transports.end() || !it->second->device())
-               throw Error(ErrorKind::Invalid, "device transport '" + kind + "' not exposed");
-             it->second->connect(peer, desc);
+      .def_property_readonly("routes", [](Comm& c) { return c.ready().routes(); })
+      // Per peer: no native route reaches it, so the fallback carries it.
+      .def_property_readonly("via_fallback",
+                             [](Comm& c) {
+                               std::vector<bool> v;
+                               for (auto& r : c.ready().routes()) v.push_back(r == "fallback");
+                               return v;
+                             })
+      .def_property_readonly("device_routes",
+                             [](Comm& c) {
+                               py::list l;
+                               for (auto& r : c.ready().device_routes())
+                                 l.append(r.empty() ? py::object(py::none()) : py::object(py::str(r)));
+                               return l;
+                             })
+      .def("transport_for",
+           [](Comm& c, int peer) {
+             c.check_peer(peer);
+             return c.ready().routes()[size_t(peer)];
            })
-      .def("set_device_transport",
-           [](Comm& c, int peer, const std::string& kind) {
-             auto it = c.transports.find(kind);
-             if (it == c.transports.end() || !it->second->device())
-               throw Error(ErrorKind::Invalid, "device transport '" + kind + "' not exposed");
-             c.engine->set_device_transport(peer, it->second);
+      .def("device_transport_for",
+           [](Comm& c, int peer) -> py::object {
+             c.check_peer(peer);
+             auto& r = c.ready().device_routes()[size_t(peer)];
+             return r.empty() ? py::object(py::none()) : py::object(py::str(r));
            })
-      .def("connected", [](Comm& c) { c.engine->connected(); })
+      .def("describe_transport",
+           [](Comm& c, int peer) {
+             c.check_peer(peer);
+             return c.ready().describe(peer);
+           })
+      .def_property_readonly("needs_fallback_group", [](Comm& c) { return c.ready().any_fallback(); })
+      .def_property_readonly("close_waits_for_peers", [](Comm& c) { return c.ready().close_waits_for_peers(); })
+      .def_property_readonly("device_ordinal", [](Comm& c) { return c.ready().device_ordinal(); })
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("progress",
            [](Comm& c) {
              py::gil_scoped_release nogil;
              c.engine->progress();
-           })
-      .def("transport_name", [](Comm& c, int peer) { return c.engine->transport_name(peer); })
-      .def("transport_describe", [](Comm& c, int peer) { return c.engine->transport_describe(peer); })
-      .def("transport_describe_device",
-           [](Comm& c, int peer) {
-             auto it = c.transports.find("nvlink");
-             return it == c.transports.end() ? std::string() : it->second->describe();
            })
       .def("isend",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
@@ -494,9 +586,8 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("stream") = -1)
       // Receive into a buffer-protocol object: returns it unchanged when the
-      // message has its shape, else the message's (src, tag, nbytes, dtype,
-      // shape); None when the object is unusable here (the caller takes the
-      // general path).
+      // message has its shape, else the message's Status; None when the
+      // object is unusable here (the caller takes the general path).
       .def("recv_buffer",
            [](Comm& c, int src, int64_t tag, py::handle obj, std::optional<double> timeout) -> py::object {
              Buf b;
@@ -509,28 +600,29 @@ PYBIND11_MODULE(_C, m) {
                h.nbytes = m.nbytes;
                h.dtype = m.dtype;
                h.tag = m.tag;
+               h.flags = m.flags;
                h.ndim = uint32_t(m.shape.size());
                std::copy(m.shape.begin(), m.shape.end(), h.shape);
              }
              if (h.nbytes == b.nbytes && h.ndim == b.ndim && std::equal(h.shape, h.shape + h.ndim, b.shape))
                return py::reinterpret_borrow<py::object>(obj);
-             return header_tuple(src, h);
+             return status_of(src, h);
            })
-      // Blocking receive into raw memory (torch out=): the message's header tuple.
+      // Blocking receive into raw memory (torch out=): the message's Status.
       .def("recv_into",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
               std::optional<double> timeout, int64_t stream) -> py::object {
              MsgHeader h;
              if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
                return py::none();
-             return header_tuple(src, h);
+             return status_of(src, h);
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("timeout"),
            py::arg("stream") = -1)
       .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
-      .def("info", [](Comm& c, uint64_t id) { return info_tuple(c.engine->info(id)); })
+      .def("info", [](Comm& c, uint64_t id) { return status_of(c.engine->info(id)); })
       .def("copy_out",
            [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {
              c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));

@@ -1,0 +1,29 @@
+// Every knob of the core, in one struct. The Python options module reads the
+// environment and init() arguments once and the binding fills this from its
+// dict (csrc/python/bindings.cpp, options_from_dict): nothing in csrc/ or
+// transport/ reads the environment.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace varcomm {
+
+struct Options {
+  uint64_t bound = 8ull << 20;   // max payload bytes per message (per slot)
+  int slots = 8;                 // ring depth per sending peer
+  int spin_us = 50;              // busy-poll before yielding; 0 when ranks outnumber cores
+  std::string transport = "auto";  // auto | shm | rdma | fallback
+  std::string rdma_provider;     // libfabric provider spec; "" = rdma_default_providers() in order
+  std::string rdma_iface;        // libfabric domain; "" = the provider's first non-loopback one
+  double peer_timeout = 5;       // seconds of silence before an rdma peer counts as gone
+  bool rdma_strict = false;      // take the verbs/efa memory-registration path on any provider (tests)
+  bool rdma_eager_credits = false;  // post each rdma credit at once instead of riding on messages
+  std::string liveness_addr;     // IP for the rdma liveness listener when the fabric address is none
+  bool debug = false;            // transports print their set-up to stderr
+  std::string nvlink = "auto";   // auto | on | off
+  int cuda_device = -1;          // the GPU this process uses (torch ordinal), -1 none/unknown
+  std::string nvlink_flags = "device";  // device | host: where nvlink data-ready flags live
+  uint64_t nvlink_kernel_max = 0;       // largest nvlink message sent by the copy-and-flag kernel; 0 off
+};
+
+}  // namespace varcomm

@@ -1,0 +1,182 @@
+#include "routes.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "errors.h"
+
+namespace varcomm {
+namespace {
+
+[[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorKind::Invalid, msg); }
+
+std::string built_names() {
+  std::vector<std::string> names;
+  for (auto& f : transport_factories()) names.push_back(f.name);
+  std::sort(names.begin(), names.end());
+  std::string s = "[";
+  for (size_t i = 0; i < names.size(); ++i) s += (i ? ", '" : "'") + names[i] + "'";
+  return s + "]";
+}
+
+}  // namespace
+
+std::string choose_route(const PeerInfo& me, const PeerInfo& peer, const Options& o) {
+  const std::string& forced = o.transport;
+  if (forced == "fallback") return "fallback";
+  if (forced != "auto") {
+    const TransportFactory* f = find_transport(forced);
+    if (!f || f->device) invalid("transport '" + forced + "' is not built into this varcomm (built: " + built_names() +
+                                 "); see `varcomm-doctor`");
+    // Self-sends stay in local memory whatever carries the other peers.
+    if (peer.rank != me.rank || f->same_host_only) {
+      std::string why = f->can_connect(me, peer, o);
+      if (!why.empty()) invalid("transport='" + forced + "' but " + why);
+      return f->name;
+    }
+  }
+  for (auto& f : transport_factories())
+    if (!f.device && f.can_connect(me, peer, o).empty()) return f.name;
+  return "fallback";
+}
+
+Setup::Setup(Engine& engine) : e_(engine), o_(engine.options()) {}
+
+std::string Setup::begin() {
+  const std::string& t = o_.transport;
+  if (t != "auto" && t != "fallback" && !find_transport(t))
+    invalid("transport '" + t + "' is not built into this varcomm (built: " + built_names() + "); see `varcomm-doctor`");
+  round_ = 0;
+  return host_key();
+}
+
+std::optional<std::string> Setup::step(const std::vector<std::string>& blobs) {
+  if (int(blobs.size()) != e_.world())
+    invalid("set-up round " + std::to_string(round_) + ": " + std::to_string(blobs.size()) + " records for " +
+            std::to_string(e_.world()) + " ranks");
+  switch (round_++) {
+    case 0:
+      hosts_ = blobs;
+      open_transports();
+      return me_.encode();
+    case 1:
+      peers_.clear();
+      for (int r = 0; r < e_.world(); ++r) peers_.push_back(PeerInfo::decode(blobs[size_t(r)], r));
+      return connect_peers();
+    case 2:
+      agree_device(blobs);
+      return std::nullopt;
+    default:
+      invalid("set-up is already complete");
+  }
+}
+
+void Setup::open_transports() {
+  const int rank = e_.rank();
+  me_.rank = rank;
+  me_.host = hosts_[size_t(rank)];
+  me_.layout = e_.layout();
+  bool any_remote = std::any_of(hosts_.begin(), hosts_.end(), [&](const std::string& h) { return h != me_.host; });
+  const std::string& forced = o_.transport;
+  why_fallback_ = forced == "fallback" ? "VARCOMM_TRANSPORT=fallback" : "no varcomm transport reaches this peer";
+  if (forced == "fallback") return;
+  TransportContext ctx{rank, e_.world(), e_.region(), e_.layout(), o_, any_remote};
+  auto open = [&](const TransportFactory& f) {
+    auto t = f.make(ctx);
+    me_.desc[f.name] = t->expose(e_.region().base(), e_.region().size());
+    return t;
+  };
+  // Network endpoints are opened only when some peer needs one (or forced).
+  for (auto& f : transport_factories()) {
+    if (f.device || !(f.same_host_only || f.name == forced || (forced == "auto" && any_remote))) continue;
+    try {
+      open_[f.name] = open(f);
+    } catch (const Error& err) {
+      if (f.same_host_only || f.name == forced) throw;
+      why_fallback_ = f.name + " unavailable: " + err.what();
+    }
+  }
+  const TransportFactory* dev = nullptr;
+  for (auto& f : transport_factories())
+    if (f.device && !dev) dev = &f;
+  if (!dev) {
+    device_note_ = "built without nvlink";
+  } else if (o_.nvlink == "off") {
+    device_note_ = "nvlink off (VARCOMM_NVLINK=0)";
+  } else if (o_.cuda_device < 0) {
+    device_note_ = "this process had not used CUDA at varcomm.init (call torch.cuda.set_device first, or set "
+                   "VARCOMM_NVLINK=1)";
+  } else {
+    try {
+      device_ = open(*dev);
+      device_name_ = dev->name;
+      device_ordinal_ = o_.cuda_device;
+    } catch (const Error& err) {
+      if (o_.nvlink != "auto") throw;
+      device_note_ = err.what();
+    }
+  }
+}
+
+std::string Setup::connect_peers() {
+  const int world = e_.world();
+  routes_.assign(size_t(world), "");
+  device_routes_.assign(size_t(world), "");
+  for (int r = 0; r < world; ++r) {
+    const PeerInfo& p = peers_[size_t(r)];
+    std::string route = choose_route(me_, p, o_);
+    routes_[size_t(r)] = route;
+    if (route == "fallback") continue;
+    auto& t = open_.at(route);
+    t->connect(r, p.desc.at(route));
+    e_.set_transport(r, t, p.layout);
+    if (!find_transport(route)->same_host_only) close_waits_ = true;
+  }
+  // Every rank builds the fallback group, so it exists as soon as any pair needs it
+  // (self pairs too: a forced fallback carries self-sends).
+  for (int i = 0; i < world && !any_fallback_; ++i)
+    for (int j = i; j < world && !any_fallback_; ++j)
+      any_fallback_ = choose_route(peers_[size_t(i)], peers_[size_t(j)], o_) == "fallback";
+  std::string acks;
+  if (device_) {
+    const TransportFactory* f = find_transport(device_name_);
+    for (int r = 0; r < world; ++r) {
+      const std::string& host_route = routes_[size_t(r)];
+      if (host_route == "fallback" || !find_transport(host_route)->same_host_only) continue;
+      if (!f->can_connect(me_, peers_[size_t(r)], o_).empty()) continue;
+      try {
+        device_->connect(r, peers_[size_t(r)].desc.at(device_name_));
+        device_ok_.push_back(r);
+        acks += std::to_string(r) + ",";
+      } catch (const Error& err) {
+        device_note_ = "rank " + std::to_string(r) + ": " + err.what();
+      }
+    }
+  }
+  return "acks:" + acks;
+}
+
+void Setup::agree_device(const std::vector<std::string>& acks) {
+  // Every rank has mapped its peers' regions (it sent this round's record
+  // after connecting): the segments can be let go.
+  e_.connected();
+  const std::string me = std::to_string(e_.rank());
+  for (int r : device_ok_) {
+    std::istringstream in(acks[size_t(r)].substr(acks[size_t(r)].find(':') + 1));
+    bool both = false;
+    for (std::string x; std::getline(in, x, ',');) both |= x == me;
+    if (!both) continue;  // a pair uses device memory only if both sides could open the other's
+    e_.set_device_transport(r, device_);
+    device_routes_[size_t(r)] = device_name_;
+  }
+}
+
+std::string Setup::describe(int peer) const {
+  if (routes_.at(size_t(peer)) == "fallback")
+    return "fallback (torch.distributed gloo: shape header, then payload; " + why_fallback_ + ")";
+  std::string d = e_.transport_describe(peer);
+  if (!device_routes_[size_t(peer)].empty()) return d + "; GPU tensors: " + device_->describe();
+  return device_note_.empty() ? d : d + "; GPU tensors: no nvlink (" + device_note_ + ")";
+}
+
+}  // namespace varcomm

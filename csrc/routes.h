@@ -1,0 +1,66 @@
+// Set-up and route choice: which transport carries each peer, decided once,
+// here, from every rank's published PeerInfo. The binding shuttles opaque
+// blobs between ranks (one per rank per round, through the store) and feeds
+// each round back to step().
+#pragma once
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "registry.h"
+
+namespace varcomm {
+
+// The route for `peer` as seen by `me`: a registered host transport's name,
+// or "fallback" when none reaches it (the fallback then carries the pair).
+// Throws Error(Invalid) when options.transport forces one that cannot.
+std::string choose_route(const PeerInfo& me, const PeerInfo& peer, const Options& o);
+
+class Setup {
+ public:
+  explicit Setup(Engine& engine);
+  // Rounds: 0 host keys; 1 PeerInfo (descriptors, layouts); 2 device
+  // acknowledgements, which doubles as the barrier "every rank mapped its
+  // peers" before connected() lets the segments go. begin() returns round
+  // 0's blob; step(blobs of round k, one per rank) the next round's, or
+  // nullopt when set-up is complete.
+  std::string begin();
+  std::optional<std::string> step(const std::vector<std::string>& blobs);
+  bool done() const { return round_ > 2; }
+
+  const std::vector<std::string>& routes() const { return routes_; }
+  // Device-memory route per peer, "" when device tensors are staged through host memory.
+  const std::vector<std::string>& device_routes() const { return device_routes_; }
+  std::string describe(int peer) const;
+  // Some pair in the job (not only this rank's) has no native route.
+  bool any_fallback() const { return any_fallback_; }
+  // A peer reaches our region over the network (rdma): it may still write
+  // into it after we are done, so close waits for it (or its death).
+  bool close_waits_for_peers() const { return close_waits_; }
+  // The GPU holding our device receive slots, -1 when no device transport is open.
+  int device_ordinal() const { return device_ordinal_; }
+
+ private:
+  void open_transports();
+  std::string connect_peers();
+  void agree_device(const std::vector<std::string>& acks);
+
+  Engine& e_;
+  const Options& o_;
+  int round_ = 0;
+  std::vector<std::string> hosts_;
+  PeerInfo me_;
+  std::vector<PeerInfo> peers_;
+  std::map<std::string, std::shared_ptr<Transport>> open_;  // by factory name
+  std::shared_ptr<Transport> device_;
+  std::string device_name_;
+  std::vector<int> device_ok_;  // peers whose device memory we opened
+  std::vector<std::string> routes_, device_routes_;
+  std::string why_fallback_, device_note_;
+  bool any_fallback_ = false, close_waits_ = false;
+  int device_ordinal_ = -1;
+};
+
+}  // namespace varcomm

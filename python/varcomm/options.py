@@ -1,0 +1,417 @@
+"""Every varcomm option, declared and read in one place.
+
+`Options` holds the library's options: each field names its environment
+variable, default, accepted values and meaning once, and `varcomm.init(**kw)`
+and the environment both map onto those fields (a keyword beats the
+environment). `ToolOptions` holds the launcher's and test harness's variables.
+Nothing else in the package reads a ``VARCOMM_*`` variable; launcher variables
+(RANK, WORLD_SIZE, ...) are read by `varcomm.bootstrap`, build options
+(VARCOMM_NO_CUDA, ...) by setup.py.
+
+``python -m varcomm.options`` prints the options as resolved here;
+``--markdown`` prints the README's options table.
+
+This module uses only the standard library (the launcher and harness import
+it without torch).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
+
+from .errors import InvalidArgument
+
+MiB = 1 << 20
+
+# ---------------------------------------------------------------------------
+# value kinds: one parser each
+
+
+class _Bad(ValueError):
+    """A value a kind does not accept; the caller names where it came from."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """How an option's value is written. `convert` takes an environment string
+    or a keyword's value and returns the typed value, or raises _Bad."""
+
+    accepts: str = ""
+
+    def convert(self, value: object) -> Any:  # pragma: no cover - every kind overrides it
+        raise NotImplementedError
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: 8388608, 64K, 64KiB, 64KB, 1.5M, 1G (suffixes are binary, any case)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise _Bad(f"{text!r} is not a size in bytes")
+    return int(float(m.group(1)) * _SCALE[m.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes(Kind):
+    minimum: int = 0
+
+    def convert(self, value: object) -> int:
+        if isinstance(value, str):
+            n = parse_bytes(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            n = int(value)
+        else:
+            raise _Bad
+        if n < self.minimum:
+            raise _Bad
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Int(Kind):
+    minimum: int = 0
+    maximum: int | None = None
+    auto: bool = False  # None (or "auto") means: decided at init
+
+    def convert(self, value: object) -> int | None:
+        if self.auto and (value is None or (isinstance(value, str) and value.strip().lower() == "auto")):
+            return None
+        if isinstance(value, str):
+            try:
+                n = int(value.strip())
+            except ValueError:
+                raise _Bad from None
+        elif isinstance(value, int) and not isinstance(value, bool):
+            n = int(value)
+        else:
+            raise _Bad
+        if n < self.minimum or (self.maximum is not None and n > self.maximum):
+            raise _Bad
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Seconds(Kind):
+    minimum: float = 0.0
+    forever: bool = False  # None, "none" or "inf" mean: no limit
+
+    def convert(self, value: object) -> float | None:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if self.forever and text in ("none", "inf", "infinity"):
+                return None
+            try:
+                value = float(text)
+            except ValueError:
+                raise _Bad from None
+        if value is None and self.forever:
+            return None
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            raise _Bad
+        if math.isinf(value) and value > 0 and self.forever:
+            return None
+        if not self.minimum <= value < math.inf:
+            raise _Bad
+        return float(value)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Bool(Kind):
+    def convert(self, value: object) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+        raise _Bad
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice(Kind):
+    values: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()  # (spelling, the value it means)
+
+    def convert(self, value: object) -> str:
+        if isinstance(value, bool):  # nvlink=True / False
+            value = "1" if value else "0"
+        if not isinstance(value, str):
+            raise _Bad
+        text = value.strip().lower()
+        text = dict(self.aliases).get(text, text)
+        if text not in self.values:
+            raise _Bad
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Text(Kind):
+    def convert(self, value: object) -> str:
+        if not isinstance(value, str):
+            raise _Bad
+        return value.strip()
+
+
+def _bytes(minimum: int = 0) -> Bytes:
+    what = "a size in bytes (e.g. 8388608, 64K, 64MiB, 1.5M, 1G)"
+    return Bytes(what + (f", at least {minimum}" if minimum else ""), minimum)
+
+
+def _int(minimum: int, maximum: int | None = None, auto: bool = False) -> Int:
+    what = f"an integer in [{minimum}, {maximum}]" if maximum is not None else f"an integer >= {minimum}"
+    return Int(what + (", or auto" if auto else ""), minimum, maximum, auto)
+
+
+def _choice(*values: str, aliases: tuple[tuple[str, str], ...] = ()) -> Choice:
+    return Choice(", ".join(values[:-1]) + " or " + values[-1], values, aliases)
+
+
+_BOOL = Bool("1 or 0 (also true/false, yes/no, on/off)")
+_TEXT = Text("a string")
+
+# ---------------------------------------------------------------------------
+# declaring a field
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One option: its variable, how it is written, what it means."""
+
+    env: str
+    kind: Kind
+    doc: str
+    default_doc: str  # the default as the README states it
+    none_is_value: bool = False  # a None keyword is a value (timeout: wait forever), not "unset"
+
+
+def _opt(env: str, kind: Kind, default: Any, doc: str, default_doc: str | None = None,
+         none_is_value: bool = False, factory: Callable[[], Any] | None = None) -> Any:
+    spec = Spec(env, kind, doc, default_doc if default_doc is not None else f"`{default}`", none_is_value)
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"spec": spec})
+    return dataclasses.field(default=default, metadata={"spec": spec})
+
+
+def _default_array() -> str:
+    from . import arrays
+
+    return "torch" if arrays.torch is not None else "numpy"
+
+
+T = TypeVar("T", bound="_Declared")
+
+
+class _Declared:
+    """Resolution shared by Options and ToolOptions: every field carries a Spec."""
+
+    _what: ClassVar[str] = "option"
+
+    def __post_init__(self) -> None:
+        for name, spec in self.specs().items():
+            value = getattr(self, name)
+            object.__setattr__(self, name, _convert(spec, value, f"{type(self).__name__}({name}=...)"))
+
+    @classmethod
+    def specs(cls) -> dict[str, Spec]:
+        return {f.name: f.metadata["spec"] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+    @classmethod
+    def resolve(cls: type[T], environ: Mapping[str, str] | None = None, *, keyword_origin: str = "",
+                **overrides: Any) -> T:
+        """The options from `environ` (default: os.environ), with `overrides`
+        (keyword values) winning; see `override`."""
+        env = os.environ if environ is None else environ
+        values = {name: _convert(spec, env[spec.env], spec.env)
+                  for name, spec in cls.specs().items() if env.get(spec.env, "").strip()}
+        return cls(**values).override(keyword_origin=keyword_origin, **overrides)
+
+    def override(self: T, *, keyword_origin: str = "", **overrides: Any) -> T:
+        """These options with keyword values in place. A None value leaves the
+        field as it is, except where None is a value (timeout: wait forever).
+        An unknown name raises TypeError naming the valid ones; a bad value,
+        InvalidArgument naming `keyword_origin(name=value)`."""
+        specs = self.specs()
+        unknown = sorted(set(overrides) - set(specs))
+        if unknown:
+            raise TypeError(f"{keyword_origin or type(self).__name__}() got unknown "
+                            f"{self._what}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                            f"valid: {', '.join(specs)}")
+        values = {name: _convert(specs[name], value, f"{keyword_origin or type(self).__name__}({name}=...)")
+                  for name, value in overrides.items() if value is not None or specs[name].none_is_value}
+        return dataclasses.replace(self, **values) if values else self
+
+
+def _convert(spec: Spec, value: object, where: str) -> Any:
+    try:
+        return spec.kind.convert(value)
+    except _Bad:
+        shown = f"{where}={value!r}" if where == spec.env else where.replace("...", repr(value))
+        raise InvalidArgument(f"{shown}: use {spec.kind.accepts}") from None
+
+
+# ---------------------------------------------------------------------------
+# the library's options
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(_Declared):
+    """varcomm's options, resolved once at init (`comm.options`)."""
+
+    bound: int = _opt("VARCOMM_BOUND", _bytes(1), 8 * MiB,
+                      "largest message a peer may send to this rank (per slot)", "8 MiB")
+    slots: int = _opt("VARCOMM_SLOTS", _int(1, 1024), 8, "messages in flight per sending peer (ring depth)")
+    transport: str = _opt("VARCOMM_TRANSPORT", _choice("auto", "shm", "rdma", "fallback"), "auto",
+                          "`shm`, `rdma` (force it, e.g. on one host for tests) or `fallback` for every peer; "
+                          "`auto`: shm on the same host, else rdma, else the fallback")
+    timeout: float | None = _opt("VARCOMM_TIMEOUT", Seconds("seconds (a number >= 0), or none/inf for no limit",
+                                                            0.0, forever=True), 600.0,
+                                 "default timeout of every wait, seconds; None (`none`) waits forever", "600",
+                                 none_is_value=True)
+    array: str = _opt("VARCOMM_ARRAY", _choice("torch", "numpy"), None,
+                      "kind returned by `recv` without `out`", "`torch` if importable, else `numpy`",
+                      factory=_default_array)
+    spin_us: int | None = _opt("VARCOMM_SPIN_US", _int(0, auto=True), None,
+                               "microseconds a wait busy-polls before it sleeps",
+                               "50 if this host's ranks have a core each, else 0")
+    rdma_provider: str = _opt("VARCOMM_FI_PROVIDER", _TEXT, "",
+                              "libfabric provider (e.g. `verbs;ofi_rxm`, `efa`, `tcp;ofi_rxm`); same on every rank",
+                              "verbs / efa / cxi if present, else `tcp;ofi_rxm`")
+    rdma_iface: str = _opt("VARCOMM_FI_IFACE", _TEXT, "",
+                           "libfabric domain: a NIC (`mlx5_0`) or a network interface (`eth0`) for tcp",
+                           "the first non-loopback IPv4 domain")
+    peer_timeout: int = _opt("VARCOMM_PEER_TIMEOUT", _int(2), 5,
+                             "seconds until a silent rdma link counts as down")
+    rdma_strict: bool = _opt("VARCOMM_RDMA_STRICT", _BOOL, False,
+                             "rdma: register local buffers as verbs/efa require, on any provider (tests)", "`0`")
+    rdma_eager_credits: bool = _opt("VARCOMM_RDMA_EAGER_CREDITS", _BOOL, False,
+                                    "rdma: post each credit at once instead of with the next write", "`0`")
+    liveness_addr: str = _opt("VARCOMM_LIVENESS_ADDR", _TEXT, "",
+                              "rdma: IP of the liveness socket when the fabric address is not one (efa, cxi)",
+                              "the first non-loopback IPv4 address")
+    debug: bool = _opt("VARCOMM_DEBUG", _BOOL, False, "print transport choices and why, to stderr", "`0`")
+    nvlink: str = _opt("VARCOMM_NVLINK", _choice("auto", "on", "off", aliases=(
+        ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
+        "GPU tensors between same-host ranks over CUDA IPC; `auto`: when this process used CUDA before init "
+        "(1/0 mean on/off)")
+    nvlink_device: int | None = _opt("VARCOMM_NVLINK_DEVICE", _int(0, auto=True), None,
+                                     "GPU ordinal holding this rank's device receive slots",
+                                     "torch's current device")
+    nvlink_flags: str = _opt("VARCOMM_NVLINK_FLAGS", _choice("device", "host"), "device",
+                             "where nvlink's data flags live (same on every rank)")
+    nvlink_kernel_max: int = _opt("VARCOMM_NVLINK_KERNEL_MAX", _bytes(0), 0,
+                                  "largest nvlink message sent by one copy-and-flag kernel; 0: copy engine only")
+    a2a_algorithm: str = _opt("VARCOMM_A2A_ALGORITHM", _choice("auto", "one-phase", "two-phase"), "auto",
+                              "all-to-all: `one-phase` (shapes travel with the data), `two-phase` (counts first); "
+                              "`auto`: one-phase unless a peer is on the fallback")
+    torch_nccl: bool = _opt("VARCOMM_TORCH_NCCL", _BOOL, True,
+                            "torch backend: run CUDA tensors' collectives on NCCL", "`1`")
+
+    def placed(self, local_world_size: int, cores: int | None = None) -> "Options":
+        """These options with the choices that depend on the host filled in (spin_us)."""
+        if self.spin_us is not None:
+            return self
+        # Busy-polling only pays when every local rank has a core; otherwise it
+        # burns the time slice of the peer we are waiting for (Open MPI yields too).
+        n = cores if cores is not None else (os.cpu_count() or 1)
+        return dataclasses.replace(self, spin_us=50 if local_world_size <= n else 0)
+
+    def core(self, cuda_device: int) -> dict[str, int | str | bool]:
+        """What the C++ core takes (csrc/options.h); cuda_device -1: none."""
+        if self.spin_us is None:
+            raise InvalidArgument("Options.spin_us is still auto: call Options.placed(local_world_size) first")
+        return {
+            "bound": self.bound, "slots": self.slots, "spin_us": self.spin_us, "transport": self.transport,
+            "rdma_provider": self.rdma_provider, "rdma_iface": self.rdma_iface, "peer_timeout": self.peer_timeout,
+            "rdma_strict": self.rdma_strict, "rdma_eager_credits": self.rdma_eager_credits,
+            "liveness_addr": self.liveness_addr, "debug": self.debug, "nvlink": self.nvlink,
+            "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
+            "nvlink_kernel_max": self.nvlink_kernel_max,
+        }
+
+
+# ---------------------------------------------------------------------------
+# the launcher's and harness's variables
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolOptions(_Declared):
+    """varcomm-run's and varcomm.testing's variables (not the library's)."""
+
+    _what: ClassVar[str] = "tool option"
+
+    test_seed: int | None = _opt("VARCOMM_TEST_SEED", _int(0, auto=True), None,
+                                 "seed of randomized tests; varcomm-run and `@world` give every rank the same one",
+                                 "random (printed)")
+    test_threads: int = _opt("VARCOMM_TEST_THREADS", _int(1), 1, "torch threads per `@world` rank")
+    test_timeout_scale: float = _opt("VARCOMM_TEST_TIMEOUT_SCALE",
+                                     Seconds("a number > 0", 1e-9), 1.0,
+                                     "multiplies every `@world` timeout (slow machines)", "`1`")
+    launcher: bool = _opt("VARCOMM_LAUNCHER", _BOOL, False, "set to 1 by varcomm-run in every rank", "`0`")
+
+
+#: Read by setup.py at build time, not here.
+BUILD_VARIABLES = ("VARCOMM_NO_CUDA", "VARCOMM_NVCC", "VARCOMM_OPT", "VARCOMM_CUDA_ARCHS", "VARCOMM_NO_RDMA")
+
+
+def env_name(cls: type[_Declared], field: str) -> str:
+    """The environment variable of `field` (for writing a child's environment)."""
+    return cls.specs()[field].env
+
+
+def environment(environ: Mapping[str, str] | None = None,
+                prefixes: tuple[str, ...] = ("VARCOMM_", "FI_")) -> dict[str, str]:
+    """The set variables that concern varcomm (its own and libfabric's), for reports."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in sorted(env.items()) if k.startswith(prefixes)}
+
+
+def known_variables() -> set[str]:
+    return ({s.env for s in Options.specs().values()} | {s.env for s in ToolOptions.specs().values()}
+            | set(BUILD_VARIABLES))
+
+
+def markdown_table() -> str:
+    """The README's options table (tests/test_options.py checks the README holds it)."""
+    lines = ["| option | environment | default | values | meaning |", "|---|---|---|---|---|"]
+    for name, spec in Options.specs().items():
+        lines.append(f"| `{name}` | `{spec.env}` | {spec.default_doc} | {spec.kind.accepts} | {spec.doc} |")
+    lines += ["", "| tool variable | default | meaning |", "|---|---|---|"]
+    for spec in ToolOptions.specs().values():
+        lines.append(f"| `{spec.env}` | {spec.default_doc} | {spec.doc} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--markdown"]:
+        print(markdown_table())
+        return 0
+    if args:
+        print("usage: python -m varcomm.options [--markdown]", file=sys.stderr)
+        return 2
+    opts = Options.resolve()
+    for name, spec in Options.specs().items():
+        print(f"{name:20} {getattr(opts, name)!r:24} {spec.env}")
+    return 0
+
+
+__all__ = ["Options", "ToolOptions", "Spec", "parse_bytes", "markdown_table", "environment", "env_name",
+           "BUILD_VARIABLES"]
+
+if __name__ == "__main__":
+    sys.exit(main())

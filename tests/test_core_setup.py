@@ -1,0 +1,76 @@
+"""The core's set-up surface: its options dict, route answers, the region
+check that refuses a descriptor naming another region, and Status."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import varcomm
+from varcomm import _C
+from varcomm.testing import world
+
+
+def core_options(**kw):
+    """The core's dict as init() builds it, for a rank alone with no GPU."""
+    return varcomm.Options.resolve(**kw).placed(1).core(-1)
+
+
+def _setup_alone(c: _C.Comm, forge=None) -> None:
+    out = c.setup_begin()
+    rnd = 0
+    while out is not None:
+        if forge is not None and rnd == 1:
+            out = forge(out)
+        out = c.setup_step([out])
+        rnd += 1
+
+
+@world(1)
+def test_options_dict_must_have_exactly_the_core_keys():
+    o = core_options()
+    _C.Comm(0, 1, o)
+    with pytest.raises(varcomm.InvalidArgument, match="unknown core option 'colour'"):
+        _C.Comm(0, 1, {**o, "colour": "blue"})
+    with pytest.raises(varcomm.InvalidArgument, match="core option 'slots' is missing"):
+        _C.Comm(0, 1, {k: v for k, v in o.items() if k != "slots"})
+    with pytest.raises(varcomm.InvalidArgument, match="'bound' has the wrong type"):
+        _C.Comm(0, 1, {**o, "bound": "8M"})
+    with pytest.raises(varcomm.InvalidArgument, match="nvlink_flags='gpu': use device, host"):
+        _C.Comm(0, 1, {**o, "nvlink_flags": "gpu"})
+
+
+@world(1)
+def test_routes_after_setup():
+    c = _C.Comm(0, 1, core_options())
+    with pytest.raises(varcomm.InvalidArgument, match="set-up is not complete"):
+        c.transport_for(0)
+    _setup_alone(c)
+    assert c.routes == ["shm"] and c.via_fallback == [False] and c.device_routes == [None]
+    assert not c.needs_fallback_group and not c.close_waits_for_peers
+    assert c.describe_transport(0).startswith("shm (same host")
+    f = _C.Comm(0, 1, core_options(transport="fallback"))
+    _setup_alone(f)
+    assert f.routes == ["fallback"] and f.needs_fallback_group
+    assert "VARCOMM_TRANSPORT=fallback" in f.describe_transport(0)
+
+
+@world(1)
+def test_shm_refuses_a_descriptor_that_names_another_region():
+    """The mapped region's control block must match what the descriptor says:
+    here the published bound is halved, as a stale or recycled descriptor would."""
+    o = core_options(bound=1 << 16)
+    c = _C.Comm(0, 1, o)
+    with pytest.raises(varcomm.PeerFailure, match="bound 65536 where its descriptor says 32768"):
+        _setup_alone(c, lambda blob: blob.replace(b"65536", b"32768"))
+
+
+@world(1)
+def test_status_of_a_received_message():
+    comm = varcomm.init(timeout=10, array="numpy")
+    with comm:
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        comm.send(x, 0, tag=7)
+        st = comm._c.recv_buffer(0, 7, np.zeros(16, np.float32), 10.0)
+        assert isinstance(st, varcomm.Status)
+        assert (st.src, st.tag, st.nbytes, st.shape, st.device) == (0, 7, 24, (2, 3), False)
+        assert "float32" in repr(st) and "shape=(2, 3)" in repr(st)

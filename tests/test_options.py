@@ -1,0 +1,288 @@
+"""varcomm.options: every option declared once, parsed once, and passed down
+without touching os.environ (init, the torch backend, varcomm.distributed)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import varcomm
+from varcomm import bootstrap, options, testing
+from varcomm.options import Options, ToolOptions
+from varcomm.testing import world
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "python" / "varcomm"
+CORE_KEYS = {"bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
+             "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags",
+             "nvlink_kernel_max"}
+
+
+# ---------------------------------------------------------------------------
+# declared once
+
+
+def test_readme_table_is_the_options_fields():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- options table:[^\n]*-->\n(.*?)\n<!-- end of options table -->", readme, re.S)
+    assert m, "README.md lost its generated options table (python -m varcomm.options --markdown)"
+    assert m.group(1) == options.markdown_table(), \
+        "README options table differs from varcomm.options: regenerate it with python -m varcomm.options --markdown"
+    for f in dataclasses.fields(Options):
+        assert f"| `{f.name}` | `{f.metadata['spec'].env}` |" in readme
+
+
+def test_each_field_has_one_distinct_variable():
+    specs = {**Options.specs(), **ToolOptions.specs()}
+    names = [s.env for s in specs.values()]
+    assert len(names) == len(set(names)) and all(n.startswith("VARCOMM_") for n in names)
+    assert not set(names) & set(options.BUILD_VARIABLES)
+    assert {f.name for f in dataclasses.fields(Options)} == set(Options.specs())
+
+
+def test_core_dict_has_exactly_the_core_keys():
+    core = Options.resolve({}).placed(local_world_size=1, cores=4).core(cuda_device=3)
+    assert set(core) == CORE_KEYS
+    assert core["cuda_device"] == 3 and core["spin_us"] == 50 and core["bound"] == 8 << 20
+    assert Options.resolve({}).placed(local_world_size=8, cores=4).core(-1)["spin_us"] == 0
+    with pytest.raises(varcomm.InvalidArgument, match="spin_us"):
+        Options.resolve({}).core(-1)  # auto until placed
+
+
+def test_no_module_but_options_and_bootstrap_reads_the_environment():
+    reads = re.compile(r"environ\.get\(|getenv\(|environ\[[^\]]+\](?!\s*=[^=])|in os\.environ")
+    offenders = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name in ("options.py", "bootstrap.py") or path.name.startswith("bench"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if reads.search(line):
+                offenders.append(f"{path.name}:{i}: {line.strip()}")
+    assert not offenders, "read options through varcomm.options:\n" + "\n".join(offenders)
+
+
+def test_alltoall_has_no_import_time_algorithm():
+    from varcomm import alltoall
+
+    assert not hasattr(alltoall, "ALGORITHM")
+
+
+# ---------------------------------------------------------------------------
+# parsing
+
+
+@pytest.mark.parametrize("text, value", [
+    ("8388608", 8 << 20), ("64K", 64 << 10), ("64k", 64 << 10), ("64M", 64 << 20), ("1G", 1 << 30),
+    ("64MiB", 64 << 20), ("64KB", 64 << 10), ("1.5M", 3 << 19), (" 2 M ", 2 << 20), ("1", 1),
+])
+def test_bytes_parse(text, value):
+    assert options.parse_bytes(text) == value
+    assert Options.resolve({"VARCOMM_BOUND": text}).bound == value
+
+
+@pytest.mark.parametrize("text", ["", "M", "64X", "-1", "1e6", "64 MiBs", "0x10", "two"])
+def test_bytes_refused(text):
+    with pytest.raises(ValueError):
+        options.parse_bytes(text)
+
+
+@pytest.mark.parametrize("env, field, value", [
+    ({"VARCOMM_SLOTS": "1024"}, "slots", 1024),
+    ({"VARCOMM_TRANSPORT": "SHM"}, "transport", "shm"),
+    ({"VARCOMM_TIMEOUT": "none"}, "timeout", None),
+    ({"VARCOMM_TIMEOUT": "inf"}, "timeout", None),
+    ({"VARCOMM_TIMEOUT": "2.5"}, "timeout", 2.5),
+    ({"VARCOMM_ARRAY": "numpy"}, "array", "numpy"),
+    ({"VARCOMM_SPIN_US": "0"}, "spin_us", 0),
+    ({"VARCOMM_SPIN_US": "auto"}, "spin_us", None),
+    ({"VARCOMM_NVLINK": "1"}, "nvlink", "on"),
+    ({"VARCOMM_NVLINK": "false"}, "nvlink", "off"),
+    ({"VARCOMM_NVLINK": "auto"}, "nvlink", "auto"),
+    ({"VARCOMM_NVLINK_DEVICE": "1"}, "nvlink_device", 1),
+    ({"VARCOMM_NVLINK_FLAGS": "host"}, "nvlink_flags", "host"),
+    ({"VARCOMM_NVLINK_KERNEL_MAX": "8K"}, "nvlink_kernel_max", 8192),
+    ({"VARCOMM_A2A_ALGORITHM": "two-phase"}, "a2a_algorithm", "two-phase"),
+    ({"VARCOMM_TORCH_NCCL": "0"}, "torch_nccl", False),
+    ({"VARCOMM_TORCH_NCCL": "off"}, "torch_nccl", False),
+    ({"VARCOMM_RDMA_STRICT": "1"}, "rdma_strict", True),
+    ({"VARCOMM_RDMA_EAGER_CREDITS": "yes"}, "rdma_eager_credits", True),
+    ({"VARCOMM_DEBUG": "true"}, "debug", True),
+    ({"VARCOMM_PEER_TIMEOUT": "2"}, "peer_timeout", 2),
+    ({"VARCOMM_FI_PROVIDER": "tcp;ofi_rxm"}, "rdma_provider", "tcp;ofi_rxm"),
+    ({"VARCOMM_FI_IFACE": "eth0"}, "rdma_iface", "eth0"),
+    ({"VARCOMM_LIVENESS_ADDR": "10.0.0.1"}, "liveness_addr", "10.0.0.1"),
+    ({"VARCOMM_BOUND": ""}, "bound", 8 << 20),  # empty: unset
+])
+def test_environment_values(env, field, value):
+    assert getattr(Options.resolve(env), field) == value
+
+
+@pytest.mark.parametrize("var, text, accepts", [
+    ("VARCOMM_BOUND", "lots", "a size in bytes"),
+    ("VARCOMM_BOUND", "0", "at least 1"),
+    ("VARCOMM_SLOTS", "0", r"\[1, 1024\]"),
+    ("VARCOMM_SLOTS", "1025", r"\[1, 1024\]"),
+    ("VARCOMM_TRANSPORT", "ib", "auto, shm, rdma or fallback"),
+    ("VARCOMM_TIMEOUT", "soon", "none/inf"),
+    ("VARCOMM_TIMEOUT", "-1", "none/inf"),
+    ("VARCOMM_ARRAY", "cupy", "torch or numpy"),
+    ("VARCOMM_NVLINK", "maybe", "auto, on or off"),
+    ("VARCOMM_NVLINK_FLAGS", "pinned", "device or host"),
+    ("VARCOMM_A2A_ALGORITHM", "three-phase", "auto, one-phase or two-phase"),
+    ("VARCOMM_DEBUG", "loud", "1 or 0"),
+    ("VARCOMM_PEER_TIMEOUT", "1", ">= 2"),
+    ("VARCOMM_NVLINK_KERNEL_MAX", "-8K", "a size in bytes"),
+])
+def test_bad_environment_value_names_the_variable(var, text, accepts):
+    with pytest.raises(varcomm.InvalidArgument, match=f"^{var}={text!r}: use .*{accepts}"):
+        Options.resolve({var: text})
+
+
+def test_bad_keyword_names_the_keyword():
+    with pytest.raises(varcomm.InvalidArgument, match=r"^init\(slots=0\): use an integer in \[1, 1024\]"):
+        Options.resolve({}, keyword_origin="init", slots=0)
+    with pytest.raises(varcomm.InvalidArgument, match=r"^init\(bound='big'\)"):
+        varcomm.init(bound="big")  # refused before any rendezvous
+    with pytest.raises(varcomm.InvalidArgument, match=r"Options\(transport='ib'\)"):
+        Options(transport="ib")
+    with pytest.raises(varcomm.InvalidArgument, match="slots"):
+        Options(slots=True)  # a bool is not a count
+
+
+def test_keywords_beat_the_environment():
+    env = {"VARCOMM_BOUND": "64K", "VARCOMM_SLOTS": "4", "VARCOMM_TIMEOUT": "5", "VARCOMM_NVLINK": "off"}
+    o = Options.resolve(env, bound="1M", slots=None, timeout=None, nvlink=True)
+    assert o.bound == 1 << 20  # keyword
+    assert o.slots == 4  # None: left to the environment
+    assert o.timeout is None  # timeout=None is a value: wait forever
+    assert o.nvlink == "on"
+    assert Options.resolve(env).override(bound=4096).bound == 4096
+
+
+def test_unknown_keyword_names_the_valid_ones():
+    with pytest.raises(TypeError, match=r"unknown option 'bund'; valid: bound, slots, transport"):
+        Options.resolve({}, bund=1)
+    with pytest.raises(TypeError, match=r"^init\(\) got unknown option 'bund'; valid: .*a2a_algorithm"):
+        varcomm.init(bund=1)
+
+
+def test_tool_options():
+    t = ToolOptions.resolve({"VARCOMM_TEST_SEED": "123", "VARCOMM_TEST_THREADS": "2",
+                             "VARCOMM_TEST_TIMEOUT_SCALE": "0.5", "VARCOMM_LAUNCHER": "1"})
+    assert (t.test_seed, t.test_threads, t.test_timeout_scale, t.launcher) == (123, 2, 0.5, True)
+    assert ToolOptions.resolve({}).test_seed is None
+    with pytest.raises(varcomm.InvalidArgument, match="^VARCOMM_TEST_TIMEOUT_SCALE='0': use a number > 0"):
+        ToolOptions.resolve({"VARCOMM_TEST_TIMEOUT_SCALE": "0"})
+
+
+# ---------------------------------------------------------------------------
+# launcher variables: one list
+
+
+def test_launcher_list_serves_bootstrap_and_testing(monkeypatch):
+    from varcomm.run import rank_env
+
+    for la in bootstrap.LAUNCHERS:
+        for var in (la.rank, la.world_size, la.local_rank, la.local_world_size):
+            if var:
+                monkeypatch.delenv(var, raising=False)
+    for k, v in rank_env(2, 3, 29999, base={}).items():  # what varcomm-run and @world export
+        monkeypatch.setenv(k, v)
+    p = bootstrap.placement()
+    assert (p.rank, p.world_size, p.local_rank, p.local_world_size, p.master_port) == (2, 3, 2, 3, 29999)
+    assert (testing.rank(), testing.world_size()) == (2, 3) and bootstrap.launched() == (3, 2)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert (testing.rank(), testing.world_size()) == (1, 4) and bootstrap.launched() == (4, 1)
+    assert bootstrap.placement().rank == 1
+
+
+def test_harness_imports_without_pytest_or_torch():
+    code = ("import sys, varcomm.testing, varcomm.run, varcomm.options; "
+            "bad = [m for m in ('pytest', 'torch') if m in sys.modules]; assert not bad, bad")
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE.parent))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------
+# options reach the communicator; os.environ is never rewritten
+
+
+@world(2, timeout=60)
+def test_init_keeps_resolved_options():
+    os.environ["VARCOMM_SLOTS"] = "3"
+    os.environ["VARCOMM_A2A_ALGORITHM"] = "two-phase"
+    with varcomm.init(bound="64K", a2a_algorithm="one-phase", timeout=20) as comm:
+        o = comm.options
+        assert (o.bound, o.slots, o.a2a_algorithm, o.timeout) == (64 << 10, 3, "one-phase", 20.0)
+        assert comm.bound == 64 << 10 and comm.slots == 3
+        assert o.spin_us is not None  # auto resolved at init
+        r = comm.rank
+        got, splits = comm.all_to_all_v(torch.arange(2.0) + 10 * r, [1, 1])
+        assert splits == [1, 1] and got.tolist() == [float(r), 10.0 + r]
+
+
+@world(2, timeout=60)
+def test_distributed_options_reach_the_communicator_without_environ():
+    import torch.distributed as dist
+
+    import varcomm.distributed as vdist
+    from varcomm.torch_backend import comm_of
+
+    before = dict(os.environ)
+    vdist.init_process_group("gloo", bound=65536, slots=3, transport="shm", a2a_algorithm="two-phase")
+    try:
+        assert dict(os.environ) == before, "init_process_group changed os.environ"
+        comm = vdist.get_comm()
+        assert (comm.bound, comm.slots, comm.options.transport, comm.options.a2a_algorithm) == \
+            (65536, 3, "shm", "two-phase")
+        g = dist.new_group([0, 1])  # a later group inherits the default group's options
+        assert (comm_of(g).bound, comm_of(g).slots) == (65536, 3)
+        with pytest.raises(varcomm.MessageTooLarge):
+            comm.send(torch.zeros(65536 + 1, dtype=torch.uint8), 1 - comm.rank)
+    finally:
+        vdist.destroy_process_group()
+    with pytest.raises(TypeError, match="unknown option 'bund'"):
+        vdist.init_process_group("gloo", bund=1)
+
+
+@world(2, timeout=60)
+def test_torch_backend_takes_options_as_pg_options():
+    import torch.distributed as dist
+
+    from varcomm.torch_backend import comm_of
+
+    os.environ["VARCOMM_SLOTS"] = "5"  # the pg_options' value wins over it
+    before = dict(os.environ)
+    dist.init_process_group("varcomm", pg_options=Options.resolve(slots=2, bound="32K"))
+    try:
+        assert dict(os.environ) == before
+        assert (comm_of().slots, comm_of().bound) == (2, 32 << 10)
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_distributed_over_a_running_torch_group_and_standalone():
+    import torch.distributed as dist
+
+    import varcomm.distributed as vdist
+
+    dist.init_process_group("gloo")
+    before = dict(os.environ)
+    vdist.init_process_group(bound="128K", slots=2)
+    try:
+        assert dict(os.environ) == before
+        assert (vdist.get_comm().bound, vdist.get_comm().slots) == (128 << 10, 2)
+    finally:
+        vdist.destroy_process_group()
+        dist.destroy_process_group()
