@@ -24,7 +24,6 @@ algbw = S / time; busbw = algbw * (n-1)/n (nccl-tests' all-to-all convention).
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
