@@ -99,6 +99,14 @@ def _payload(i: int, n: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
+@pytest.fixture(params=["device", "host"])
+def nvlink_flags(request, monkeypatch) -> str:
+    """VARCOMM_NVLINK_FLAGS for every rank of the test (set before they fork):
+    the data-ready flags in device memory (default) or in the host region."""
+    monkeypatch.setenv("VARCOMM_NVLINK_FLAGS", request.param)
+    return request.param
+
+
 def _fake_comm(path: str, **kw):
     gpu = FakeGpu(path)
     # Device 0 of the fake driver, without asking torch.cuda (on a GPU machine
@@ -106,9 +114,10 @@ def _fake_comm(path: str, **kw):
     os.environ["VARCOMM_NVLINK"] = "1"
     os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
     comm = varcomm.init(transport="shm", timeout=30, **kw)
-    assert all(comm.device_transport_for(r) == "nvlink" for r in range(comm.world_size)), \
-        comm.describe_transport(1 - comm.rank)
-    assert "nvlink" in comm.describe_transport(1 - comm.rank)
+    assert all(comm.device_transport_for(r) == "nvlink" for r in range(comm.world_size)), comm.describe_transport(1 - comm.rank)
+    desc = comm.describe_transport(1 - comm.rank)
+    flags = os.environ.get("VARCOMM_NVLINK_FLAGS") or "device"
+    assert "nvlink" in desc and f"data flags in {flags} memory" in desc, desc  # the option was taken
     return gpu, comm
 
 
@@ -116,7 +125,7 @@ SIZES = [0, 1, 7, 255, 256, 4096, 40000, BOUND]
 
 
 @world(2, timeout=120)
-def test_fake_device_messages_recycle_slots(fake_cuda):
+def test_fake_device_messages_recycle_slots(fake_cuda, nvlink_flags):
     """More messages than slots, device to device: credits come back from the
     receiver's stream; sizes from 0 to the bound; self-sends too."""
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
@@ -148,7 +157,7 @@ def test_fake_device_messages_recycle_slots(fake_cuda):
 
 
 @world(2, timeout=120)
-def test_fake_isend_irecv_and_slow_paths(fake_cuda):
+def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
     """irecv without out (flags say device), device -> host memory, host ->
     device memory, and a device message dropped unread."""
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2)
@@ -197,7 +206,7 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda):
 
 
 @world(2, timeout=120)
-def test_fake_close_waits_for_the_private_stream(fake_cuda):
+def test_fake_close_waits_for_the_private_stream(fake_cuda, nvlink_flags):
     """An empty message's flag wait and credit run on the transport's private
     stream; closing right after must let them finish before the slots and
     mappings go (they used to be freed under them: a crash, seen as a flaky
@@ -215,6 +224,29 @@ def test_fake_close_waits_for_the_private_stream(fake_cuda):
         comm.barrier()
 
 
+@world(2, timeout=60)
+def test_fake_flags_must_agree(fake_cuda):
+    """VARCOMM_NVLINK_FLAGS set differently on the two ranks: no nvlink route
+    for the pair (both sides agree), the reason in describe_transport, host
+    tensors still flow over shm; a bad value is refused, naming the variable."""
+    os.environ["VARCOMM_NVLINK_FLAGS"] = "bogus"
+    FakeGpu(fake_cuda)
+    os.environ.update(VARCOMM_NVLINK="1", VARCOMM_NVLINK_DEVICE="0")
+    with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_NVLINK_FLAGS=bogus: use 'device' or 'host'"):
+        varcomm.init(transport="shm", timeout=30)
+    os.environ["VARCOMM_NVLINK_FLAGS"] = "host" if varcomm.testing.rank() == 0 else "device"
+    with varcomm.init(transport="shm", timeout=30) as comm:
+        peer = 1 - comm.rank
+        assert comm.device_transport_for(peer) is None
+        assert "set VARCOMM_NVLINK_FLAGS alike on every rank" in comm.describe_transport(peer), \
+            comm.describe_transport(peer)
+        if comm.rank == 0:
+            comm.send(torch.arange(5), dst=1)
+        else:
+            assert comm.recv(src=0).tolist() == list(range(5))
+        comm.barrier()
+
+
 def _has_fatbin() -> bool:
     from varcomm import _C
 
@@ -223,7 +255,7 @@ def _has_fatbin() -> bool:
 
 @world(2, timeout=120)
 @pytest.mark.parametrize("modules", ["ok", "refused"])
-def test_fake_small_message_kernel(fake_cuda, modules):
+def test_fake_small_message_kernel(fake_cuda, modules, nvlink_flags):
     """VARCOMM_NVLINK_KERNEL_MAX: messages up to it go as one launch of the
     copy-and-flag kernel (the fake driver runs its effect: copy, then the
     flag), larger ones by the copy engine; odd sizes and offsets, self-sends.

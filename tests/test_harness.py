@@ -86,9 +86,43 @@ def test_world_expected_death() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-@world(2, requires=(lambda: "demonstrates a callable requirement",))
-def test_world_skipped_by_requirement() -> None:
-    raise AssertionError("must not run")
+REQUIRES_SAMPLE = """
+    import os
+    from pathlib import Path
+    from varcomm.testing import world, rank
+
+    MARK = Path(os.environ["REQ_MARK_DIR"])
+
+    @world(2, timeout=20, requires=(lambda: "demonstrates a callable requirement",))
+    def test_unmet_callable():
+        (MARK / f"unmet{rank()}").write_text("ran")
+
+    @world(2, timeout=20, requires=(lambda: None,))
+    def test_met_callable():
+        (MARK / f"met{rank()}").write_text("ran")
+
+    @world(2, timeout=20, requires=("torch",))
+    def test_met_named():
+        (MARK / f"named{rank()}").write_text("ran")
+"""
+
+
+def test_world_skipped_by_requirement(tmp_path: Path) -> None:
+    """An unmet requirement skips (with its reason, no rank forked, the body never
+    runs); met ones, callable or named, run the body on every rank."""
+    (tmp_path / "test_req.py").write_text(textwrap.dedent(REQUIRES_SAMPLE))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    env.update(PYTHONPATH=PYTHONPATH, REQ_MARK_DIR=str(marks))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "test_req.py"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "2 passed, 1 skipped" in out, out
+    assert re.search(r"SKIPPED \[1\] .*needs <lambda>: demonstrates a callable requirement", out), out
+    assert sorted(p.name for p in marks.iterdir()) == ["met0", "met1", "named0", "named1"]
 
 
 # --- the runner, driven directly so failures can be asserted on --------------------------
