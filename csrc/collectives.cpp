@@ -220,7 +220,7 @@ std::vector<int> AllToAll::unplaced() const {
 void AllToAll::place(int s, void* out, Mem mem, const std::string& why) {
   A2AChunk& o = plan_.outs.at(s);
   if (!out && !why.empty()) {
-    fate_[s] = Fate::Refused;
+    fate_[s] = Fate::Rejected;
     why_[s] = why;
     mismatch_ = true;
     return;
@@ -244,6 +244,8 @@ void AllToAll::local_copy() {
   const A2AChunk& c = plan_.send[rank_];
   void* d = dest(rank_);
   if (!d || !c.nbytes) return;
+  // Device memory (the next step): this copy belongs on the chunk's stream,
+  // through the device transport; every message above already carries its Mem.
   if (c.mem.device || dest_mem(rank_).device)
     throw Error(ErrorKind::Invalid, "all-to-all of device memory is not supported yet: pass host tensors");
   std::memcpy(d, c.data, c.nbytes);
@@ -344,7 +346,7 @@ std::optional<Error> AllToAll::error(const std::function<std::string(uint32_t)>&
   for (int s = 0; s < world_; ++s) {
     const A2AChunk& h = got_[s];
     std::string p;
-    if (fate_[s] == Fate::Refused) {
+    if (fate_[s] == Fate::Rejected) {
       p = why_[s];
     } else if (fate_[s] != Fate::Mismatch) {
       continue;

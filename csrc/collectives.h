@@ -102,7 +102,7 @@ class AllToAll {
   A2AOp op() const { return plan_.op; }
 
  private:
-  enum class Fate : uint8_t { Pending, Ok, OverBound, Mismatch, Refused };
+  enum class Fate : uint8_t { Pending, Ok, OverBound, Mismatch, Rejected };
   void check(int src);
   void post_payloads();
   void local_copy();
@@ -121,7 +121,7 @@ class AllToAll {
   std::vector<char> payload_into_;  // ... received straight into place (else dropped)
   std::vector<A2AChunk> got_;      // per source: the header that arrived (self: own chunk)
   std::vector<Fate> fate_;
-  std::vector<std::string> why_;   // Refused: the caller's reason
+  std::vector<std::string> why_;   // Rejected: why the caller could not place it
   std::vector<int64_t> recv_rows_;
   std::vector<uint64_t> offset_;   // V/Single: byte offset of each source in out
   std::vector<std::pair<int, std::string>> too_large_;  // our chunk to dst over dst's bound
