@@ -197,6 +197,26 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   return id;
 }
 
+uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
+                                  uint32_t ndim) {
+  std::lock_guard<std::mutex> g(mu_);
+  check_send(peer, 0, ndim, Mem{});
+  Peer& p = peers_[peer];
+  uint64_t id = alloc(ReqKind::Send);
+  Request& r = reqs_[uint32_t(id)];
+  r.peer = peer;
+  r.tag = tag;
+  r.nbytes = nbytes;
+  r.dtype = dtype;
+  r.ndim = ndim;
+  r.hflags = kDescriptor;
+  std::copy(shape, shape + ndim, r.shape);
+  r.state = ReqState::Queued;
+  p.sendq.push_back(id);
+  progress_sends(peer);
+  return id;
+}
+
 uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
@@ -232,8 +252,16 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   }
   if (h.nbytes > out_cap) {
     *kind = ErrorKind::TooLarge;
-    return head + "message of " + std::to_string(h.nbytes) + " bytes does not fit out (" + std::to_string(out_cap) +
-           " bytes)" + kept;
+    std::string what = (h.flags & kDescriptor) ? " (a descriptor: the data, dtype code " + std::to_string(h.dtype) +
+                                                     ", travels in separate messages)"
+                                               : "";
+    return head + "message of " + std::to_string(h.nbytes) + " bytes" + what + " does not fit out (" +
+           std::to_string(out_cap) + " bytes)" + kept;
+  }
+  if (h.flags & kDescriptor) {
+    *kind = ErrorKind::Mismatch;
+    return head + "the message is a descriptor of " + std::to_string(h.nbytes) +
+           " bytes that travel separately (it carries no data); receive it without out" + kept;
   }
   return "";
 }
@@ -350,14 +378,15 @@ bool Engine::try_write(int peer, Request& r) {
     h.tag = r.tag;
     h.dtype = r.dtype;
     h.ndim = r.ndim;
+    h.flags = r.hflags;
     std::copy(r.shape, r.shape + r.ndim, h.shape);
     uint64_t ticket;
     if (r.mem.device) {
-      h.flags = kDevicePayload;
+      h.flags |= kDevicePayload;
       ticket = device_transport(peer).write_message_async(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data,
                                                           r.nbytes, h.seq, r.mem.stream);
     } else {
-      ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, r.nbytes, h.seq);
+      ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, payload_bytes(h), h.seq);
     }
     if (!ticket) return false;
     p.written[k] = h.seq;
@@ -401,7 +430,7 @@ void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem)
                                                h.seq, p.layout.credit_off(rank_, slot), mem.stream);
     return;
   }
-  if (h.nbytes) std::memcpy(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, h.nbytes);
+  if (uint64_t n = payload_bytes(h)) std::memcpy(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n);
   free_slot(peer, slot, h.seq);
 }
 
@@ -640,6 +669,7 @@ const void* Engine::payload(uint64_t id) {
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
   if (r.hdr.flags & kDevicePayload)
     throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
+  if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
   return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
 }
 

@@ -26,7 +26,7 @@ struct MsgInfo {
   uint64_t nbytes = 0;
   uint32_t dtype = 0;
   std::vector<int64_t> shape;
-  uint64_t flags = 0;  // kDevicePayload: the payload is in device memory
+  uint64_t flags = 0;  // kDevicePayload: the payload is in device memory; kDescriptor: no payload
 };
 
 enum class ReqKind : uint8_t { Send, Recv };
@@ -52,6 +52,7 @@ struct Request {
   uint32_t ndim = 0;
   int64_t shape[kMaxDims] = {};
   uint64_t ticket = 0;
+  uint64_t hflags = 0;  // header flags the sender sets (kDescriptor)
   Mem mem;
   // recv
   void* out = nullptr;  // nullptr: caller allocates after the match
@@ -86,6 +87,10 @@ class Engine {
   // Requests; ids encode (index, generation) so stale ids are rejected.
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                  const int64_t* shape, uint32_t ndim, Mem mem = {});
+  // A descriptor message (kDescriptor): the header alone, describing `nbytes`
+  // of data that is not in it, so `nbytes` is not held to the bound.
+  uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
+                            uint32_t ndim);
   uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem = {});
   // Blocks (without the GIL; the binding layer slices it) until done, failed
   // or `deadline`. Returns true when terminal. Throws on failure.
@@ -119,6 +124,11 @@ class Engine {
   [[noreturn]] void raise_timeout(uint64_t id, double seconds);
   void detach(uint64_t id);  // caller drops it: finish in the background, recycle
   void close();
+  // The receive bound of `peer` (what a message to it may carry).
+  uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
+  // Collective number n of this communicator (every rank calls collectives
+  // in the same order, so n names the same collective everywhere).
+  uint64_t next_collective() { return coll_seq_.fetch_add(1); }
 
  private:
   Request& get(uint64_t id);
@@ -181,6 +191,7 @@ class Engine {
   Request scratch_;              // send_now's request, never queued
   std::mutex mu_;
   bool closed_ = false;
+  std::atomic<uint64_t> coll_seq_{0};
 };
 
 }  // namespace varcomm

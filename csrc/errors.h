@@ -6,7 +6,8 @@
 
 namespace varcomm {
 
-enum class ErrorKind : int { None = 0, Invalid, TooLarge, Mismatch, Timeout, PeerFailure, Closed };
+enum class ErrorKind : int { None = 0, Invalid, TooLarge, Mismatch, Timeout, PeerFailure, Closed,
+                             Refused /* a peer could not send to us and raised */ };
 
 class Error : public std::runtime_error {
  public:

@@ -32,10 +32,19 @@ struct MsgHeader {
   uint32_t dtype;   // DLPack (code << 16 | bits << 8 | lanes); see python/varcomm/dtypes.py
   uint32_t ndim;
   int64_t shape[kMaxDims];
-  uint64_t flags;  // kDevicePayload: the payload is in the receiver's device slot
+  uint64_t flags;  // kDevicePayload | kDescriptor
   uint64_t reserved;
 };
+// The payload is in the receiver's device slot.
 constexpr uint64_t kDevicePayload = 1;
+// A descriptor: nbytes, dtype and shape describe data that travels in later
+// messages (bound-sized chunks, or the payload phase of a two-phase
+// all-to-all), or that could not be sent at all; it carries no payload of its
+// own, so nbytes may exceed the bound. One header type for every "size first"
+// framing.
+constexpr uint64_t kDescriptor = 2;
+// Payload bytes a message occupies in its slot.
+inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & kDescriptor) ? 0 : h.nbytes; }
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");
 
 // The start of every region: what a peer that maps it checks it mapped

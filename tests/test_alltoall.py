@@ -4,6 +4,9 @@ other rank's input from the seed, so each result is checked byte-for-byte
 against a single-process reference."""
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -279,3 +282,49 @@ def test_argument_errors():
         y = torch.arange(8).reshape(2, 4).t()
         got, rs = A.all_to_all_v(comm, y, [2, 2])
         assert got.shape == (4, 2)
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90)
+def test_timeout_names_the_late_peer_and_leaves_the_communicator_usable(transport):
+    """Rank 1 joins late: ranks 0 and 2 raise TimeoutError naming it, within
+    about their timeout; what they had not started is cancelled and what rank
+    1 sends them later is dropped, so the next collective is right everywhere."""
+    with _init(transport, bound=BOUND, slots=4, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        x = torch.arange(n, dtype=torch.float32) + 10 * r
+        comm.barrier()  # ranks 0 and 2 start together: only rank 1 is late
+        if r != 1:
+            t0 = time.monotonic()
+            with pytest.raises(varcomm.TimeoutError, match="rank 1"):
+                A.all_to_all_v(comm, x, [1] * n, timeout=2.0)
+            assert time.monotonic() - t0 < 15
+            comm.barrier()
+        else:
+            comm.barrier()
+            if "two-phase" in transport:  # the others will not send payloads after their timeout
+                with pytest.raises(varcomm.TimeoutError):
+                    A.all_to_all_v(comm, x, [1] * n, timeout=2.0)
+            else:  # their chunks were written before they gave up
+                got, rs = A.all_to_all_v(comm, x, [1] * n, timeout=10)
+                assert rs == [1] * n and got.tolist() == [10.0 * s + r for s in range(n)]
+        comm.barrier()
+        y = torch.arange(2 * n, dtype=torch.int64).reshape(n, 2) + 100 * r
+        got, rs = A.all_to_all_v(comm, y, [1] * n)
+        assert rs == [1] * n and got.tolist() == [[100 * s + 2 * r, 100 * s + 2 * r + 1] for s in range(n)]
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90, expect_exit={2: None})
+def test_dead_peer_raises_peer_failure(transport):
+    comm = _init(transport, bound=BOUND, slots=4, timeout=60)
+    r, n = comm.rank, comm.world_size
+    if r == 2:
+        os._exit(3)  # dies without closing
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+        A.all_to_all_v(comm, torch.zeros(n, 3), [1] * n)
+    assert time.monotonic() - t0 < 10, "dead peer took too long to detect"
+    other = 1 - r  # the survivors' channel still works
+    comm.send(torch.tensor([r]), dst=other)
+    assert comm.recv(src=other).item() == other

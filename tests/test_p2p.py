@@ -248,3 +248,28 @@ def test_no_shared_memory_leftovers_even_after_a_crash():
     with pytest.raises(varcomm.PeerFailure):
         comm.recv(src=1, timeout=20)
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "fallback"])
+@world(2, timeout=60)
+def test_descriptor_messages(transport):
+    """A descriptor describes data sent separately (it may exceed the bound):
+    a recv returns its Status; a recv into out= refuses it and keeps it."""
+    from varcomm import dtypes
+
+    f64 = dtypes.word(dtypes.FLOAT, 64)
+    with varcomm.init(transport=transport, bound=BOUND, timeout=30) as comm:
+        if comm.rank == 0:
+            comm.isend_descriptor(1, 10 * BOUND, f64, (BOUND // 8, 10), tag=3).wait()
+            comm.isend_descriptor(1, 24, f64, (3,), tag=3).wait()
+            comm.send(torch.arange(3.0, dtype=torch.float64), dst=1, tag=3)
+        else:
+            st = comm.recv(src=0, tag=3)
+            assert isinstance(st, varcomm.Status) and st.descriptor and not st.device
+            assert (st.nbytes, st.dtype, st.shape) == (10 * BOUND, f64, (BOUND // 8, 10))
+            out = torch.zeros(3, dtype=torch.float64)
+            with pytest.raises(varcomm.MessageMismatch, match="descriptor.*kept"):
+                comm.recv(src=0, tag=3, out=out)
+            st = comm.recv(src=0, tag=3)  # kept: the next recv gets it
+            assert st.descriptor and st.nbytes == 24
+            assert comm.recv(src=0, tag=3, out=out).tolist() == [0.0, 1.0, 2.0]

@@ -10,6 +10,7 @@
 #include <memory>
 #include <set>
 
+#include "collectives.h"
 #include "engine.h"
 #include "options.h"
 #include "routes.h"
@@ -33,6 +34,7 @@ const char* error_class(ErrorKind k) {
     case ErrorKind::Timeout: return "TimeoutError";
     case ErrorKind::PeerFailure: return "PeerFailure";
     case ErrorKind::Closed: return "ClosedError";
+    case ErrorKind::Refused: return "VarcommError";
     default: return "InvalidArgument";
   }
 }
@@ -144,19 +146,22 @@ struct Status {
   uint64_t nbytes;
   uint32_t dtype;  // DLPack word, see python/varcomm/dtypes.py
   py::tuple shape;
-  bool device;  // the payload is in device memory
+  bool device;      // the payload is in device memory
+  bool descriptor;  // a descriptor (kDescriptor): nbytes, dtype, shape describe data sent separately
 };
 
 py::object status_of(int src, const MsgHeader& h) {
   py::tuple shape(h.ndim);
   for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-  return py::cast(Status{src, h.tag, h.nbytes, h.dtype, std::move(shape), (h.flags & kDevicePayload) != 0});
+  return py::cast(Status{src, h.tag, h.nbytes, h.dtype, std::move(shape), (h.flags & kDevicePayload) != 0,
+                         (h.flags & kDescriptor) != 0});
 }
 
 py::object status_of(const MsgInfo& m) {
   py::tuple shape(m.shape.size());
   for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = py::int_(m.shape[i]);
-  return py::cast(Status{m.src, m.tag, m.nbytes, m.dtype, std::move(shape), (m.flags & kDevicePayload) != 0});
+  return py::cast(Status{m.src, m.tag, m.nbytes, m.dtype, std::move(shape), (m.flags & kDevicePayload) != 0,
+                         (m.flags & kDescriptor) != 0});
 }
 
 // The core: the engine and the set-up that chose and connected its routes.
@@ -255,6 +260,131 @@ std::vector<int64_t> to_shape(const py::sequence& s) {
 
 }  // namespace
 
+// ---- collectives ------------------------------------------------------------
+// The all-to-all exchange engine (csrc/collectives.h). Python builds a plan
+// from its arrays, then run() finishes the collective; it calls back into
+// Python only to allocate outputs whose size the headers told.
+namespace {
+
+struct AllToAllHandle {
+  py::object comm;  // keeps the Comm, and so the Engine, alive
+  std::unique_ptr<AllToAll> a;
+};
+
+std::string dtype_name(uint32_t w) {
+  return py::module_::import("varcomm.dtypes").attr("describe")(w).cast<std::string>();
+}
+
+// step(deadline) without the GIL, in slices, until it returns true.
+template <class F>
+void a2a_drive(AllToAll& a, F&& step, Clock::time_point deadline, std::optional<double> timeout) {
+  for (;;) {
+    auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = step(slice);
+    }
+    if (done) return;
+    if (PyErr_CheckSignals() != 0) {
+      a.cleanup();
+      throw py::error_already_set();
+    }
+    if (Clock::now() >= deadline) a.timeout(*timeout);
+  }
+}
+
+void fill_chunk(A2AChunk& c, const py::handle& t) {
+  // (ptr, nbytes, dtype word, shape)
+  auto tup = py::reinterpret_borrow<py::tuple>(t);
+  c.data = reinterpret_cast<const void*>(tup[0].cast<uintptr_t>());
+  c.nbytes = tup[1].cast<uint64_t>();
+  c.dtype = tup[2].cast<uint32_t>();
+  auto shape = to_shape(tup[3]);
+  if (shape.size() > size_t(kMaxDims))
+    throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
+  c.ndim = uint32_t(shape.size());
+  std::copy(shape.begin(), shape.end(), c.shape);
+}
+
+AllToAllHandle make_a2a(py::object comm, A2APlan plan) {
+  Comm& c = comm.cast<Comm&>();
+  AllToAllHandle h;
+  h.comm = comm;
+  h.a = std::make_unique<AllToAll>(*c.engine, std::move(plan));
+  return h;
+}
+
+// Finishes the collective. Row forms: returns the rows per source; alloc(total
+// rows) -> pointer is called when there is no out. List form: returns None;
+// alloc(src, dtype word, shape) -> pointer for each output left to allocate.
+py::object a2a_run(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
+  AllToAll& a = *h.a;
+  auto deadline = deadline_of(timeout);
+  a2a_drive(a, [&](Clock::time_point d) { return a.wait_headers(d); }, deadline, timeout);
+  if (a.op() == A2AOp::List) {
+    for (int s : a.unplaced()) {
+      const A2AChunk& g = a.arrived(s);
+      py::tuple shape(g.ndim);
+      for (uint32_t i = 0; i < g.ndim; ++i) shape[i] = g.shape[i];
+      try {
+        a.place(s, reinterpret_cast<void*>(alloc(s, g.dtype, shape).cast<uintptr_t>()), Mem{}, "");
+      } catch (py::error_already_set&) {
+        a.place(s, nullptr, Mem{}, "rank " + std::to_string(s) + " sent dtype " + dtype_name(g.dtype) + ", which rank " +
+                                       std::to_string(h.comm.cast<Comm&>().engine->rank()) + " cannot represent");
+      }
+    }
+  } else if (a.needs_out()) {
+    int64_t rows = 0;
+    for (int64_t v : a.recv_rows()) rows += v;
+    a.place(reinterpret_cast<void*>(alloc(rows).cast<uintptr_t>()), a.total_bytes(), Mem{});
+  }
+  a2a_drive(a, [&](Clock::time_point d) { return a.wait_done(d); }, deadline, timeout);
+  if (auto e = a.error(dtype_name)) throw *e;
+  if (a.op() == A2AOp::List) return py::none();
+  return py::cast(a.recv_rows());
+}
+
+void bind_collectives(py::module_& m) {
+  m.attr("COLL_TAG_BASE") = kCollTagBase;
+  m.attr("MAX_COLL_TAG") = kMaxCollTag;
+  py::class_<AllToAllHandle>(m, "AllToAll")
+      .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none());
+  // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
+  // expected rows per source).
+  m.def("all_to_all_rows",
+        [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
+           const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
+           uint64_t cap, std::optional<std::vector<int64_t>> expect) {
+          A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, Mem{});
+          p.strategy = A2AStrategy(strategy);
+          p.user_tag = tag;
+          p.out = reinterpret_cast<void*>(out);
+          p.out_cap = cap;
+          if (expect) p.expect_rows = *expect;
+          return make_a2a(comm, std::move(p));
+        },
+        py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
+        py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
+        py::arg("expect") = py::none());
+  // sends[d], outs[s]: (ptr, nbytes, dtype word, shape); an out of None is allocated.
+  m.def("all_to_all_list",
+        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs) {
+          A2APlan p;
+          p.op = A2AOp::List;
+          p.strategy = A2AStrategy(strategy);
+          p.send.resize(py::len(sends));
+          p.outs.resize(py::len(outs));
+          for (size_t i = 0; i < p.send.size(); ++i) fill_chunk(p.send[i], sends[i]);
+          for (size_t i = 0; i < p.outs.size(); ++i)
+            if (!outs[i].is_none()) fill_chunk(p.outs[i], outs[i]);
+          return make_a2a(comm, std::move(p));
+        });
+}
+
+}  // namespace
+// ---- end collectives ---------------------------------------------------------
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "varcomm core: slots, headers, credits over shm / rdma transports";
 
@@ -287,6 +417,7 @@ PYBIND11_MODULE(_C, m) {
   build["transports"] = have;
   build["max_dims"] = kMaxDims;
   m.attr("build_info") = build;
+  bind_collectives(m);
 
   // The doctor's views; with an options dict they describe what those options would select.
   m.def("rdma_info", [](std::optional<py::dict> opts) -> std::string {
@@ -322,15 +453,18 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
 
-  py::class_<Status>(m, "Status", "A received message's header: source, tag, size, dtype, shape, device flag.")
+  py::class_<Status>(m, "Status",
+                     "A received message's header: source, tag, size, dtype, shape, device and descriptor flags.")
       .def_readonly("src", &Status::src)
       .def_readonly("tag", &Status::tag)
       .def_readonly("nbytes", &Status::nbytes)
       .def_readonly("dtype", &Status::dtype)
       .def_readonly("shape", &Status::shape)
       .def_readonly("device", &Status::device)
+      .def_readonly("descriptor", &Status::descriptor)
       .def("__eq__", [](const Status& a, const Status& b) {
         return a.src == b.src && a.tag == b.tag && a.nbytes == b.nbytes && a.dtype == b.dtype && a.device == b.device &&
+               a.descriptor == b.descriptor &&
                a.shape.equal(b.shape);
       })
       .def("__repr__", [](const Status& s) {
@@ -344,7 +478,7 @@ PYBIND11_MODULE(_C, m) {
         }
         return "Status(src=" + std::to_string(s.src) + ", tag=" + std::to_string(s.tag) + ", nbytes=" +
                std::to_string(s.nbytes) + ", dtype=" + dt + ", shape=" + std::string(py::repr(s.shape)) +
-               ", device=" + (s.device ? "True" : "False") + ")";
+               ", device=" + (s.device ? "True" : "False") + (s.descriptor ? ", descriptor=True" : "") + ")";
       });
 
   py::class_<Comm>(m, "Comm")
@@ -439,6 +573,13 @@ PYBIND11_MODULE(_C, m) {
              send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout);
              return true;
            })
+      // A descriptor message: the header of `nbytes` of data sent separately, no payload.
+      .def("isend_descriptor",
+           [](Comm& c, int dst, int64_t tag, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+             auto s = to_shape(shape);
+             return c.engine->isend_descriptor(dst, tag, nbytes, dtype, s.data(), uint32_t(s.size()));
+           },
+           py::arg("dst"), py::arg("tag"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"))
       .def("irecv",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
              return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));

@@ -6,7 +6,7 @@ DLPack-packed (code << 16 | bits << 8 | lanes), see varcomm/dtypes.py.
 transport, rdma_provider, rdma_iface, peer_timeout, rdma_strict,
 rdma_eager_credits, liveness_addr, debug, nvlink, cuda_device, nvlink_flags,
 nvlink_kernel_max (see varcomm.options.Options.core)."""
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 build_info: dict[str, Any]
 rdma_providers: list[str]  # tried in this order when no rdma_provider is given
@@ -29,6 +29,8 @@ class Status:
     def shape(self) -> tuple[int, ...]: ...
     @property
     def device(self) -> bool: ...  # the payload is in device memory
+    @property
+    def descriptor(self) -> bool: ...  # a descriptor: nbytes, dtype, shape describe data sent separately
 
 class Comm:
     rank: int
@@ -59,6 +61,7 @@ class Comm:
     def send_buffer(self, dst: int, tag: int, obj: Any, timeout: float | None) -> bool: ...
     def isend(self, dst: int, tag: int, ptr: int, nbytes: int, dtype: int, shape: Sequence[int],
               stream: int = -1) -> int: ...
+    def isend_descriptor(self, dst: int, tag: int, nbytes: int, dtype: int, shape: Sequence[int]) -> int: ...
     def irecv(self, src: int, tag: int, out: int, cap: int, dtype: int, stream: int = -1) -> int: ...
     # obj itself when the message has its shape, else the message's Status; None: obj unusable here.
     def recv_buffer(self, src: int, tag: int, obj: Any, timeout: float | None) -> Any: ...
@@ -73,3 +76,18 @@ class Comm:
     def cancel(self, id: int) -> None: ...
     def detach(self, id: int) -> None: ...
     def close(self) -> None: ...
+
+# ---- collectives (csrc/collectives.h)
+COLL_TAG_BASE: int
+MAX_COLL_TAG: int
+
+class AllToAll:
+    # Row forms: returns rows per source, alloc(total_rows) -> pointer when there is no out.
+    # List form: returns None, alloc(src, dtype word, shape) -> pointer per output to allocate.
+    def run(self, timeout: float | None, alloc: Callable[..., int] | None = None) -> list[int] | None: ...
+
+def all_to_all_rows(comm: Comm, op: int, strategy: int, tag: int, x: int, row_bytes: int, splits: Sequence[int],
+                    dtype: int, trailing: Sequence[int], out: int, cap: int,
+                    expect: Sequence[int] | None = None) -> AllToAll: ...
+def all_to_all_list(comm: Comm, strategy: int, sends: Sequence[tuple[int, int, int, Sequence[int]]],
+                    outs: Sequence[tuple[int, int, int, Sequence[int]] | None]) -> AllToAll: ...

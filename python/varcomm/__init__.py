@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # Lazy: `python -m varcomm.run` and the harness must start without torch.
-    if name in ("init", "Communicator", "P2POp", "Work"):
+    if name in ("init", "Communicator", "P2POp", "Work", "Descriptor"):
         from . import comm
 
         return getattr(comm, name)

@@ -42,6 +42,18 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
     raise InvalidArgument(f"cannot send {type(x).__name__}: pass a torch.Tensor or numpy.ndarray")
 
 
+def host_array(x: Any, what: str) -> Any:
+    """`x` as a contiguous CPU torch tensor or numpy array (copied if strided);
+    `what` names it in errors."""
+    if is_torch(x):
+        if not x.is_cpu:
+            raise InvalidArgument(f"{what} on {x.device}: this build has no GPU transport")
+        return x if x.is_contiguous() else x.contiguous()
+    if isinstance(x, np.ndarray):
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    raise InvalidArgument(f"{what} must be a torch.Tensor or numpy.ndarray, not {type(x).__name__}")
+
+
 def describe_send(x: Any) -> tuple[int, int, int, tuple[int, ...], Any, int]:
     """describe_host plus the CUDA stream that orders the send: -1 for host
     memory, else the handle of the tensor's device's current stream."""

@@ -4,7 +4,7 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -105,7 +105,6 @@ class Communicator:
         self._store = store
         self._owner = owner
         self._closed = False
-        self._coll_seq = 0  # collectives' tag sequence (alltoall.py)
         self._routes_ready = False
         self._fallback: Any = None
         self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
@@ -239,6 +238,16 @@ class Communicator:
                 return r if r is out else arrays.prefix_view(out, r.nbytes, r.shape)
         return self.irecv(src, tag, out, copy=copy).wait(t)
 
+    def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
+        """Send a descriptor: a header describing `nbytes` of data (dtype word,
+        shape) that travels in other messages; it carries none itself, so
+        `nbytes` may exceed the bound. A recv of it returns its Status
+        (``status.descriptor`` is True)."""
+        self._check_peer(dst, "dst")
+        if self._via_fallback[dst]:
+            raise InvalidArgument(f"descriptor messages to rank {dst} need a varcomm transport; it is on the fallback")
+        return Work(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
+
     def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True) -> Work:
         self._check_peer(src, "src")
         if self._via_fallback[src]:
@@ -272,6 +281,9 @@ class Communicator:
 
         def finish() -> Any:
             st = c.info(rid)
+            if st.descriptor:  # no payload of its own: its Status is the message
+                c.release(rid)
+                return st
             word, shape = st.dtype, st.shape
             if not copy:
                 return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import dtypes
+from . import _C, dtypes
 from .comm import Communicator, connect
 from .errors import MessageMismatch, MessageTooLarge, VarcommError
 from .options import Options
@@ -52,9 +52,6 @@ except ImportError:  # pragma: no cover - depends on the checkout
     _a2a = None  # type: ignore[assignment]
 
 BACKEND = "varcomm"
-#: A message over the bound travels as a 0-byte header of shape (0, nbytes, _MAGIC) and the tensor's dtype,
-#: then bound-sized uint8 chunks.
-_MAGIC = 0x5643
 
 __all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of"]
 
@@ -236,10 +233,9 @@ class VarcommProcessGroup(dist.ProcessGroup):
         comm = self.comm
         if t.nbytes <= comm.bound:
             works = [comm.isend(t, dstRank, tag)]
-        else:  # header (0 bytes: the size is in its shape), then bound-sized chunks
-            header = torch.empty((0, t.nbytes, _MAGIC), dtype=t.dtype)
+        else:  # a descriptor of the whole message, then bound-sized chunks
             flat = _bytes_of(t.contiguous())
-            works = [comm.isend(header, dstRank, tag)]
+            works = [comm.isend_descriptor(dstRank, t.nbytes, dtypes.from_torch(t.dtype), tuple(t.shape), tag)]
             works += [comm.isend(flat[o:o + comm.bound], dstRank, tag) for o in range(0, t.nbytes, comm.bound)]
 
         def finish(timeout: float | None) -> None:
@@ -269,21 +265,24 @@ class VarcommProcessGroup(dist.ProcessGroup):
                 try:
                     got = works[0].wait(timeout)
                 except MessageTooLarge as e:
-                    raise refuse(f"the message is larger ({e})") from e
+                    raise refuse(f"the message is larger ({_dtype_names(str(e))})") from e
                 except MessageMismatch as e:
                     raise refuse(f"the message has another dtype ({_dtype_names(str(e))})") from e
-                if got.numel() != t.numel() or (_is_header(got) and tuple(got.shape) != tuple(t.shape)):
-                    raise refuse(f"the message has shape {_shape_of(got)}, {_nbytes_of(got)} bytes")
+                if got.numel() != t.numel():
+                    raise refuse(f"the message has shape {tuple(got.shape)}, {got.nbytes} bytes")
                 if dst is not t:
                     with torch.no_grad():
                         t.copy_(dst)
         else:
-            works = [comm.irecv(src, tag)]  # the header; the chunks are received once it is checked
+            works = [comm.irecv(src, tag)]  # the descriptor; the chunks are received once it is checked
 
             def finish(timeout: float | None) -> None:
                 head = works[0].wait(timeout)
-                if not _is_header(head) or head.shape[1] != t.nbytes or head.dtype != t.dtype:
-                    raise refuse(f"the message has shape {_shape_of(head)}, {_nbytes_of(head)} bytes")
+                if not (isinstance(head, _C.Status) and head.descriptor):
+                    raise refuse(f"the message has shape {tuple(head.shape)}, {head.nbytes} bytes")
+                if head.nbytes != t.nbytes or head.dtype != dtypes.from_torch(t.dtype):
+                    raise refuse(f"the message is a {head.nbytes}-byte {dtypes.describe(head.dtype)} tensor of "
+                                 f"shape {head.shape}, sent in chunks")
                 flat = _bytes_of(dst)
                 chunks = [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, t.nbytes, comm.bound)]
                 for w in chunks:
@@ -484,10 +483,6 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def _is_header(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 0 and x.shape[2] == _MAGIC
-
-
 def _dtype_names(msg: str) -> str:
     """The engine names dtypes by code: name them as torch does."""
     def name(m: re.Match) -> str:
@@ -497,18 +492,6 @@ def _dtype_names(msg: str) -> str:
             return m.group(0)
 
     return re.sub(r"(dtype) code (\d+)", name, msg)
-
-
-def _shape_of(x: Any) -> Any:
-    if _is_header(x):
-        return f"{tuple(x.shape)} (the header of a {x.shape[1]}-byte message of {x.dtype}, sent in chunks)"
-    return tuple(x.shape)
-
-
-def _nbytes_of(x: Any) -> int:
-    if _is_header(x):
-        return int(x.shape[1])
-    return int(x.nbytes)
 
 
 # ---------------------------------------------------------------------------

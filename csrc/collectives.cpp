@@ -1,0 +1,400 @@
+#include "collectives.h"
+
+#include <cstring>
+
+namespace varcomm {
+
+namespace {
+
+std::string rank_str(int r) { return "rank " + std::to_string(r); }
+
+// Python's tuple and list spelling, so messages read like the caller's values.
+std::string tuple_str(const int64_t* v, size_t n) {
+  std::string s = "(";
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (n == 1 ? ",)" : ")");
+}
+template <class T>
+std::string list_str(const std::vector<T>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+const char* op_name(A2AOp op) {
+  switch (op) {
+    case A2AOp::V: return "all_to_all_v";
+    case A2AOp::Single: return "all_to_all_single";
+    default: return "all_to_all";
+  }
+}
+
+A2AChunk chunk_of(const MsgInfo& m) {
+  A2AChunk c;
+  c.nbytes = m.nbytes;
+  c.dtype = m.dtype;
+  c.ndim = uint32_t(m.shape.size());
+  std::copy(m.shape.begin(), m.shape.end(), c.shape);
+  return c;
+}
+
+}  // namespace
+
+A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector<int64_t>& splits, uint32_t dtype,
+                  const std::vector<int64_t>& trailing, Mem mem) {
+  if (trailing.size() + 1 > size_t(kMaxDims))
+    throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
+  A2APlan p;
+  p.op = op;
+  p.dtype = dtype;
+  p.trailing = trailing;
+  p.row_bytes = row_bytes;
+  p.send.resize(splits.size());
+  const char* at = static_cast<const char*>(x);
+  for (size_t d = 0; d < splits.size(); ++d) {
+    A2AChunk& c = p.send[d];
+    c.data = at;
+    c.nbytes = uint64_t(splits[d]) * row_bytes;
+    c.dtype = dtype;
+    c.ndim = uint32_t(trailing.size() + 1);
+    c.shape[0] = splits[d];
+    std::copy(trailing.begin(), trailing.end(), c.shape + 1);
+    c.mem = mem;
+    at += c.nbytes;
+  }
+  return p;
+}
+
+AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), rank_(e.rank()), world_(e.world()) {
+  const int n = world_, r = rank_;
+  if (int(plan_.send.size()) != n) throw Error(ErrorKind::Invalid, "all-to-all plan: one chunk per rank expected");
+  if (plan_.op == A2AOp::List && int(plan_.outs.size()) != n)
+    throw Error(ErrorKind::Invalid, "all-to-all plan: one output per rank expected");
+  if (plan_.op == A2AOp::Single && int(plan_.expect_rows.size()) != n)
+    throw Error(ErrorKind::Invalid, "all-to-all plan: one expected row count per rank expected");
+  if (plan_.user_tag < 0 || plan_.user_tag > kMaxCollTag)
+    throw Error(ErrorKind::Invalid, "tag " + std::to_string(plan_.user_tag) + " out of range [0, " +
+                                        std::to_string(kMaxCollTag) + "] for a collective");
+  uint64_t seq = e_.next_collective();
+  tag_ = kCollTagBase * (1 + plan_.user_tag) + 2 * int64_t(seq % uint64_t(kCollTagBase / 2));
+  recv_.assign(n, 0);
+  payload_.assign(n, 0);
+  payload_into_.assign(n, 0);
+  got_.resize(n);
+  fate_.assign(n, Fate::Pending);
+  why_.resize(n);
+  recv_rows_.assign(n, 0);
+  offset_.assign(n, 0);
+  got_[r] = plan_.send[r];
+  got_[r].data = nullptr;
+  const bool two = plan_.strategy == A2AStrategy::TwoPhase;
+  guarded([&] {
+    for (int k = 1; k < n; ++k) {  // receives first, so early senders find them posted
+      int s = (r - k + n) % n;
+      recv_[s] = e_.irecv(s, tag_, nullptr, 0, 0);
+    }
+    for (int k = 1; k < n; ++k) {  // staggered destinations spread the load over receivers
+      int d = (r + k) % n;
+      const A2AChunk& c = plan_.send[d];
+      if (!two) {
+        try {
+          sends_.push_back(e_.isend(d, tag_, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem));
+          continue;
+        } catch (const Error& x) {
+          if (x.kind != ErrorKind::TooLarge) throw;
+          too_large_.push_back({d, x.what()});
+        }
+      }
+      // Two-phase: the counts first. One-phase: in place of a chunk over d's
+      // bound, so d learns why nothing came.
+      sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim));
+    }
+  });
+}
+
+AllToAll::~AllToAll() { cleanup(); }
+
+template <class F>
+void AllToAll::guarded(F&& f) {
+  try {
+    f();
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+}
+
+// Sends not started are cancelled (nothing half-written); receives are
+// detached, so a message that still arrives is dropped and its slot freed.
+void AllToAll::cleanup() {
+  auto drop = [&](uint64_t& id, bool send) {
+    if (!id) return;
+    try {
+      if (send) e_.cancel(id);
+      else e_.detach(id);
+    } catch (const Error&) {
+    }
+    id = 0;
+  };
+  for (auto& id : recv_) drop(id, false);
+  for (auto& id : payload_) drop(id, false);
+  for (auto& id : sends_) drop(id, true);
+}
+
+void AllToAll::check(int s) {
+  const A2AChunk& h = got_[s];
+  auto bad = [&] {
+    fate_[s] = Fate::Mismatch;
+    mismatch_ = true;
+  };
+  if (plan_.op == A2AOp::List) {
+    const A2AChunk& o = plan_.outs[s];
+    if (o.data && (o.dtype != h.dtype || o.ndim != h.ndim || !std::equal(h.shape, h.shape + h.ndim, o.shape)))
+      return bad();
+    fate_[s] = Fate::Ok;
+    return;
+  }
+  const auto& t = plan_.trailing;
+  if (h.dtype != plan_.dtype || h.ndim != t.size() + 1 || !std::equal(t.begin(), t.end(), h.shape + 1)) return bad();
+  if (plan_.op == A2AOp::Single && h.shape[0] != plan_.expect_rows[s]) return bad();
+  fate_[s] = Fate::Ok;
+  recv_rows_[s] = h.shape[0];
+}
+
+bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
+  if (headers_) return true;
+  const int n = world_, r = rank_;
+  bool done = true;
+  guarded([&] {
+    for (; next_ < n; ++next_) {
+      int s = (r - next_ + n) % n;
+      if (!e_.wait(recv_[s], deadline)) {
+        done = false;
+        return;
+      }
+      MsgInfo m = e_.info(recv_[s]);
+      got_[s] = chunk_of(m);
+      if (m.flags & kDescriptor) {
+        e_.release(recv_[s]);  // no payload of its own
+        recv_[s] = 0;
+        // One-phase: a descriptor stands in for a chunk over our bound.
+        // Two-phase: every count travels so; the sender skips a chunk over our bound.
+        if (plan_.strategy == A2AStrategy::OnePhase || m.nbytes > e_.layout().bound) fate_[s] = Fate::OverBound;
+      }
+    }
+  });
+  if (!done) return false;
+  headers_ = true;
+  uint64_t o = 0;
+  for (int s = 0; s < n; ++s) {
+    if (fate_[s] == Fate::Pending) check(s);
+    offset_[s] = o;
+    if (fate_[s] == Fate::Ok && plan_.op != A2AOp::List) o += got_[s].nbytes;
+  }
+  total_bytes_ = o;
+  if (plan_.op != A2AOp::List && plan_.out) {
+    placed_ = true;
+    overflow_ = total_bytes_ > plan_.out_cap;
+  }
+  if (plan_.op == A2AOp::List) placed_ = true;  // what the caller leaves unplaced is dropped
+  return true;
+}
+
+bool AllToAll::needs_out() const { return plan_.op != A2AOp::List && !placed_; }
+
+void AllToAll::place(void* out, uint64_t cap, Mem mem) {
+  plan_.out = out;
+  plan_.out_cap = cap;
+  plan_.out_mem = mem;
+  overflow_ = total_bytes_ > cap;
+  placed_ = true;
+}
+
+std::vector<int> AllToAll::unplaced() const {
+  std::vector<int> v;
+  for (int s = 0; s < world_; ++s)
+    if (fate_[s] == Fate::Ok && !plan_.outs[s].data) v.push_back(s);
+  return v;
+}
+
+void AllToAll::place(int s, void* out, Mem mem, const std::string& why) {
+  A2AChunk& o = plan_.outs.at(s);
+  if (!out && !why.empty()) {
+    fate_[s] = Fate::Rejected;
+    why_[s] = why;
+    mismatch_ = true;
+    return;
+  }
+  o = got_[s];
+  o.data = out;
+  o.mem = mem;
+}
+
+void* AllToAll::dest(int s) const {
+  if (fate_[s] != Fate::Ok) return nullptr;
+  if (plan_.op == A2AOp::List) return const_cast<void*>(plan_.outs[s].data);
+  // The rows land only when every chunk is right: an error writes nothing.
+  if (mismatch_ || overflow_ || !plan_.out) return nullptr;
+  return static_cast<char*>(plan_.out) + offset_[s];
+}
+
+Mem AllToAll::dest_mem(int s) const { return plan_.op == A2AOp::List ? plan_.outs[s].mem : plan_.out_mem; }
+
+void AllToAll::local_copy() {
+  const A2AChunk& c = plan_.send[rank_];
+  void* d = dest(rank_);
+  if (!d || !c.nbytes) return;
+  // Device memory (the next step): this copy belongs on the chunk's stream,
+  // through the device transport; every message above already carries its Mem.
+  if (c.mem.device || dest_mem(rank_).device)
+    throw Error(ErrorKind::Invalid, "all-to-all of device memory is not supported yet: pass host tensors");
+  std::memcpy(d, c.data, c.nbytes);
+}
+
+void AllToAll::post_payloads() {
+  const int n = world_, r = rank_;
+  for (int k = 1; k < n; ++k) {
+    int s = (r - k + n) % n;
+    if (fate_[s] == Fate::OverBound) continue;  // its sender sends nothing
+    // A refused chunk is still received (and dropped): its sender cannot know.
+    void* d = dest(s);
+    bool into = d && got_[s].nbytes;
+    payload_into_[s] = into;
+    payload_[s] = into ? e_.irecv(s, tag_ + 1, d, got_[s].nbytes, got_[s].dtype, dest_mem(s))
+                       : e_.irecv(s, tag_ + 1, nullptr, 0, 0);
+  }
+  for (int k = 1; k < n; ++k) {
+    int d = (r + k) % n;
+    const A2AChunk& c = plan_.send[d];
+    try {
+      sends_.push_back(e_.isend(d, tag_ + 1, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem));
+    } catch (const Error& x) {
+      if (x.kind != ErrorKind::TooLarge) throw;
+      too_large_.push_back({d, x.what()});  // d saw the count: it expects nothing
+    }
+  }
+}
+
+bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
+  bool done = true;
+  guarded([&] {
+    if (!payloads_) {
+      if (!placed_) throw Error(ErrorKind::Invalid, "all-to-all: the output was not placed");
+      if (plan_.strategy == A2AStrategy::TwoPhase) {
+        post_payloads();
+      } else {
+        for (int s = 0; s < world_; ++s) {
+          if (!recv_[s]) continue;
+          if (void* d = dest(s)) e_.copy_out(recv_[s], d, dest_mem(s));
+          else e_.release(recv_[s]);
+          recv_[s] = 0;
+        }
+      }
+      local_copy();
+      payloads_ = true;
+    }
+    for (int s = 0; s < world_; ++s) {
+      uint64_t& id = payload_[s];
+      if (!id) continue;
+      if (!e_.wait(id, deadline)) {
+        done = false;
+        return;
+      }
+      if (payload_into_[s]) e_.info(id);  // retires the request
+      else e_.release(id);
+      id = 0;
+    }
+    for (auto& id : sends_) {
+      if (!id) continue;
+      if (!e_.wait(id, deadline)) {
+        done = false;
+        return;
+      }
+      id = 0;
+    }
+  });
+  return done;
+}
+
+void AllToAll::timeout(double seconds) {
+  uint64_t late = 0;
+  if (!headers_) late = recv_[(rank_ - next_ + world_) % world_];  // the one wait_headers waits for
+  for (int s = 0; s < world_ && !late; ++s) late = payload_[s];
+  for (size_t i = 0; i < sends_.size() && !late; ++i) late = sends_[i];
+  for (auto* v : {&recv_, &payload_, &sends_})
+    for (auto& id : *v)
+      if (id == late) id = 0;
+  cleanup();
+  if (late) e_.raise_timeout(late, seconds);  // cancels it too
+  throw Error(ErrorKind::Timeout, std::string(op_name(plan_.op)) + " timed out");
+}
+
+std::optional<Error> AllToAll::error(const std::function<std::string(uint32_t)>& dtype_name) const {
+  const std::string op = op_name(plan_.op), me = rank_str(rank_);
+  if (!too_large_.empty()) {
+    auto [d, why] = too_large_[0];
+    std::string msg = op + ": " + me + "'s chunk for " + rank_str(d) + " does not fit: " + why;
+    if (too_large_.size() > 1) {
+      std::vector<int> rest;
+      for (size_t i = 1; i < too_large_.size(); ++i) rest.push_back(too_large_[i].first);
+      msg += " (nor do its chunks for ranks " + list_str(rest) + ")";
+    }
+    return Error(ErrorKind::TooLarge, msg + "; the other ranks were told, and the communicator stays usable", d);
+  }
+  std::vector<std::string> problems;
+  int first = -1;
+  for (int s = 0; s < world_; ++s) {
+    const A2AChunk& h = got_[s];
+    std::string p;
+    if (fate_[s] == Fate::Rejected) {
+      p = why_[s];
+    } else if (fate_[s] != Fate::Mismatch) {
+      continue;
+    } else if (plan_.op == A2AOp::List) {
+      const A2AChunk& o = plan_.outs[s];
+      p = rank_str(s) + " sent " + dtype_name(h.dtype) + " of shape " + tuple_str(h.shape, h.ndim) +
+          ", but output_tensor_list[" + std::to_string(s) + "] on " + me + " is " + dtype_name(o.dtype) +
+          " of shape " + tuple_str(o.shape, o.ndim);
+    } else {
+      const auto& t = plan_.trailing;
+      bool rows_only = h.dtype == plan_.dtype && h.ndim == t.size() + 1 && std::equal(t.begin(), t.end(), h.shape + 1);
+      if (rows_only)
+        p = rank_str(s) + " sent " + std::to_string(h.shape[0]) + " rows, but output_split_sizes[" +
+            std::to_string(s) + "] on " + me + " is " + std::to_string(plan_.expect_rows[s]);
+      else
+        p = "the chunk from " + rank_str(s) + " is " + dtype_name(h.dtype) + " of shape " +
+            tuple_str(h.shape, h.ndim) + ", but " + me + (plan_.op == A2AOp::V ? "'s x is " : "'s input is ") +
+            dtype_name(plan_.dtype) + " with rows of shape " + tuple_str(t.data(), t.size()) +
+            "; every rank must pass the same dtype and trailing shape";
+    }
+    if (first < 0) first = s;
+    problems.push_back(p);
+  }
+  if (!problems.empty()) {
+    std::string msg = op + " on " + me + ": ";
+    for (size_t i = 0; i < problems.size(); ++i) msg += (i ? "; " : "") + problems[i];
+    return Error(ErrorKind::Mismatch, msg, first);
+  }
+  std::vector<int> over;
+  for (int s = 0; s < world_; ++s)
+    if (fate_[s] == Fate::OverBound) over.push_back(s);
+  if (!over.empty()) {
+    int s = over[0];
+    std::string msg = op + ": " + rank_str(s) + " could not send its chunk to " + me + ": it is over " + me +
+                      "'s receive bound of " + std::to_string(e_.layout().bound) + " bytes, and " + rank_str(s) +
+                      " raised MessageTooLarge";
+    if (over.size() > 1) msg += " (so did ranks " + list_str(std::vector<int>(over.begin() + 1, over.end())) + ")";
+    return Error(ErrorKind::Refused, msg + "; the communicator stays usable", s);
+  }
+  if (overflow_) {
+    int64_t total = 0;
+    for (int64_t v : recv_rows_) total += v;
+    return Error(ErrorKind::TooLarge,
+                 op + " on " + me + ": " + std::to_string(total) + " rows (" + std::to_string(total_bytes_) +
+                     " bytes) arrived but out holds only " + std::to_string(plan_.out_cap) + " bytes (recv_splits " +
+                     list_str(recv_rows_) + "); the chunks were dropped");
+  }
+  return std::nullopt;
+}
+
+}  // namespace varcomm
