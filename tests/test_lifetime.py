@@ -390,9 +390,10 @@ def test_blocking_recv_progresses_queued_isends(transport, out):
         comm.barrier()
 
 
+@pytest.mark.parametrize("copy", [True, False])
 @pytest.mark.parametrize("transport", NATIVE)
 @world(2, timeout=60)
-def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport):
+def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport, copy):
     """A recv that fails after matching (no numpy dtype for bfloat16) must
     leave the channel usable: the message kept for a recv that can take it
     (out=), or dropped with its slot returned; never the slot leaked.
@@ -403,7 +404,7 @@ def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport):
             comm.send(torch.arange(3, dtype=torch.int32), dst=1)
         else:
             with pytest.raises(varcomm.InvalidArgument, match="no numpy equivalent"):
-                comm.recv(src=0)
+                comm.recv(src=0, copy=copy)
             gc.collect()
             try:  # kept for a recv that can take it ...
                 assert comm.recv(src=0, out=torch.zeros(8, dtype=torch.bfloat16)).tolist() == [1.0] * 4
