@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import varcomm
-from varcomm import alltoall
-from varcomm.moe import combine, dispatch
+from varcomm.collectives import alltoall
+from varcomm.collectives.moe import combine, dispatch
 
 HIDDEN, FFN, NUM_EXPERTS, TOPK = 32, 48, 8, 2
 ATOL = RTOL = 1e-5

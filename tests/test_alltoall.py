@@ -1,4 +1,4 @@
-"""Variable-size all-to-all (varcomm.alltoall), on every transport this build
+"""Variable-size all-to-all (varcomm.collectives.alltoall), on every transport this build
 has and on the fallback, on 2, 3 and 4 ranks. Every rank can rebuild every
 other rank's input from the seed, so each result is checked byte-for-byte
 against a single-process reference."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import varcomm
-from varcomm import alltoall as A
+from varcomm.collectives import alltoall as A
 from varcomm.testing import seeded, world
 
 from conftest import TRANSPORTS, make_tensor, same_bytes

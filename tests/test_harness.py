@@ -1,4 +1,4 @@
-"""Tests for the multi-rank pytest harness (varcomm.testing); no C extension needed."""
+"""Tests for the multi-rank pytest harness (varcomm.tools.testing); no C extension needed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Iterator
 
 import pytest
 
-from varcomm import testing as vt
+from varcomm.tools import testing as vt
 from varcomm.testing import WorldFailure, has, rank, run_world, seeded, skip_unless, world, world_size
 
 try:  # imported here, before forking, so ranks don't each pay for it
@@ -24,7 +24,7 @@ try:  # imported here, before forking, so ranks don't each pay for it
 except ImportError:  # pragma: no cover
     dist = None  # type: ignore[assignment]
 
-PYTHONPATH = str(Path(vt.__file__).resolve().parent.parent)
+PYTHONPATH = str(Path(vt.__file__).resolve().parents[2])
 LAUNCHER_KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK",
                  "VARCOMM_TEST_TIMEOUT_SCALE", "VARCOMM_TEST_SEED"]

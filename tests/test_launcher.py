@@ -1,4 +1,4 @@
-"""Tests for the ``varcomm-run`` launcher (varcomm.run); no C extension needed."""
+"""Tests for the ``varcomm-run`` launcher (varcomm.tools.run); no C extension needed."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from varcomm import run as vrun
+from varcomm.tools import run as vrun
 
-PYTHONPATH = str(Path(vrun.__file__).resolve().parent.parent)
+PYTHONPATH = str(Path(vrun.__file__).resolve().parents[2])
 
 
 def launch(*args: str, timeout: float = 30, **kw: Any) -> subprocess.CompletedProcess[str]:

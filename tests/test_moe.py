@@ -1,4 +1,4 @@
-"""MoE dispatch/combine (varcomm.moe) against single-process references, and
+"""MoE dispatch/combine (varcomm.collectives.moe) against single-process references, and
 the examples/moe.py layer's forward/backward equivalence, in-harness."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import varcomm
-from varcomm.moe import combine, dispatch
+from varcomm.collectives.moe import combine, dispatch
 from varcomm.testing import seeded, world
 
 from conftest import TRANSPORTS

@@ -58,17 +58,17 @@ def test_core_dict_has_exactly_the_core_keys():
 def test_no_module_but_options_and_bootstrap_reads_the_environment():
     reads = re.compile(r"environ\.get\(|getenv\(|environ\[[^\]]+\](?!\s*=[^=])|in os\.environ")
     offenders = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path.name in ("options.py", "bootstrap.py") or path.name.startswith("bench"):
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if reads.search(line):
-                offenders.append(f"{path.name}:{i}: {line.strip()}")
+                offenders.append(f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}")
     assert not offenders, "read options through varcomm.options:\n" + "\n".join(offenders)
 
 
 def test_alltoall_has_no_import_time_algorithm():
-    from varcomm import alltoall
+    from varcomm.collectives import alltoall
 
     assert not hasattr(alltoall, "ALGORITHM")
 
@@ -186,7 +186,7 @@ def test_tool_options():
 
 
 def test_launcher_list_serves_bootstrap_and_testing(monkeypatch):
-    from varcomm.run import rank_env
+    from varcomm.tools.run import rank_env
 
     for la in bootstrap.LAUNCHERS:
         for var in (la.rank, la.world_size, la.local_rank, la.local_world_size):
@@ -236,7 +236,7 @@ def test_distributed_options_reach_the_communicator_without_environ():
     import torch.distributed as dist
 
     import varcomm.distributed as vdist
-    from varcomm.torch_backend import comm_of
+    from varcomm.integrations.torch_backend import comm_of
 
     before = dict(os.environ)
     vdist.init_process_group("gloo", bound=65536, slots=3, transport="shm", a2a_algorithm="two-phase")
@@ -259,7 +259,7 @@ def test_distributed_options_reach_the_communicator_without_environ():
 def test_torch_backend_takes_options_as_pg_options():
     import torch.distributed as dist
 
-    from varcomm.torch_backend import comm_of
+    from varcomm.integrations.torch_backend import comm_of
 
     os.environ["VARCOMM_SLOTS"] = "5"  # the pg_options' value wins over it
     before = dict(os.environ)

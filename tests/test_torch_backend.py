@@ -11,7 +11,7 @@ import torch.distributed._functional_collectives as fc
 
 import varcomm.torch  # noqa: F401 - registers the backend
 from varcomm.testing import world
-from varcomm.torch_backend import VarcommProcessGroup, comm_of
+from varcomm.integrations.torch_backend import VarcommProcessGroup, comm_of
 
 SMALL_BOUND = str(64 * 1024)  # small receive slots, so the chunked path (messages over the bound) is cheap to test
 

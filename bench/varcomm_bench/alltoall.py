@@ -10,7 +10,7 @@ does. Routing (--routing, a comma list makes one table each):
   all-to-one  every rank sends all its rows to rank 0
 
 Methods:
-  varcomm    varcomm.alltoall.all_to_all_v: one message per pair, the row count in
+  varcomm    varcomm.collectives.alltoall.all_to_all_v: one message per pair, the row count in
              its header, no count exchange
   two-phase  the same transport running the conventional algorithm (a count message
              per pair, then the payload): what the count exchange costs
@@ -79,7 +79,7 @@ def make_mpi_op(comm: Any, x: np.ndarray, counts: np.ndarray, row_bytes: int) ->
 
 
 def run(ctx: Ctx) -> list[dict[str, Any]]:
-    from varcomm import alltoall as A
+    from varcomm.collectives import alltoall as A
 
     a = ctx.a
     torch = ctx.torch

@@ -461,7 +461,7 @@ def _mpi_choice(a: argparse.Namespace) -> str | None:
 def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
     """Not under a launcher: run this same command on --nranks ranks."""
     import varcomm
-    from varcomm import run
+    from varcomm.tools import run
 
     n = a.nranks
     # The ranks import this varcomm and this varcomm_bench, installed or not.

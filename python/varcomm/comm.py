@@ -338,13 +338,13 @@ class Communicator:
                 works[i] = self.irecv(op.peer, op.tag, op.tensor) if is_recv else self.isend(op.tensor, op.peer, op.tag)
         return [w for w in works if w is not None]
 
-    # ---- all-to-all (varcomm/alltoall.py) ---------------------------------------
+    # ---- all-to-all (varcomm/collectives/alltoall.py) ---------------------------------------
 
     def all_to_all_v(self, x: Any, send_splits: Any, *, tag: int | None = None, out: Any = None,
                      async_op: bool = False, timeout: float | None = None) -> Any:
         """Rows of x split by send_splits go to each rank; returns (concatenated rows
         in source order, rows received per source). Counts travel with the data."""
-        from . import alltoall
+        from .collectives import alltoall
 
         return alltoall.all_to_all_v(self, x, send_splits, tag=tag, out=out, async_op=async_op, timeout=timeout)
 
@@ -352,14 +352,14 @@ class Communicator:
                           input_split_sizes: Any = None, *, async_op: bool = False,
                           timeout: float | None = None) -> Any:
         """torch.distributed.all_to_all_single's contract, when the output splits are known."""
-        from . import alltoall
+        from .collectives import alltoall
 
         return alltoall.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                                           async_op=async_op, timeout=timeout)
 
     def all_to_all(self, output_tensor_list: Any, input_tensor_list: Any, *, async_op: bool = False,
                    timeout: float | None = None) -> Any:
-        from . import alltoall
+        from .collectives import alltoall
 
         return alltoall.all_to_all(self, output_tensor_list, input_tensor_list, async_op=async_op, timeout=timeout)
 

@@ -1,9 +1,9 @@
 """``import varcomm.torch`` registers the ``"varcomm"`` backend of torch.distributed;
-see varcomm.torch_backend. (Inside the package, ``import torch`` still means
+see varcomm.integrations.torch_backend. (Inside the package, ``import torch`` still means
 PyTorch: imports are absolute.)"""
 from __future__ import annotations
 
-from .torch_backend import BACKEND, VarcommProcessGroup, VarcommWork, comm_of, register
+from .integrations.torch_backend import BACKEND, VarcommProcessGroup, VarcommWork, comm_of, register
 
 register()
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _C, arrays, dtypes
-from .errors import InvalidArgument
+from .. import _C, arrays, dtypes
+from ..errors import InvalidArgument
 
 #: Collective tags are >= this; user point-to-point tags should stay below it.
 COLL_TAG_BASE: int = _C.COLL_TAG_BASE

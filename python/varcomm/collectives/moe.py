@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import alltoall
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 __all__ = ["dispatch", "combine", "MoEHandle"]
 

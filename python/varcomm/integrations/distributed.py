@@ -34,12 +34,12 @@ import torch
 import torch.distributed as _tdist
 
 from . import torch_backend as _tb
-from .comm import Communicator, connect
-from .errors import InvalidArgument
-from .options import Options
+from ..comm import Communicator, connect
+from ..errors import InvalidArgument
+from ..options import Options
 
 try:
-    from . import alltoall as _a2a
+    from ..collectives import alltoall as _a2a
 except ImportError:  # pragma: no cover - depends on the checkout
     _a2a = None  # type: ignore[assignment]
 

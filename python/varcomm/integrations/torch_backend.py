@@ -41,13 +41,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _C, dtypes
-from .comm import Communicator, connect
-from .errors import MessageMismatch, MessageTooLarge, VarcommError
-from .options import Options
+from .. import _C, dtypes
+from ..comm import Communicator, connect
+from ..errors import MessageMismatch, MessageTooLarge, VarcommError
+from ..options import Options
 
 try:  # the all-to-all module; without it, all-to-all runs on gloo
-    from . import alltoall as _a2a
+    from ..collectives import alltoall as _a2a
 except ImportError:  # pragma: no cover - depends on the checkout
     _a2a = None  # type: ignore[assignment]
 

@@ -16,8 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import options as _options
-from .errors import InvalidArgument
+from .. import options as _options
+from ..errors import InvalidArgument
 
 
 def _run(argv: list[str], timeout: float = 30) -> str | None:
@@ -32,7 +32,7 @@ def _run(argv: list[str], timeout: float = 30) -> str | None:
 
 def _build() -> tuple[dict | None, object | None, str]:
     try:
-        from . import _C  # type: ignore[attr-defined]
+        from .. import _C  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 - any import failure is worth reporting
         return None, None, f"C extension not importable ({type(e).__name__}: {e})"
     info = dict(getattr(_C, "build_info", {}) or {})

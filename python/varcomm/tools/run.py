@@ -32,7 +32,7 @@ import threading
 import time
 from typing import IO, Any, Mapping, Sequence
 
-from .options import ToolOptions, env_name
+from ..options import ToolOptions, env_name
 
 __all__ = ["main", "launch", "rank_env", "free_port"]
 

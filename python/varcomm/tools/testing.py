@@ -49,8 +49,8 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence, TypeVar, Union
 
-from .bootstrap import LOCAL_RANK_VARS, LOCAL_WORLD_SIZE_VARS, RANK_VARS, WORLD_SIZE_VARS, env_int, launched
-from .options import ToolOptions, env_name
+from ..bootstrap import LOCAL_RANK_VARS, LOCAL_WORLD_SIZE_VARS, RANK_VARS, WORLD_SIZE_VARS, env_int, launched
+from ..options import ToolOptions, env_name
 from .run import _exit_status, _signal_group, free_port, rank_env
 
 if TYPE_CHECKING:
