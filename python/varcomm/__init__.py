@@ -8,17 +8,18 @@ from typing import TYPE_CHECKING, Any
 from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLarge, PeerFailure, TimeoutError,
                      VarcommError)
 from .options import Options
+from .work import Work
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ._C import Status
-    from .comm import Communicator, P2POp, Work, init
+    from .comm import Communicator, P2POp, P2PWork, init
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `python -m varcomm.run` and the harness must start without torch.
-    if name in ("init", "Communicator", "P2POp", "Work", "Descriptor"):
+    if name in ("init", "Communicator", "P2POp", "P2PWork"):
         from . import comm
 
         return getattr(comm, name)
@@ -37,7 +38,7 @@ def build_info() -> dict:
 
 
 __all__ = [
-    "init", "Communicator", "Work", "P2POp", "Options", "Status", "build_info",
+    "init", "Communicator", "Work", "P2PWork", "P2POp", "Options", "Status", "build_info",
     "VarcommError", "InvalidArgument", "MessageTooLarge", "MessageMismatch", "TimeoutError", "PeerFailure",
     "ClosedError",
 ]

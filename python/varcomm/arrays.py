@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
@@ -18,6 +18,11 @@ try:  # torch is optional: numpy-only users never import it
 except ImportError:  # pragma: no cover - exercised only without torch
     torch = None  # type: ignore[assignment]
     Tensor = ()
+
+#: What varcomm sends and receives: a numpy array or a torch tensor.
+Array = Union["np.ndarray[Any, Any]", "torch.Tensor"]
+#: Per-rank row counts of an all-to-all: ints, or a 1-d CPU tensor or array of them.
+Splits = Union[Sequence[int], "np.ndarray[Any, Any]", "torch.Tensor"]
 
 
 def is_torch(x: Any) -> bool:

@@ -6,9 +6,12 @@ import dataclasses
 import hashlib
 import os
 from datetime import timedelta
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from torch.distributed import Store, TCPStore
 
 
 @dataclasses.dataclass
@@ -108,10 +111,11 @@ def placement(rank: int | None = None, world_size: int | None = None, have_store
 
 
 _instances = 0
-_tcp_stores: dict[tuple[str, int], Any] = {}
+_tcp_stores: dict[tuple[str, int], TCPStore] = {}
 
 
-def make_store(p: Placement, store: Any | None, timeout: float, prefix: str | None = None) -> tuple[Any, Any]:
+def make_store(p: Placement, store: Store | None, timeout: float, prefix: str | None = None
+               ) -> tuple[Store, TCPStore | None]:
     """(store, owner): a prefix store unique to this communicator, and the
     TCPStore we connected to, if we made it. Without `prefix`, ranks create
     communicators in the same order, so the n-th one shares a prefix; groups

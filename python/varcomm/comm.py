@@ -11,16 +11,20 @@ import numpy as np
 from . import arrays, bootstrap
 from .errors import InvalidArgument, VarcommError
 from .options import Options
+from .work import Work
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
+
     from ._C import Status
+    from .arrays import Array, Splits
 
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
 _TORCH_WORDS: dict[Any, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
 
 
-class Work:
-    """A pending isend or irecv. `wait()` returns the received array (None for a send).
+class P2PWork:
+    """A pending isend or irecv (a varcomm.Work). `wait()` returns the received array (None for a send).
 
     For CUDA tensors the transfer is ordered on the CUDA stream that was current
     when the op was posted: `wait()` makes the current stream wait for it (no
@@ -93,8 +97,8 @@ class P2POp(NamedTuple):
     """torch.distributed.P2POp's shape: op is comm.isend or comm.irecv; for irecv,
     tensor is None or a bound-sized output buffer."""
 
-    op: Callable[..., Any]
-    tensor: Any
+    op: Callable[..., Work]
+    tensor: Array | None
     peer: int
     tag: int = 0
 
@@ -102,7 +106,7 @@ class P2POp(NamedTuple):
 class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
-    def __init__(self, placement: bootstrap.Placement, store: Any, owner: Any, options: Options):
+    def __init__(self, placement: bootstrap.Placement, store: Store, owner: Store | None, options: Options):
         from . import _C
 
         self.options = options  # resolved: every field set (see varcomm.options)
@@ -184,7 +188,7 @@ class Communicator:
 
     # ---- point-to-point -------------------------------------------------------
 
-    def send(self, tensor: Any, dst: int, tag: int = 0, timeout: float | None = None) -> None:
+    def send(self, tensor: Array, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Returns when `tensor` may be reused."""
         t = self._timeout if timeout is None else timeout
         if not (type(dst) is int and 0 <= dst < self.world_size) or self._via_fallback[dst]:
@@ -206,7 +210,7 @@ class Communicator:
             _check_capture()
         self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream)
 
-    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
         self._check_peer(dst, "dst")
         if self._via_fallback[dst]:
@@ -216,13 +220,13 @@ class Communicator:
             ptr, nbytes, word, shape, keep = arrays.describe_host(_stage(tensor))
             stream = -1
         if stream < 0:
-            return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
+            return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
         _check_capture()
-        return Work(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, stream), None, dst, "send", keep,
+        return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, stream), None, dst, "send", keep,
                     arrays.torch.cuda.current_stream(tensor.device))
 
-    def recv(self, src: int, tag: int = 0, out: Any = None, timeout: float | None = None,
-             copy: bool = True) -> Any:
+    def recv(self, src: int, tag: int = 0, out: Array | None = None, timeout: float | None = None,
+             copy: bool = True) -> Array | Status:
         """Receive one message from `src`. With `out` (a bound-sized buffer), the
         message lands in its prefix and a view with the sender's shape is returned;
         otherwise a new array of the sender's shape and dtype.
@@ -258,9 +262,9 @@ class Communicator:
         self._check_peer(dst, "dst")
         if self._via_fallback[dst]:
             raise InvalidArgument(f"descriptor messages to rank {dst} need a varcomm transport; it is on the fallback")
-        return Work(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
+        return P2PWork(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
 
-    def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True) -> Work:
+    def irecv(self, src: int, tag: int = 0, out: Array | None = None, copy: bool = True) -> Work:
         self._check_peer(src, "src")
         if self._via_fallback[src]:
             return self._fallback.irecv(src, tag, out)
@@ -280,10 +284,10 @@ class Communicator:
                     view.copy_(arrays.prefix_view(bounce, st.nbytes, st.shape))
                     return view
 
-                return Work(self, rid, staged, src, "recv", bounce)
+                return P2PWork(self, rid, staged, src, "recv", bounce)
             if stream < 0:
                 rid = c.irecv(src, tag, ptr, cap, word)
-                return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out)
+                return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out)
             _check_capture()
             # The core enqueues the copy into out on this stream when the message
             # arrives: if the Work is dropped, out is kept until then, and the
@@ -291,7 +295,7 @@ class Communicator:
             cur = arrays.torch.cuda.current_stream(out.device)
             out.record_stream(cur)
             rid = c.irecv(src, tag, ptr, cap, word, stream)
-            return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out, cur)
+            return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out, cur)
         rid = c.irecv(src, tag, 0, 0, 0)
         kind = self._array
 
@@ -318,7 +322,7 @@ class Communicator:
             c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream)
             return arr
 
-        return Work(self, rid, finish, src, "recv")
+        return P2PWork(self, rid, finish, src, "recv")
 
     def batch_isend_irecv(self, ops: Iterable[P2POp]) -> list[Work]:
         """Issue every op at once (receives first); rings and all-pairs patterns
@@ -340,25 +344,25 @@ class Communicator:
 
     # ---- all-to-all (varcomm/collectives/alltoall.py) ---------------------------------------
 
-    def all_to_all_v(self, x: Any, send_splits: Any, *, tag: int | None = None, out: Any = None,
-                     async_op: bool = False, timeout: float | None = None) -> Any:
+    def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
+                     async_op: bool = False, timeout: float | None = None) -> tuple[Array, list[int]] | Work:
         """Rows of x split by send_splits go to each rank; returns (concatenated rows
         in source order, rows received per source). Counts travel with the data."""
         from .collectives import alltoall
 
         return alltoall.all_to_all_v(self, x, send_splits, tag=tag, out=out, async_op=async_op, timeout=timeout)
 
-    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,
-                          input_split_sizes: Any = None, *, async_op: bool = False,
-                          timeout: float | None = None) -> Any:
+    def all_to_all_single(self, output: Array, input: Array, output_split_sizes: Splits | None = None,
+                          input_split_sizes: Splits | None = None, *, async_op: bool = False,
+                          timeout: float | None = None) -> Work | None:
         """torch.distributed.all_to_all_single's contract, when the output splits are known."""
         from .collectives import alltoall
 
         return alltoall.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                                           async_op=async_op, timeout=timeout)
 
-    def all_to_all(self, output_tensor_list: Any, input_tensor_list: Any, *, async_op: bool = False,
-                   timeout: float | None = None) -> Any:
+    def all_to_all(self, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array], *,
+                   async_op: bool = False, timeout: float | None = None) -> list[Array | None] | Work:
         from .collectives import alltoall
 
         return alltoall.all_to_all(self, output_tensor_list, input_tensor_list, async_op=async_op, timeout=timeout)
@@ -451,7 +455,7 @@ def _release(c: Any, rid: int) -> None:
         pass  # communicator closed first: nothing to return
 
 
-def init(rank: int | None = None, world_size: int | None = None, store: Any | None = None, *,
+def init(rank: int | None = None, world_size: int | None = None, store: Store | None = None, *,
          prefix: str | None = None, **options: Any) -> Communicator:
     """Join the job and connect to every peer.
 
@@ -472,7 +476,7 @@ def init(rank: int | None = None, world_size: int | None = None, store: Any | No
     return connect(opts, rank, world_size, store, prefix)
 
 
-def connect(options: Options, rank: int | None = None, world_size: int | None = None, store: Any | None = None,
+def connect(options: Options, rank: int | None = None, world_size: int | None = None, store: Store | None = None,
             prefix: str | None = None) -> Communicator:
     """init() with options already resolved (the torch backend and varcomm.distributed)."""
     if arrays.torch is not None and not _TORCH_WORDS:
@@ -486,4 +490,4 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
     return Communicator(p, s, owner, options)
 
 
-__all__ = ["Communicator", "Work", "P2POp", "Options", "init", "connect"]
+__all__ = ["Communicator", "Work", "P2PWork", "P2POp", "Options", "init", "connect"]

@@ -18,12 +18,17 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .. import _C, arrays, dtypes
 from ..errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ..arrays import Array, Splits
+    from ..comm import Communicator
+    from ..work import Work
 
 #: Collective tags are >= this; user point-to-point tags should stay below it.
 COLL_TAG_BASE: int = _C.COLL_TAG_BASE
@@ -111,8 +116,8 @@ def _check_out(out: Any, what: str) -> None:
 
 
 class AllToAllWork:
-    """A pending all-to-all. ``wait()`` finishes it and returns its result
-    (the same value the blocking call returns)."""
+    """A pending all-to-all (a varcomm.Work). ``wait()`` finishes it and returns
+    its result (the same value the blocking call returns)."""
 
     def __init__(self, finish: Callable[[float | None], Any], keep: Any = None):
         self._finish: Callable[[float | None], Any] | None = finish
@@ -136,6 +141,10 @@ class AllToAllWork:
     def is_completed(self) -> bool:
         return self._finish is None
 
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """wait(): an all-to-all moves host memory only, so no device work is left after it."""
+        return self.wait(timeout)
+
     def result(self) -> Any:
         return self.wait()
 
@@ -158,8 +167,9 @@ def _done(finish: Callable[[float | None], Any], async_op: bool, timeout: float 
 _Tensor = arrays.torch.Tensor if arrays.torch is not None else type(None)
 
 
-def all_to_all_v(comm: Any, x: Any, send_splits: Any, *, tag: int | None = None, out: Any = None,
-                 async_op: bool = False, timeout: float | None = None) -> Any:
+def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
+                 out: Array | None = None, async_op: bool = False, timeout: float | None = None
+                 ) -> tuple[Array, list[int]] | Work:
     """Send rows ``x[off[d] : off[d] + send_splits[d]]`` to rank d; returns
     ``(received, recv_splits)``: the chunks from every source concatenated
     along dim 0 in source-rank order (a new array of x's kind, or a view of
@@ -230,9 +240,9 @@ def all_to_all_v(comm: Any, x: Any, send_splits: Any, *, tag: int | None = None,
 # torch-compatible forms
 
 
-def all_to_all_single(comm: Any, output: Any, input: Any, output_split_sizes: Any = None,
-                      input_split_sizes: Any = None, *, async_op: bool = False,
-                      timeout: float | None = None) -> Any:
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
+                      async_op: bool = False, timeout: float | None = None) -> Work | None:
     """torch.distributed.all_to_all_single: rows of ``input`` go out by
     ``input_split_sizes`` (default: equal), rows from source s land in
     ``output`` at the offsets given by ``output_split_sizes`` (default:
@@ -264,8 +274,8 @@ def all_to_all_single(comm: Any, output: Any, input: Any, output_split_sizes: An
     return _done(finish, async_op, timeout, (inp, output))
 
 
-def all_to_all(comm: Any, output_tensor_list: list[Any] | None, input_tensor_list: Sequence[Any], *,
-               async_op: bool = False, timeout: float | None = None) -> Any:
+def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               *, async_op: bool = False, timeout: float | None = None) -> list[Array | None] | Work:
     """torch.distributed.all_to_all: ``input_tensor_list[d]`` goes to rank d,
     and what rank s sent lands in ``output_tensor_list[s]``. Tensors may have
     any shape (0-d included) and dtype. Beyond torch: ``output_tensor_list``

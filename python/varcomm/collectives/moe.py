@@ -25,12 +25,15 @@ replace ``bincount().tolist()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import alltoall
 from ..errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ..comm import Communicator
 
 __all__ = ["dispatch", "combine", "MoEHandle"]
 
@@ -39,7 +42,7 @@ __all__ = ["dispatch", "combine", "MoEHandle"]
 class MoEHandle:
     """What combine (and both backwards) need to undo a dispatch."""
 
-    comm: Any
+    comm: Communicator
     num_tokens: int  # T on this rank
     topk: int  # K
     order: torch.Tensor  # [T*K] flat (t, k) indices sorted by expert: the send order
@@ -124,7 +127,7 @@ def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def dispatch(comm: Any, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
     """Send each (token, k) to the rank owning expert ``topk_ids[token, k]``.
 
@@ -150,7 +153,7 @@ def dispatch(comm: Any, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weigh
     return expert_tokens, tokens_per_expert, handle
 
 
-def combine(comm: Any, expert_outputs: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
     """Return every expert output to its token's rank and reduce it:
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``, tokens in their
     original order. ``expert_outputs`` [R, H'] rows match dispatch's

@@ -28,20 +28,22 @@ Works); receiving from any source (``src=None``) is not supported.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as _tdist
 
 from . import torch_backend as _tb
+from ..arrays import Array, Splits
+from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import InvalidArgument
 from ..options import Options
+from ..work import Work
 
-try:
-    from ..collectives import alltoall as _a2a
-except ImportError:  # pragma: no cover - depends on the checkout
-    _a2a = None  # type: ignore[assignment]
+#: A torch.distributed group (None: the default group).
+Group = _tdist.ProcessGroup
 
 __all__ = [
     "init_process_group", "destroy_process_group", "is_initialized", "get_rank", "get_world_size", "get_comm",
@@ -53,10 +55,10 @@ _comm: Communicator | None = None
 _started_torch = False  # this module started torch.distributed (and stops it)
 _own_comm = False  # the global communicator is ours to close (not a torch group's)
 
-def init_process_group(backend: str | None = None, init_method: str | None = None, timeout: Any = None,
-                       world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "",
-                       pg_options: Any = None, device_id: Any = None, *, torch_distributed: bool = True,
-                       **varcomm_options: Any) -> None:
+def init_process_group(backend: str | None = None, init_method: str | None = None, timeout: timedelta | None = None,
+                       world_size: int = -1, rank: int = -1, store: _tdist.Store | None = None, group_name: str = "",
+                       pg_options: Options | None = None, device_id: torch.device | int | None = None, *,
+                       torch_distributed: bool = True, **varcomm_options: Any) -> None:
     """Start torch.distributed on the ``"varcomm"`` backend (whatever ``backend``
     names: gloo and NCCL still run the collectives varcomm does not have) and
     take its default group's Communicator as the global one.
@@ -96,7 +98,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     _comm = _tb.comm_of(None)
 
 
-def _options(pg_options: Any, overrides: dict[str, Any]) -> Options:
+def _options(pg_options: Options | None, overrides: dict[str, Any]) -> Options:
     """varcomm's options: pg_options (a varcomm.Options) or the environment's, then the keywords."""
     if pg_options is not None and not isinstance(pg_options, Options):
         raise TypeError(f"pg_options must be a varcomm.Options, not {type(pg_options).__name__}")
@@ -104,7 +106,7 @@ def _options(pg_options: Any, overrides: dict[str, Any]) -> Options:
     return base.override(keyword_origin="init_process_group", **overrides)
 
 
-def destroy_process_group(group: Any = None) -> None:
+def destroy_process_group(group: Group | None = None) -> None:
     """Stop what init_process_group started (a group: torch.distributed.destroy_process_group(group))."""
     global _comm, _started_torch, _own_comm
     if group is not None:
@@ -122,7 +124,7 @@ def is_initialized() -> bool:
     return _comm is not None
 
 
-def get_comm(group: Any = None) -> Communicator:
+def get_comm(group: Group | None = None) -> Communicator:
     """The varcomm Communicator behind ``group`` (default: the global one)."""
     if group is None:
         if _comm is None:
@@ -134,15 +136,15 @@ def get_comm(group: Any = None) -> Communicator:
                      "after init_process_group()")
 
 
-def get_rank(group: Any = None) -> int:
+def get_rank(group: Group | None = None) -> int:
     return get_comm(group).rank if group is None else _tdist.get_rank(group)
 
 
-def get_world_size(group: Any = None) -> int:
+def get_world_size(group: Group | None = None) -> int:
     return get_comm(group).world_size if group is None else _tdist.get_world_size(group)
 
 
-def _peer(group: Any, peer: int | None, group_peer: int | None, what: str) -> tuple[Communicator, int]:
+def _peer(group: Group | None, peer: int | None, group_peer: int | None, what: str) -> tuple[Communicator, int]:
     comm = get_comm(group)
     if group_peer is not None:
         if peer is not None:
@@ -159,14 +161,15 @@ def _peer(group: Any, peer: int | None, group_peer: int | None, what: str) -> tu
 # point-to-point
 
 
-def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> None:
+def send(tensor: Array, dst: int | None = None, group: Group | None = None, tag: int = 0,
+         group_dst: int | None = None) -> None:
     """Send ``tensor`` (any shape, dtype: they travel with it); returns when it may be reused."""
     comm, peer = _peer(group, dst, group_dst, "dst")
     comm.send(tensor, peer, tag)
 
 
-def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
-         group_src: int | None = None) -> Any:
+def recv(tensor: Array | None = None, src: int | None = None, group: Group | None = None, tag: int = 0,
+         group_src: int | None = None) -> Array:
     """Receive one message and return it: a new tensor of the sender's shape and
     dtype, or, with ``tensor`` (a bound: at least the message's size, same
     dtype), a view of its front with the sender's shape."""
@@ -176,14 +179,15 @@ def recv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int
     return _copy_into(tensor, comm.recv(peer, tag))
 
 
-def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None) -> Any:
+def isend(tensor: Array, dst: int | None = None, group: Group | None = None, tag: int = 0,
+          group_dst: int | None = None) -> Work:
     """Start a send; ``tensor`` must not change until ``wait()``."""
     comm, peer = _peer(group, dst, group_dst, "dst")
     return comm.isend(tensor, peer, tag)
 
 
-def irecv(tensor: Any = None, src: int | None = None, group: Any = None, tag: int = 0,
-          group_src: int | None = None) -> Any:
+def irecv(tensor: Array | None = None, src: int | None = None, group: Group | None = None, tag: int = 0,
+          group_src: int | None = None) -> Work:
     """Start a receive; ``wait()`` returns the received tensor (as recv does)."""
     comm, peer = _peer(group, src, group_src, "src")
     if tensor is None or _contiguous(tensor):
@@ -195,8 +199,9 @@ class P2POp:
     """torch.distributed.P2POp's shape: ``op`` is this module's isend or irecv
     (torch.distributed's are accepted too); for irecv, ``tensor`` may be None."""
 
-    def __init__(self, op: Any, tensor: Any, peer: int | None = None, group: Any = None, tag: int = 0,
-                 group_peer: int | None = None):
+    def __init__(self, op: Callable[..., Any], tensor: Array | None, peer: int | None = None,
+                 group: Group | None = None, tag: int = 0, group_peer: int | None = None):
+        self.op: Callable[..., Work]
         if op in (isend, _tdist.isend):
             self.op = isend
         elif op in (irecv, _tdist.irecv):
@@ -216,11 +221,11 @@ class P2POp:
         return f"P2POp({self.op.__name__}, {t}, peer={self.peer}, group_peer={self.group_peer}, tag={self.tag})"
 
 
-def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Any]:
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
     """Post every op at once (receives first, so rings cannot deadlock); the
     works come back in the list's order."""
     ops = list(p2p_op_list)
-    works: list[Any] = [None] * len(ops)
+    works: list[Work | None] = [None] * len(ops)
     for want_recv in (True, False):
         for i, op in enumerate(ops):
             if not isinstance(op, P2POp):
@@ -228,59 +233,40 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Any]:
             if (op.op is irecv) == want_recv:
                 key = "group_src" if want_recv else "group_dst"
                 works[i] = op.op(op.tensor, op.peer, op.group, op.tag, **{key: op.group_peer})
-    return works
+    return [w for w in works if w is not None]
 
 
 # ---------------------------------------------------------------------------
 # all-to-all
 
 
-def all_to_all_single(output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002 - torch's name
-                      input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
+                      group: Group | None = None, async_op: bool = False) -> Work | None:
     """torch.distributed.all_to_all_single over varcomm (each chunk one message)."""
     comm = get_comm(group)
-    if _a2a is None or not hasattr(_a2a, "all_to_all_single"):
-        return _tdist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                        group=group, async_op=async_op)
     return _a2a.all_to_all_single(comm, output, input, output_split_sizes, input_split_sizes, async_op=async_op)
 
 
-def all_to_all(output_tensor_list: Any, input_tensor_list: Any, group: Any = None, async_op: bool = False) -> Any:
+def all_to_all(output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               group: Group | None = None, async_op: bool = False) -> list[Array | None] | Work:
     """torch.distributed.all_to_all over varcomm; outputs may be None (allocated
     from the arriving shapes) and the list is returned."""
     comm = get_comm(group)
-    if _a2a is None or not hasattr(_a2a, "all_to_all"):
-        return _tdist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     return _a2a.all_to_all(comm, output_tensor_list, input_tensor_list, async_op=async_op)
 
 
-def all_to_all_v(input: Any, send_splits: Any, group: Any = None, async_op: bool = False,  # noqa: A002
-                 out: Any = None) -> Any:
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+                 async_op: bool = False, out: Array | None = None) -> tuple[Array, list[int]] | Work:
     """Variable-size all-to-all: rows ``input[off[d]:off[d] + send_splits[d]]``
     go to rank d; returns ``(received, recv_splits)`` (the chunks from every
     rank, concatenated in rank order, and their row counts) with no count
     exchange: each chunk's shape travels in its message. ``out``: optional
     bound-sized buffer (the result is a view of its front)."""
-    comm = get_comm(group)
-    if _a2a is not None and hasattr(_a2a, "all_to_all_v"):
-        return _a2a.all_to_all_v(comm, input, send_splits, out=out, async_op=async_op)
-    result = _all_to_all_v_torch(input, send_splits, group, out)  # counts first, then the payload (gloo)
-    return _Done(result) if async_op else result
+    return _a2a.all_to_all_v(get_comm(group), input, send_splits, out=out, async_op=async_op)
 
 
-def _all_to_all_v_torch(x: torch.Tensor, send_splits: Any, group: Any, out: Any) -> tuple[torch.Tensor, list[int]]:
-    splits = [int(s) for s in (send_splits.tolist() if isinstance(send_splits, torch.Tensor) else send_splits)]
-    counts = torch.tensor(splits, dtype=torch.int64)
-    recv_counts = torch.empty_like(counts)
-    _tdist.all_to_all_single(recv_counts, counts, group=group)
-    rows = recv_counts.tolist()
-    shape = (sum(rows),) + tuple(x.shape[1:])
-    result = torch.empty(shape, dtype=x.dtype) if out is None else out.reshape(-1)[:_numel(shape)].view(shape)
-    _tdist.all_to_all_single(result, x.contiguous(), rows, splits, group=group)
-    return result, rows
-
-
-def barrier(group: Any = None, async_op: bool = False) -> Any:
+def barrier(group: Group | None = None, async_op: bool = False) -> Work | None:
     get_comm(group).barrier()
     return _Done(None) if async_op else None
 
@@ -289,18 +275,12 @@ def barrier(group: Any = None, async_op: bool = False) -> Any:
 # helpers
 
 
-def _contiguous(t: Any) -> bool:
+def _contiguous(t: Array) -> bool:
     return bool(t.is_contiguous()) if isinstance(t, torch.Tensor) else bool(getattr(t, "flags", {"C": True})["C"])
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
-
-def _copy_into(tensor: torch.Tensor, x: Any) -> torch.Tensor:
+def _copy_into(tensor: torch.Tensor, x: Array) -> torch.Tensor:
     """A received message into a non-contiguous tensor: same size only (no prefix of a strided tensor)."""
     if x.numel() != tensor.numel():
         raise InvalidArgument(f"recv into a non-contiguous tensor of shape {tuple(tensor.shape)}: the message has "
@@ -311,12 +291,13 @@ def _copy_into(tensor: torch.Tensor, x: Any) -> torch.Tensor:
 
 
 class _CopyInto:
-    """A pending receive into a non-contiguous tensor."""
+    """A pending receive into a non-contiguous tensor (a varcomm.Work)."""
 
-    def __init__(self, work: Any, tensor: torch.Tensor):
-        self._work, self._tensor, self._result = work, tensor, None
+    def __init__(self, work: Work, tensor: torch.Tensor):
+        self._work, self._tensor = work, tensor
+        self._result: torch.Tensor | None = None
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._result is None:
             self._result = _copy_into(self._tensor, self._work.wait(timeout))
         return self._result
@@ -324,8 +305,17 @@ class _CopyInto:
     def is_completed(self) -> bool:
         return self._result is not None or self._work.is_completed()
 
+    def synchronize(self, timeout: float | None = None) -> torch.Tensor:
+        self._work.synchronize(timeout)
+        return self.wait(timeout)
+
+    def result(self) -> torch.Tensor:
+        return self.wait()
+
 
 class _Done:
+    """An operation that finished when it was posted (a varcomm.Work)."""
+
     def __init__(self, result: Any):
         self._result = result
 
@@ -334,6 +324,12 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        return self._result
+
+    def result(self) -> Any:
+        return self._result
 
 
 def __getattr__(name: str) -> Any:

@@ -46,10 +46,7 @@ from ..comm import Communicator, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
 from ..options import Options
 
-try:  # the all-to-all module; without it, all-to-all runs on gloo
-    from ..collectives import alltoall as _a2a
-except ImportError:  # pragma: no cover - depends on the checkout
-    _a2a = None  # type: ignore[assignment]
+from ..collectives import alltoall as _a2a
 
 BACKEND = "varcomm"
 
@@ -60,7 +57,7 @@ __all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of
 # works
 
 
-def _seconds(timeout: Any) -> float | None:
+def _seconds(timeout: timedelta | float | None) -> float | None:
     """A torch wait timeout (timedelta, 0 = the group's default) in seconds, or None."""
     if timeout is None:
         return None
@@ -70,7 +67,7 @@ def _seconds(timeout: Any) -> float | None:
 
 
 class VarcommWork(dist.Work):
-    """A torch.distributed Work over pending varcomm operations.
+    """A torch.distributed Work over pending varcomm operations (also a varcomm.Work).
 
     ``wait()`` finishes them (raising what they raised) and returns True."""
 
@@ -83,7 +80,7 @@ class VarcommWork(dist.Work):
         self._source = source
         self._error: BaseException | None = None
 
-    def wait(self, timeout: Any = None) -> bool:
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
         if self._finish is not None:
             f, self._finish = self._finish, None
             try:
@@ -108,7 +105,7 @@ class VarcommWork(dist.Work):
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
 
-    def exception(self) -> Any:
+    def exception(self) -> BaseException | None:
         return self._error
 
     def source_rank(self) -> int:
@@ -121,8 +118,8 @@ class VarcommWork(dist.Work):
         self.wait()
         return self._result
 
-    def synchronize(self) -> None:
-        self.wait()
+    def synchronize(self, timeout: timedelta | float | None = None) -> None:
+        self.wait(timeout)
 
     def get_future(self) -> torch.futures.Future:
         """A completed future (the work is finished first: varcomm has no progress thread)."""
@@ -150,7 +147,7 @@ def _all_done(works: Sequence[Any]) -> Callable[[], bool]:
 # making a communicator for a group
 
 
-def _communicator(store: Any, rank: int, size: int, options: Options) -> Communicator:
+def _communicator(store: dist.Store, rank: int, size: int, options: Options) -> Communicator:
     """A Communicator over `size` ranks meeting in `store`."""
     # The group's store is already unique to the group: no instance count.
     return connect(options, rank=rank, world_size=size, store=store, prefix="varcomm/")
@@ -183,7 +180,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
     ranks); every other collective through the per-device backends registered
     underneath (gloo for CPU, NCCL for CUDA)."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, *,
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, *,
                  global_ranks: Sequence[int] | None = None, group_id: str = "", options: Options | None = None):
         super().__init__(rank, size)
         self._rank = rank
@@ -302,14 +299,13 @@ class VarcommProcessGroup(dist.ProcessGroup):
     # ---- all-to-all -------------------------------------------------------------
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - torch's name
-                          output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: dist.AllToAllOptions | None = None) -> dist.Work:
         if opts is None:
             opts = dist.AllToAllOptions()
         if output.device.type != "cpu" or input.device.type != "cpu":
             return self._device_backend(output, "all_to_all_single").alltoall_base(
                 output, input, output_split_sizes, input_split_sizes, opts)
-        if _a2a is None or not hasattr(_a2a, "all_to_all_single"):
-            return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         dst = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype)
         w = _a2a.all_to_all_single(self.comm, dst, input, list(output_split_sizes) or None,
                                    list(input_split_sizes) or None, async_op=True)
@@ -326,13 +322,11 @@ class VarcommProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any = None) -> dist.Work:
+                 opts: dist.AllToAllOptions | None = None) -> dist.Work:
         if opts is None:
             opts = dist.AllToAllOptions()
         if any(x.device.type != "cpu" for x in [*output_tensors, *input_tensors]):
             return self._device_backend(output_tensors[0], "all_to_all").alltoall(output_tensors, input_tensors, opts)
-        if _a2a is None or not hasattr(_a2a, "all_to_all"):
-            return self._gloo.alltoall(output_tensors, input_tensors, opts)
         dsts = [o if o.is_contiguous() else torch.empty(o.shape, dtype=o.dtype) for o in output_tensors]
         w = _a2a.all_to_all(self.comm, list(dsts), list(input_tensors), async_op=True)
 
@@ -515,7 +509,7 @@ def register() -> None:
         _registered = True
 
 
-def comm_of(group: Any = None) -> Communicator:
+def comm_of(group: dist.ProcessGroup | None = None) -> Communicator:
     """The varcomm Communicator of a torch.distributed group on the varcomm
     backend (default: the default group). Its ranks are the group's ranks."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
