@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=240)
     a = ap.parse_args()
     if not any(os.environ.get(k) for k in _LAUNCH_VARS):
-        from varcomm import run
+        from varcomm.tools import run
 
         pp = os.environ.get("PYTHONPATH", "")
         os.environ["PYTHONPATH"] = str(ROOT / "python") + (os.pathsep + pp if pp else "")

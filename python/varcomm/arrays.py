@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
 
 from . import dtypes
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 try:  # torch is optional: numpy-only users never import it
     import torch
@@ -25,7 +28,7 @@ Array = Union["np.ndarray[Any, Any]", "torch.Tensor"]
 Splits = Union[Sequence[int], "np.ndarray[Any, Any]", "torch.Tensor"]
 
 
-def is_torch(x: Any) -> bool:
+def is_torch(x: object) -> TypeIs[torch.Tensor]:
     return torch is not None and isinstance(x, torch.Tensor)
 
 

@@ -4,7 +4,7 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, NamedTuple, Sequence, overload
 
 import numpy as np
 
@@ -344,6 +344,15 @@ class Communicator:
 
     # ---- all-to-all (varcomm/collectives/alltoall.py) ---------------------------------------
 
+    @overload
+    def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
+                     async_op: Literal[False] = False, timeout: float | None = None) -> tuple[Array, list[int]]: ...
+    @overload
+    def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
+                     async_op: Literal[True], timeout: float | None = None) -> Work: ...
+    @overload
+    def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
+                     async_op: bool = False, timeout: float | None = None) -> tuple[Array, list[int]] | Work: ...
     def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
                      async_op: bool = False, timeout: float | None = None) -> tuple[Array, list[int]] | Work:
         """Rows of x split by send_splits go to each rank; returns (concatenated rows
@@ -352,6 +361,18 @@ class Communicator:
 
         return alltoall.all_to_all_v(self, x, send_splits, tag=tag, out=out, async_op=async_op, timeout=timeout)
 
+    @overload
+    def all_to_all_single(self, output: Array, input: Array, output_split_sizes: Splits | None = None,
+                          input_split_sizes: Splits | None = None, *, async_op: Literal[False] = False,
+                          timeout: float | None = None) -> None: ...
+    @overload
+    def all_to_all_single(self, output: Array, input: Array, output_split_sizes: Splits | None = None,
+                          input_split_sizes: Splits | None = None, *, async_op: Literal[True],
+                          timeout: float | None = None) -> Work: ...
+    @overload
+    def all_to_all_single(self, output: Array, input: Array, output_split_sizes: Splits | None = None,
+                          input_split_sizes: Splits | None = None, *, async_op: bool = False,
+                          timeout: float | None = None) -> Work | None: ...
     def all_to_all_single(self, output: Array, input: Array, output_split_sizes: Splits | None = None,
                           input_split_sizes: Splits | None = None, *, async_op: bool = False,
                           timeout: float | None = None) -> Work | None:
@@ -361,8 +382,17 @@ class Communicator:
         return alltoall.all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                                           async_op=async_op, timeout=timeout)
 
+    @overload
     def all_to_all(self, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array], *,
-                   async_op: bool = False, timeout: float | None = None) -> list[Array | None] | Work:
+                   async_op: Literal[False] = False, timeout: float | None = None) -> list[Array]: ...
+    @overload
+    def all_to_all(self, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array], *,
+                   async_op: Literal[True], timeout: float | None = None) -> Work: ...
+    @overload
+    def all_to_all(self, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array], *,
+                   async_op: bool = False, timeout: float | None = None) -> list[Array] | Work: ...
+    def all_to_all(self, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array], *,
+                   async_op: bool = False, timeout: float | None = None) -> list[Array] | Work:
         from .collectives import alltoall
 
         return alltoall.all_to_all(self, output_tensor_list, input_tensor_list, async_op=async_op, timeout=timeout)

@@ -18,7 +18,7 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
 
 import numpy as np
 
@@ -167,6 +167,17 @@ def _done(finish: Callable[[float | None], Any], async_op: bool, timeout: float 
 _Tensor = arrays.torch.Tensor if arrays.torch is not None else type(None)
 
 
+@overload
+def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
+                 out: Array | None = None, async_op: Literal[False] = False, timeout: float | None = None
+                 ) -> tuple[Array, list[int]]: ...
+@overload
+def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
+                 out: Array | None = None, async_op: Literal[True], timeout: float | None = None) -> Work: ...
+@overload
+def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
+                 out: Array | None = None, async_op: bool = False, timeout: float | None = None
+                 ) -> tuple[Array, list[int]] | Work: ...
 def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
                  out: Array | None = None, async_op: bool = False, timeout: float | None = None
                  ) -> tuple[Array, list[int]] | Work:
@@ -240,6 +251,18 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
 # torch-compatible forms
 
 
+@overload
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
+                      async_op: Literal[False] = False, timeout: float | None = None) -> None: ...
+@overload
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
+                      async_op: Literal[True], timeout: float | None = None) -> Work: ...
+@overload
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
+                      async_op: bool = False, timeout: float | None = None) -> Work | None: ...
 def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: bool = False, timeout: float | None = None) -> Work | None:
@@ -274,8 +297,17 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: 
     return _done(finish, async_op, timeout, (inp, output))
 
 
+@overload
 def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
-               *, async_op: bool = False, timeout: float | None = None) -> list[Array | None] | Work:
+               *, async_op: Literal[False] = False, timeout: float | None = None) -> list[Array]: ...
+@overload
+def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               *, async_op: Literal[True], timeout: float | None = None) -> Work: ...
+@overload
+def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               *, async_op: bool = False, timeout: float | None = None) -> list[Array] | Work: ...
+def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               *, async_op: bool = False, timeout: float | None = None) -> list[Array] | Work:
     """torch.distributed.all_to_all: ``input_tensor_list[d]`` goes to rank d,
     and what rank s sent lands in ``output_tensor_list[s]``. Tensors may have
     any shape (0-d included) and dtype. Beyond torch: ``output_tensor_list``

@@ -25,7 +25,7 @@ replace ``bincount().tolist()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -51,6 +51,12 @@ class MoEHandle:
     perm: torch.Tensor  # [R] received row index of each expert_tokens row
     tokens_per_expert: torch.Tensor  # [E/n] int64
     topk_weights: torch.Tensor  # [T, K], as given (may require grad)
+
+
+def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """all_to_all_v of a tensor: the result is a tensor too."""
+    recv, recv_splits = alltoall.all_to_all_v(comm, x, splits)
+    return cast(torch.Tensor, recv), recv_splits
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -80,7 +86,7 @@ class _Dispatch(torch.autograd.Function):
         packed = torch.empty((order.numel(), hb + 4), dtype=torch.uint8)
         packed[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
         packed[:, hb:] = local_expert.view(torch.uint8).reshape(-1, 4)
-        recv, recv_splits = alltoall.all_to_all_v(comm, packed, send_splits)
+        recv, recv_splits = _all_to_all_v(comm, packed, send_splits)
         le = recv[:, hb:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
         perm = torch.sort(le, stable=True).indices
         tokens_per_expert = torch.bincount(le, minlength=per_rank)
@@ -95,7 +101,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, _g_counts: Any) -> Any:
         order, send_splits, recv_splits, perm, T, K = ctx.meta
         g = _unpermute(grad, perm)
-        back, _ = alltoall.all_to_all_v(ctx.comm, g, recv_splits)  # rows in this rank's send order
+        back, _ = _all_to_all_v(ctx.comm, g, recv_splits)  # rows in this rank's send order
         gtok = torch.zeros((T,) + tuple(grad.shape[1:]), dtype=grad.dtype)
         gtok.index_add_(0, order // K, back)
         return gtok, None, None, None, None
@@ -106,7 +112,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx: Any, expert_outputs: torch.Tensor, comm: Any, order: torch.Tensor, send_splits: list[int],
                 recv_splits: list[int], perm: torch.Tensor, T: int, K: int) -> torch.Tensor:
         y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
-        back, _ = alltoall.all_to_all_v(comm, y, recv_splits)  # [T*K, H'] in send (expert-sorted) order
+        back, _ = _all_to_all_v(comm, y, recv_splits)  # [T*K, H'] in send (expert-sorted) order
         tk = torch.empty_like(back)
         tk[order] = back  # (t, k) order
         ctx.comm = comm
@@ -117,7 +123,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         order, send_splits, perm = ctx.meta
         g = grad.reshape((-1,) + tuple(grad.shape[2:])).index_select(0, order).contiguous()
-        recv, _ = alltoall.all_to_all_v(ctx.comm, g, send_splits)  # received order
+        recv, _ = _all_to_all_v(ctx.comm, g, send_splits)  # received order
         return (recv.index_select(0, perm),) + (None,) * 7
 
 

@@ -29,7 +29,7 @@ Works); receiving from any source (``src=None``) is not supported.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, cast, overload
 
 import torch
 import torch.distributed as _tdist
@@ -41,6 +41,9 @@ from ..comm import Communicator, connect
 from ..errors import InvalidArgument
 from ..options import Options
 from ..work import Work
+
+if TYPE_CHECKING:
+    from .._C import Status
 
 #: A torch.distributed group (None: the default group).
 Group = _tdist.ProcessGroup
@@ -169,14 +172,15 @@ def send(tensor: Array, dst: int | None = None, group: Group | None = None, tag:
 
 
 def recv(tensor: Array | None = None, src: int | None = None, group: Group | None = None, tag: int = 0,
-         group_src: int | None = None) -> Array:
+         group_src: int | None = None) -> Array | Status:
     """Receive one message and return it: a new tensor of the sender's shape and
     dtype, or, with ``tensor`` (a bound: at least the message's size, same
-    dtype), a view of its front with the sender's shape."""
+    dtype), a view of its front with the sender's shape (a descriptor: its Status)."""
     comm, peer = _peer(group, src, group_src, "src")
     if tensor is None or _contiguous(tensor):
         return comm.recv(peer, tag, out=tensor)
-    return _copy_into(tensor, comm.recv(peer, tag))
+    # a strided out: torch tensors only, like torch.distributed
+    return _copy_into(cast(torch.Tensor, tensor), comm.recv(peer, tag))
 
 
 def isend(tensor: Array, dst: int | None = None, group: Group | None = None, tag: int = 0,
@@ -192,7 +196,7 @@ def irecv(tensor: Array | None = None, src: int | None = None, group: Group | No
     comm, peer = _peer(group, src, group_src, "src")
     if tensor is None or _contiguous(tensor):
         return comm.irecv(peer, tag, out=tensor)
-    return _CopyInto(comm.irecv(peer, tag), tensor)
+    return _CopyInto(comm.irecv(peer, tag), cast(torch.Tensor, tensor))
 
 
 class P2POp:
@@ -240,6 +244,18 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
 # all-to-all
 
 
+@overload
+def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
+                      group: Group | None = None, async_op: Literal[False] = False) -> None: ...
+@overload
+def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
+                      group: Group | None = None, *, async_op: Literal[True]) -> Work: ...
+@overload
+def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+                      output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
+                      group: Group | None = None, async_op: bool = False) -> Work | None: ...
 def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
                       group: Group | None = None, async_op: bool = False) -> Work | None:
@@ -248,14 +264,32 @@ def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
     return _a2a.all_to_all_single(comm, output, input, output_split_sizes, input_split_sizes, async_op=async_op)
 
 
+@overload
 def all_to_all(output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
-               group: Group | None = None, async_op: bool = False) -> list[Array | None] | Work:
+               group: Group | None = None, async_op: Literal[False] = False) -> list[Array]: ...
+@overload
+def all_to_all(output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               group: Group | None = None, *, async_op: Literal[True]) -> Work: ...
+@overload
+def all_to_all(output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               group: Group | None = None, async_op: bool = False) -> list[Array] | Work: ...
+def all_to_all(output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
+               group: Group | None = None, async_op: bool = False) -> list[Array] | Work:
     """torch.distributed.all_to_all over varcomm; outputs may be None (allocated
     from the arriving shapes) and the list is returned."""
     comm = get_comm(group)
     return _a2a.all_to_all(comm, output_tensor_list, input_tensor_list, async_op=async_op)
 
 
+@overload
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+                 async_op: Literal[False] = False, out: Array | None = None) -> tuple[Array, list[int]]: ...
+@overload
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+                 *, async_op: Literal[True], out: Array | None = None) -> Work: ...
+@overload
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+                 async_op: bool = False, out: Array | None = None) -> tuple[Array, list[int]] | Work: ...
 def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
                  async_op: bool = False, out: Array | None = None) -> tuple[Array, list[int]] | Work:
     """Variable-size all-to-all: rows ``input[off[d]:off[d] + send_splits[d]]``
@@ -280,7 +314,7 @@ def _contiguous(t: Array) -> bool:
 
 
 
-def _copy_into(tensor: torch.Tensor, x: Array) -> torch.Tensor:
+def _copy_into(tensor: torch.Tensor, x: Any) -> torch.Tensor:
     """A received message into a non-contiguous tensor: same size only (no prefix of a strided tensor)."""
     if x.numel() != tensor.numel():
         raise InvalidArgument(f"recv into a non-contiguous tensor of shape {tuple(tensor.shape)}: the message has "

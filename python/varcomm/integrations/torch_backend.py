@@ -299,8 +299,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
     # ---- all-to-all -------------------------------------------------------------
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - torch's name
-                          output_split_sizes: list[int], input_split_sizes: list[int],
-                          opts: dist.AllToAllOptions | None = None) -> dist.Work:
+                          output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> dist.Work:
         if opts is None:
             opts = dist.AllToAllOptions()
         if output.device.type != "cpu" or input.device.type != "cpu":
@@ -322,7 +321,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: dist.AllToAllOptions | None = None) -> dist.Work:
+                 opts: Any = None) -> dist.Work:
         if opts is None:
             opts = dist.AllToAllOptions()
         if any(x.device.type != "cpu" for x in [*output_tensors, *input_tensors]):
