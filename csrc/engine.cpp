@@ -122,6 +122,7 @@ Request& Engine::get(uint64_t id) {
 
 void Engine::recycle(uint64_t id) {
   Request& r = reqs_[uint32_t(id)];
+  if (r.reported) recycled_.push_back(id);
   r.state = ReqState::Free;
   free_reqs_.push_back(uint32_t(id));
 }
@@ -173,6 +174,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
   q.kind = ReqKind::Send;
   q.peer = peer;
   p.sendq.push_back(id);
+  sending_++;
   return id;
 }
 
@@ -193,6 +195,7 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   std::copy(shape, shape + ndim, r.shape);
   r.state = ReqState::Queued;
   p.sendq.push_back(id);
+  sending_++;
   progress_sends(peer);
   return id;
 }
@@ -303,7 +306,15 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
           result = -1;  // FIFO: queue behind the posted irecvs
           return true;
         }
-        p.t->progress();
+        if (sending_) {
+          // Queued isends (to any peer) must keep moving while we block, or a
+          // peer waiting for them before it answers us never does.
+          for (auto& t : transports_) t->progress();
+          for (int q = 0; q < world_; ++q)
+            if (!peers_[q].sendq.empty()) progress_sends(q);
+        } else {
+          p.t->progress();
+        }
         progress_recvs(peer);
         if (match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem)) {
           result = 1;
@@ -409,6 +420,7 @@ void Engine::progress_sends(int peer) {
       r.state = ReqState::Done;
       if (r.detached) recycle(*it);
       it = p.sendq.erase(it);
+      sending_--;
       continue;
     }
     ++it;
@@ -492,6 +504,7 @@ void Engine::progress_recvs(int peer) {
       if (!r.error.empty()) {
         r.state = ReqState::Failed;
         r.hdr = *h;
+        if (r.detached) recycle(*it);  // nobody will read the error
         it = p.posted.erase(it);
         continue;
       }
@@ -570,6 +583,7 @@ void Engine::fail_peer(int peer, const std::string& why) {
     }
     q.clear();
   };
+  sending_ -= p.sendq.size();
   fail_all(p.sendq, "send to ");
   fail_all(p.posted, "recv from ");
 }
@@ -707,6 +721,7 @@ void Engine::cancel(uint64_t id) {
   Peer& p = peers_[r.peer];
   if (r.state == ReqState::Queued) {
     p.sendq.erase(std::find(p.sendq.begin(), p.sendq.end(), id));
+    sending_--;
   } else if (r.state == ReqState::Posted) {
     p.posted.erase(std::find(p.posted.begin(), p.posted.end(), id));
   } else if (r.state == ReqState::Matched) {
@@ -721,24 +736,33 @@ void Engine::cancel(uint64_t id) {
   recycle(id);
 }
 
-void Engine::detach(uint64_t id) {
+bool Engine::detach(uint64_t id, bool report) {
   std::lock_guard<std::mutex> g(mu_);
   uint32_t idx = uint32_t(id);
-  if (idx >= reqs_.size() || reqs_[idx].gen != uint32_t(id >> 32)) return;
+  if (idx >= reqs_.size() || reqs_[idx].gen != uint32_t(id >> 32)) return false;
   Request& r = reqs_[idx];
   switch (r.state) {
     case ReqState::Free:
-      return;
+      return false;
     case ReqState::Done:
     case ReqState::Failed:
       recycle(id);
-      return;
+      return false;
     case ReqState::Matched:
       release_locked(id);
-      return;
+      return false;
     default:
       r.detached = true;
+      // Closed: the transports are gone, nothing touches the buffer any more.
+      r.reported = report && !closed_;
+      return r.reported;
   }
+}
+
+void Engine::take_recycled(std::vector<uint64_t>& ids) {
+  std::lock_guard<std::mutex> g(mu_);
+  ids.swap(recycled_);
+  recycled_.clear();
 }
 
 }  // namespace varcomm

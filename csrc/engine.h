@@ -64,6 +64,7 @@ struct Request {
   ErrorKind err = ErrorKind::None;
   std::string error;
   bool detached = false;  // nobody will wait: recycle when terminal
+  bool reported = false;  // detached with a buffer kept alive by the caller: report its recycling
 };
 
 class Engine {
@@ -122,7 +123,13 @@ class Engine {
   // matched): nothing is half-written and no message is lost.
   void cancel(uint64_t id);
   [[noreturn]] void raise_timeout(uint64_t id, double seconds);
-  void detach(uint64_t id);  // caller drops it: finish in the background, recycle
+  // The caller drops it: finish in the background, recycle. True when it goes
+  // on (the engine still touches its buffer); with `report`, its id then comes
+  // back from take_recycled() once the engine is done with that buffer, so the
+  // caller knows when it may let the buffer go. False: done with it already.
+  bool detach(uint64_t id, bool report = false);
+  // Ids of reported detached requests recycled since the last call.
+  void take_recycled(std::vector<uint64_t>& ids);
   void close();
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
@@ -188,6 +195,9 @@ class Engine {
   std::vector<std::shared_ptr<Transport>> transports_;  // distinct, for progress
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_reqs_;
+  std::vector<uint64_t> recycled_;  // reported detached requests recycled, for take_recycled
+  // Sends in every sendq: a blocking recv drives them only when there are any.
+  size_t sending_ = 0;
   Request scratch_;              // send_now's request, never queued
   std::mutex mu_;
   bool closed_ = false;

@@ -273,10 +273,6 @@ def _unmappable(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
     return np.frombuffer(m, dtype=np.int32), m
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: Work keeps a recv's out= buffer alive only until the Work is dropped, but the engine's detached "
-    "Posted recv keeps the raw pointer and memcpy()s the later message into it (engine.cpp progress_recvs -> "
-    "consume into r.out): a use-after-free, here a SIGSEGV on rank 1"))
 @pytest.mark.parametrize("transport", NATIVE)
 @world(2, timeout=60)
 def test_dropped_irecv_never_writes_into_freed_out(transport):
@@ -299,11 +295,6 @@ def test_dropped_irecv_never_writes_into_freed_out(transport):
         comm.barrier()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a dropped isend's Work releases the source (Work._keep) at once, but a send still queued in the "
-    "engine (no free slot yet) reads the source later (engine.cpp progress_sends -> try_write): a "
-    "use-after-free: on shm a SIGSEGV on rank 0 (garbage bytes if the memory had been reused); on rdma the "
-    "provider's read of the unmapped source fails and the message is silently lost (rank 1's recv times out)"))
 @pytest.mark.parametrize("transport", NATIVE)
 @world(2, timeout=60)
 def test_dropped_queued_isend_never_reads_freed_source(transport):
@@ -347,10 +338,8 @@ def test_dropping_works_in_a_loop(transport):
     sizes = g.integers(0, 2000, n)
     with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30, array="numpy") as comm:
         if comm.rank == 0:
-            keep = []  # every source outlives its dropped Work (see the xfail above)
-            for i in range(n):
+            for i in range(n):  # nothing else keeps the sources of the dropped isends
                 x = np.random.default_rng([seed, i]).integers(0, 256, int(sizes[i]), dtype=np.uint8)
-                keep.append(x)
                 comm.isend(x, dst=1)
                 if i % 500 == 0:
                     gc.collect()
@@ -377,15 +366,7 @@ def test_dropping_works_in_a_loop(transport):
             comm.barrier()
 
 
-_NO_PROGRESS = pytest.mark.xfail(strict=True, reason=(
-    "bug: a blocking recv with out= (Engine::recv_direct) only progresses the transport and the receive side: "
-    "isends still queued for lack of a free slot are never written while it waits (progress_sends runs only "
-    "from wait/test/isend/progress), so isend x slots+1, then recv(out=) of the peer's reply deadlocks "
-    "(both sides time out); recv without out goes through irecv+wait (progress_locked) and works"))
-
-
-@pytest.mark.parametrize("out", ["none", pytest.param("numpy", marks=_NO_PROGRESS),
-                                 pytest.param("torch", marks=_NO_PROGRESS)])
+@pytest.mark.parametrize("out", ["none", "numpy", "torch"])
 @pytest.mark.parametrize("transport", NATIVE)
 @world(2, timeout=60)
 def test_blocking_recv_progresses_queued_isends(transport, out):
@@ -409,13 +390,10 @@ def test_blocking_recv_progresses_queued_isends(transport, out):
         comm.barrier()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: Work.wait() sets _done before running finish(); when finish() raises (here: array='numpy' and a "
-    "bfloat16 message, dtypes.to_numpy refuses) the engine request stays Matched forever: its slot is never "
-    "returned (slots=1: the sender's next send times out) and Work.__del__ no longer detaches it"))
+@pytest.mark.parametrize("copy", [True, False])
 @pytest.mark.parametrize("transport", NATIVE)
 @world(2, timeout=60)
-def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport):
+def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport, copy):
     """A recv that fails after matching (no numpy dtype for bfloat16) must
     leave the channel usable: the message kept for a recv that can take it
     (out=), or dropped with its slot returned; never the slot leaked.
@@ -426,7 +404,7 @@ def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport):
             comm.send(torch.arange(3, dtype=torch.int32), dst=1)
         else:
             with pytest.raises(varcomm.InvalidArgument, match="no numpy equivalent"):
-                comm.recv(src=0)
+                comm.recv(src=0, copy=copy)
             gc.collect()
             try:  # kept for a recv that can take it ...
                 assert comm.recv(src=0, out=torch.zeros(8, dtype=torch.bfloat16)).tolist() == [1.0] * 4
@@ -471,9 +449,8 @@ def test_dropped_works_when_the_peer_dies(transport):
     comm.barrier()
     if comm.rank == 1:  # not rank 0: it hosts the store
         os.kill(os.getpid(), 9)
-    keep = [torch.full((100,), float(i)) for i in range(3)]  # sources outlive the dropped isends
-    for x in keep:
-        comm.isend(x, dst=1)  # the first fills the only slot; the others stay queued
+    for i in range(3):  # the first fills the only slot; the others stay queued (their sources dropped too)
+        comm.isend(torch.full((100,), float(i)), dst=1)
     comm.irecv(src=1)
     comm.irecv(src=1, out=np.zeros(4))
     gc.collect()

@@ -9,6 +9,8 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <unordered_map>
+#include <vector>
 
 #include "collectives.h"
 #include "engine.h"
@@ -166,8 +168,45 @@ py::object status_of(const MsgInfo& m) {
 
 // The core: the engine and the set-up that chose and connected its routes.
 struct Comm {
+  // Buffers of dropped requests the engine still reads or writes (a send's
+  // source, a recv's out), by request id, until the engine reports it is done
+  // with them. Declared first so it outlives the engine: its transports stop
+  // touching memory when they are destroyed. Touched only under the GIL.
+  std::unordered_map<uint64_t, py::object> kept;
+  std::vector<uint64_t> recycled;  // take_recycled's scratch
   std::unique_ptr<Engine> engine;
   std::unique_ptr<Setup> setup;
+
+  // Lets go of the buffers the engine is done with. Empty `kept` (no dropped
+  // request in flight): one size check, no lock.
+  void drop_kept() {
+    if (kept.empty()) return;
+    engine->take_recycled(recycled);
+    if (recycled.empty()) return;
+    // Released after the map is consistent again: a buffer's destructor may
+    // run Python code that comes back here (a Work's __del__ detaching).
+    std::vector<py::object> gone;
+    gone.reserve(recycled.size());
+    for (uint64_t id : recycled) {
+      auto it = kept.find(id);
+      if (it == kept.end()) continue;
+      gone.push_back(std::move(it->second));
+      kept.erase(it);
+    }
+    recycled.clear();
+  }
+  void detach(uint64_t id, py::object keep) {
+    drop_kept();
+    if (engine->detach(id, !keep.is_none())) kept[id] = std::move(keep);
+  }
+  void close() {
+    {
+      py::gil_scoped_release nogil;
+      engine->close();
+    }
+    std::unordered_map<uint64_t, py::object> gone;
+    gone.swap(kept);  // closed: the engine touches no buffer any more
+  }
 
   Setup& ready() {
     if (!setup->done()) throw Error(ErrorKind::Invalid, "set-up is not complete (setup_step until it returns None)");
@@ -181,7 +220,10 @@ struct Comm {
 
   // Waits in slices so Ctrl-C reaches Python while a peer is silent.
   void wait(uint64_t id, std::optional<double> timeout) {
-    if (engine->wait(id, Clock::time_point::min())) return;  // done already: keep the GIL
+    if (engine->wait(id, Clock::time_point::min())) {  // done already: keep the GIL
+      drop_kept();
+      return;
+    }
     auto start = Clock::now();
     auto deadline = timeout ? start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout))
                             : Clock::time_point::max();
@@ -192,13 +234,14 @@ struct Comm {
         py::gil_scoped_release nogil;
         done = engine->wait(id, slice);
       }
-      if (done) return;
+      if (done) break;
       if (PyErr_CheckSignals() != 0) {
         engine->cancel(id);
         throw py::error_already_set();
       }
       if (Clock::now() >= deadline) engine->raise_timeout(id, *timeout);
     }
+    drop_kept();
   }
 };
 
@@ -543,8 +586,11 @@ PYBIND11_MODULE(_C, m) {
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("progress",
            [](Comm& c) {
-             py::gil_scoped_release nogil;
-             c.engine->progress();
+             {
+               py::gil_scoped_release nogil;
+               c.engine->progress();
+             }
+             c.drop_kept();
            })
       .def("isend",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
@@ -631,9 +677,9 @@ PYBIND11_MODULE(_C, m) {
       .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })
       .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })
       .def("cancel", [](Comm& c, uint64_t id) { c.engine->cancel(id); })
-      .def("detach", [](Comm& c, uint64_t id) { c.engine->detach(id); })
-      .def("close", [](Comm& c) {
-        py::gil_scoped_release nogil;
-        c.engine->close();
-      });
+      // keep: what the dropped request's memory belongs to; held until the
+      // engine is done with it (or closes).
+      .def("detach", [](Comm& c, uint64_t id, py::object keep) { c.detach(id, std::move(keep)); },
+           py::arg("id"), py::arg("keep") = py::none())
+      .def("close", [](Comm& c) { c.close(); });
 }

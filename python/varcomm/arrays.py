@@ -126,13 +126,14 @@ def loan(kind: str, ptr: int, nbytes: int, dtype_word: int, shape: Sequence[int]
          on_free: Callable[[], None]) -> Any:
     """A zero-copy view of a receive slot; `on_free` returns the slot when the
     view (and every view derived from it) is garbage collected."""
+    # The dtype first: a kind that cannot hold it refuses before the slot is tied to the view.
+    dt = dtypes.to_torch(dtype_word) if kind == "torch" else dtypes.to_numpy(dtype_word)
     raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
     weakref.finalize(raw, on_free)
     if kind == "torch":
-        dt = dtypes.to_torch(dtype_word)
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dt)
         flat = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
         return flat.view(dt).reshape(tuple(shape))
-    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dtypes.to_numpy(dtype_word))
+    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dt)
     return arr.reshape(tuple(shape))

@@ -26,15 +26,19 @@ class Work:
     when the op was posted: `wait()` makes the current stream wait for it (no
     host block on GPU work), `synchronize()` also blocks the host until it ran."""
 
-    __slots__ = ("_comm", "_id", "_done", "_result", "_finish", "_keep", "_stream", "peer", "op")
+    __slots__ = ("_comm", "_id", "_done", "_result", "_error", "_finish", "_keep", "_stream", "peer", "op")
 
     def __init__(self, comm: "Communicator", rid: int, finish: Callable[[], Any] | None, peer: int, op: str,
                  keep: Any = None, stream: Any = None):
         self._comm = comm
-        self._keep = keep  # a send's source must outlive the transfer
+        # The memory the core reads or writes (a send's source or its staged
+        # copy, a recv's out or bounce buffer): it must outlive the transfer,
+        # so a dropped Work hands it to the core (detach) until the core is done.
+        self._keep = keep
         self._id = rid
         self._done = False
         self._result: Any = None
+        self._error: BaseException | None = None
         self._finish = finish
         self._stream = stream  # torch.cuda.Stream ordering a device transfer, else None
         self.peer = peer
@@ -45,14 +49,21 @@ class Work:
             self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
             self._done = True
             self._keep = None
-            if self._finish is not None:
-                self._result = self._finish()
+            finish = self._finish
+            if finish is not None:
                 self._finish = None
+                try:
+                    self._result = finish()
+                except BaseException as e:
+                    self._error = e  # finish gave the message back first (or consumed it): nothing is held
+                    raise
             s = self._stream
             if s is not None:
                 cur = arrays.torch.cuda.current_stream(s.device)
                 if cur != s:
                     cur.wait_stream(s)
+        elif self._error is not None:
+            raise self._error
         return self._result
 
     def synchronize(self, timeout: float | None = None) -> Any:
@@ -69,10 +80,11 @@ class Work:
         return self.wait()
 
     def __del__(self) -> None:
-        # Dropped without wait(): the transfer still finishes, the slot is returned.
+        # Dropped without wait(): the transfer still finishes (into or out of
+        # the kept buffer), the slot is returned.
         if not self._done:
             try:
-                self._comm._c.detach(self._id)
+                self._comm._c.detach(self._id, self._keep)
             except Exception:
                 pass
 
@@ -268,14 +280,18 @@ class Communicator:
                     view.copy_(arrays.prefix_view(bounce, st.nbytes, st.shape))
                     return view
 
-                return Work(self, rid, staged, src, "recv")
+                return Work(self, rid, staged, src, "recv", bounce)
             if stream < 0:
                 rid = c.irecv(src, tag, ptr, cap, word)
-                return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv")
+                return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out)
             _check_capture()
+            # The core enqueues the copy into out on this stream when the message
+            # arrives: if the Work is dropped, out is kept until then, and the
+            # allocator must not reuse it for another stream before that copy ran.
+            cur = arrays.torch.cuda.current_stream(out.device)
+            out.record_stream(cur)
             rid = c.irecv(src, tag, ptr, cap, word, stream)
-            return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv",
-                        stream=arrays.torch.cuda.current_stream(out.device))
+            return Work(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out, cur)
         rid = c.irecv(src, tag, 0, 0, 0)
         kind = self._array
 
@@ -285,17 +301,21 @@ class Communicator:
                 c.release(rid)
                 return st
             word, shape = st.dtype, st.shape
-            if not copy:
-                return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))
-            if kind == "torch" and self._cuda_device is not None and st.device:
-                # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
-                dev = arrays.torch.device("cuda", self._cuda_device)
-                _check_capture()
+            try:  # everything that can refuse the message, before it is consumed
+                if not copy:
+                    return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))
+                dev = None
+                if kind == "torch" and self._cuda_device is not None and st.device:
+                    # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
+                    dev = arrays.torch.device("cuda", self._cuda_device)
+                    _check_capture()
                 arr, ptr = arrays.empty(kind, word, shape, dev)
-                c.copy_out(rid, ptr, arrays.torch.cuda.current_stream(dev).cuda_stream)
-                return arr
-            arr, ptr = arrays.empty(kind, word, shape)
-            c.copy_out(rid, ptr)
+            except BaseException:
+                # Like a MessageMismatch: the message stays for the next recv
+                # (one with out=, or another array kind).
+                c.cancel(rid)
+                raise
+            c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream)
             return arr
 
         return Work(self, rid, finish, src, "recv")
