@@ -46,10 +46,16 @@ def frame(kind: int, off: int, n: int, seq: int, *, nbytes: int | None = None, h
 
 
 def receiver() -> tuple[object, object]:
-    """Rank 0 of a 2-rank engine whose peer 1 is on the fallback (nothing runs the mover)."""
-    c = _C.Comm(0, 2, BOUND, SLOTS)
-    c.connect(0, "shm", c.expose("shm"), 2, SLOTS, BOUND)
-    c.connect(1, "fallback", c.expose("fallback"), 2, SLOTS, BOUND)
+    """Rank 0 of a 2-rank engine whose peer 1 is on the fallback (nothing runs
+    the mover): both ranks' cores set up in this process, rank 1 then dropped."""
+    opts = varcomm.Options.resolve(transport="fallback", bound=BOUND, slots=SLOTS).placed(1).core(-1)
+    cs = [_C.Comm(r, 2, opts) for r in range(2)]
+    outs = [c.setup_begin() for c in cs]
+    while outs[0] is not None:
+        outs = [c.setup_step(outs) for c in cs]
+    c = cs[0]
+    assert c.routes == ["shm", "fallback"] and c.needs_fallback_group
+    cs[1].close()
     return c, _C.fallback_mover(c)
 
 
@@ -67,8 +73,8 @@ def test_valid_frames_land_in_the_slot_and_credits_go_back():
     deliver(mover, 0, 1, b"hello fallback")
     rid = c.irecv(1, 7, 0, 0, 0)
     c.wait(rid, 5.0)
-    src, tag, nbytes, word, shape = c.info(rid)
-    assert (src, tag, nbytes, word, tuple(shape)) == (1, 7, 14, U8, (14,))
+    st = c.info(rid)
+    assert (st.src, st.tag, st.nbytes, st.dtype, st.shape) == (1, 7, 14, U8, (14,))
     out = np.zeros(14, dtype=np.uint8)
     c.copy_out(rid, out.ctypes.data)
     assert out.tobytes() == b"hello fallback"
@@ -84,6 +90,20 @@ def test_valid_frames_land_in_the_slot_and_credits_go_back():
     c.close()
 
 
+def test_a_descriptor_lands_without_a_payload():
+    """A descriptor (kDescriptor) describes data sent apart: its nbytes may pass
+    the bound, and the frame carries no payload."""
+    c, mover = receiver()
+    slot = mover.landing(1, frame(WRITE, slot_off(1, 0), 0, 1, nbytes=1 << 40, flags=2))
+    assert isinstance(slot, memoryview) and len(slot) == 0
+    mover.landed(1)
+    rid = c.irecv(1, 7, 0, 0, 0)
+    c.wait(rid, 5.0)
+    st = c.info(rid)
+    assert st.descriptor and st.nbytes == 1 << 40
+    c.close()
+
+
 BAD = {
     "our own ring, not its": (lambda: frame(WRITE, slot_off(0, 0), 8, 1), "not a slot of its ring"),
     "inside a slot": (lambda: frame(WRITE, slot_off(1, 1) + 256, 8, 1), "not a slot of its ring"),
@@ -94,6 +114,7 @@ BAD = {
     "header seq differs": (lambda: frame(WRITE, slot_off(1, 0), 8, 1, hdr_seq=9), "header"),
     "too many dims": (lambda: frame(WRITE, slot_off(1, 0), 8, 1, ndim=9), "header"),
     "device payload flag": (lambda: frame(WRITE, slot_off(1, 0), 8, 1, flags=1), "header"),
+    "descriptor with a payload": (lambda: frame(WRITE, slot_off(1, 0), 8, 1, flags=2), "header"),
     "credit outside its row": (lambda: frame(CREDIT, 4096 + CREDIT_ROW * 1 + 8 * SLOTS, 0, 1), "credit row"),
     "credit in another's row": (lambda: frame(CREDIT, 4096, 0, 1), "credit row"),
     "unknown kind": (lambda: frame(0x1234, slot_off(1, 0), 8, 1), "unknown kind"),
@@ -213,5 +234,4 @@ def test_describe_names_the_fallback():
         peer = 1 - comm.rank
         assert comm.transport_for(peer) == "fallback"
         assert comm.describe_transport(peer).startswith("fallback (torch.distributed gloo")
-        assert comm._c.transport_name(peer) == "fallback"
-        assert comm._c.transport_name(comm.rank) == "shm"  # self-sends stay in local memory
+        assert comm.transport_for(comm.rank) == "shm"  # self-sends stay in local memory

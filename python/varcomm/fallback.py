@@ -59,10 +59,10 @@ def _gloo_reason(e: BaseException) -> str:
 
 
 class Fallback:
-    """The gloo group and the mover threads for `peers` (see the module doc)."""
+    """The gloo group, and the mover threads for the peers the core routed
+    through the fallback (``mover.peers``; see the module doc)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float | None, mover: Any,
-                 peers: list[int]):
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float | None, mover: Any):
         import torch.distributed as dist
 
         self._mover = mover
@@ -87,7 +87,7 @@ class Fallback:
             raise VarcommError(f"fallback: could not create the gloo process group: {_gloo_reason(e)} "
                                "(GLOO_SOCKET_IFNAME selects the interface)") from None
         _live.add(self)
-        for p in peers:
+        for p in mover.peers:
             for loop, what in ((_send_loop, "send"), (_recv_loop, "recv")):
                 th = threading.Thread(target=loop, args=(self._pg, mover, p), name=f"varcomm-fallback-{what}-{p}",
                                       daemon=True)
