@@ -269,7 +269,7 @@ def test_no_shared_memory_leftovers_even_after_a_crash():
     assert set(os.listdir("/dev/shm")) - before == set()
 
 
-@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "fallback"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_descriptor_messages(transport):
     """A descriptor describes data sent separately (it may exceed the bound):
