@@ -46,7 +46,7 @@ LABELS = {
     "varcomm-numpy": "varcomm (numpy buffers)",
     "varcomm-zerocopy": "varcomm (torch, zero-copy recv)",
     "two-phase": "varcomm two-phase (counts first)",
-    "fallback": "varcomm fallback (gloo, shape header + payload)",
+    "fallback": "varcomm fallback (the same writes over gloo)",
     "mpi4py": "mpi4py + MPI",
     "libfabric": "raw libfabric fi_writedata (fi_pingpong)",
     "memcpy": "memcpy (1 thread)",
