@@ -187,4 +187,11 @@ std::string Setup::describe(int peer) const {
   return device_note_.empty() ? d : d + "; GPU tensors: no nvlink (" + device_note_ + ")";
 }
 
+std::map<std::string, std::string> Setup::route_info(int peer) const {
+  auto info = e_.transport_properties(peer);
+  info["route"] = routes_.at(size_t(peer));
+  info["device_route"] = device_routes_.at(size_t(peer));
+  return info;
+}
+
 }  // namespace varcomm

@@ -35,6 +35,9 @@ class Setup {
   // Device-memory route per peer, "" when device tensors are staged through host memory.
   const std::vector<std::string>& device_routes() const { return device_routes_; }
   std::string describe(int peer) const;
+  // describe() as data: "route", "device_route" ("" when staged), and the
+  // route's own transport properties (rdma: provider, fabric, domain).
+  std::map<std::string, std::string> route_info(int peer) const;
   // Some pair in the job (not only this rank's) is on the last resort, whose
   // mover (python/varcomm/fallback.py) every rank must then start.
   bool any_fallback() const { return any_fallback_; }

@@ -650,6 +650,11 @@ PYBIND11_MODULE(_C, m) {
              c.check_peer(peer);
              return c.ready().describe(peer);
            })
+      .def("route_info",
+           [](Comm& c, int peer) {
+             c.check_peer(peer);
+             return c.ready().route_info(peer);
+           })
       // Some pair in the job uses the fallback: every rank starts its mover (fallback_mover).
       .def_property_readonly("needs_fallback_group", [](Comm& c) { return c.ready().any_fallback(); })
       .def_property_readonly("close_waits_for_peers", [](Comm& c) { return c.ready().close_waits_for_peers(); })

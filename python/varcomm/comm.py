@@ -169,6 +169,13 @@ class Communicator:
         self._check_peer(peer, "peer")
         return self._c.describe_transport(peer)
 
+    def route_info(self, peer: int) -> dict[str, str]:
+        """describe_transport() as data for programs: "route", "device_route"
+        ("" when CUDA tensors are staged through host memory) and the route's own
+        facts (rdma: "provider", "fabric", "domain")."""
+        self._check_peer(peer, "peer")
+        return self._c.route_info(peer)
+
     def device_transport_for(self, peer: int) -> str | None:
         """"nvlink" when CUDA tensors to and from `peer` travel GPU to GPU, else None."""
         self._check_peer(peer, "peer")
