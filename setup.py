@@ -118,6 +118,7 @@ def sources() -> dict[str, list[Path]]:
     return {
         "core": sorted((ROOT / "csrc").glob("*.cpp")) + sorted((ROOT / "csrc" / "python").glob("*.cpp")),
         "shm": sorted((ROOT / "transport" / "shm").glob("*.cpp")),
+        "fallback": sorted((ROOT / "transport" / "fallback").glob("*.cpp")),
         "rdma": [p for p in sorted((ROOT / "transport" / "rdma").glob("*.cpp")) if p.name != "selftest.cpp"],
         "nvlink": sorted((ROOT / "transport" / "nvlink").glob("*.cu"))
         + sorted((ROOT / "transport" / "nvlink").glob("*.cpp")),
@@ -131,11 +132,11 @@ class NinjaBuildExt(build_ext):
         import pybind11
 
         src = sources()
-        parts = ["shm"]
+        parts = ["shm", "fallback"]
         defines: list[str] = []
         cflags: list[str] = []
         ldflags: list[str] = []
-        files = src["core"] + src["shm"]
+        files = src["core"] + src["shm"] + src["fallback"]
         notes = []
 
         fab = _pkg_config("libfabric")
@@ -179,7 +180,8 @@ class NinjaBuildExt(build_ext):
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         out.parent.mkdir(parents=True, exist_ok=True)
 
-        includes = [f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'transport' / 'shm'}", f"-I{ROOT / 'transport' / 'rdma'}",
+        includes = [f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'transport' / 'shm'}", f"-I{ROOT / 'transport' / 'fallback'}",
+                    f"-I{ROOT / 'transport' / 'rdma'}",
                     f"-I{ROOT / 'transport' / 'nvlink'}", f"-I{pybind11.get_include()}",
                     f"-I{sysconfig.get_paths()['include']}"]
         opt = os.environ.get("VARCOMM_OPT", "-O2")

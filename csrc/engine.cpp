@@ -88,6 +88,11 @@ std::string Engine::transport_describe(int peer) const {
   return p.t ? p.t->describe() : "";
 }
 
+std::map<std::string, std::string> Engine::transport_properties(int peer) const {
+  auto& p = peers_.at(peer);
+  return p.t ? p.t->properties() : std::map<std::string, std::string>{};
+}
+
 void Engine::connected() {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& p : peers_)

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -83,6 +84,7 @@ class Engine {
   // A second transport for device-memory messages to the same peer (nvlink).
   void set_device_transport(int peer, std::shared_ptr<Transport> t);
   std::string transport_describe(int peer) const;
+  std::map<std::string, std::string> transport_properties(int peer) const;
   void connected();
 
   // Requests; ids encode (index, generation) so stale ids are rejected.

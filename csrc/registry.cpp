@@ -16,7 +16,7 @@ std::vector<TransportFactory>& registry() {
   return r;
 }
 
-int rank_of(const TransportFactory& f) { return f.device ? 2 : f.same_host_only ? 0 : 1; }
+int rank_of(const TransportFactory& f) { return f.device ? 3 : f.same_host_only ? 0 : f.last_resort ? 2 : 1; }
 
 // Length-prefixed fields: descriptors are opaque bytes.
 void put(std::string& out, const std::string& v) {

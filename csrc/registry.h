@@ -49,10 +49,14 @@ struct TransportFactory {
   std::function<std::string(const PeerInfo& self, const PeerInfo& peer, const Options&)> can_connect;
   // Opens this rank's endpoint; throws Error(Invalid) with the reason when it cannot.
   std::function<std::shared_ptr<Transport>(const TransportContext&)> make;
+  // Reaches every peer (can_connect is always empty) and is chosen only when no
+  // other host transport connects: opened on every rank, ordered last.
+  bool last_resort = false;
 };
 
-// Registered factories: host transports first (same-host before any-host),
-// then device ones, each group by name; the order of preference for auto routes.
+// Registered factories: host transports first (same-host, then any-host, then
+// the last resort), then device ones, each group by name; the order of
+// preference for auto routes.
 const std::vector<TransportFactory>& transport_factories();
 const TransportFactory* find_transport(const std::string& name);
 

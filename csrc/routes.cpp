@@ -23,7 +23,6 @@ std::string built_names() {
 
 std::string choose_route(const PeerInfo& me, const PeerInfo& peer, const Options& o) {
   const std::string& forced = o.transport;
-  if (forced == "fallback") return "fallback";
   if (forced != "auto") {
     const TransportFactory* f = find_transport(forced);
     if (!f || f->device) invalid("transport '" + forced + "' is not built into this varcomm (built: " + built_names() +
@@ -35,16 +34,18 @@ std::string choose_route(const PeerInfo& me, const PeerInfo& peer, const Options
       return f->name;
     }
   }
+  // The last resort is registered after every other host transport and
+  // connects to anyone, so it is chosen exactly when nothing else connects.
   for (auto& f : transport_factories())
     if (!f.device && f.can_connect(me, peer, o).empty()) return f.name;
-  return "fallback";
+  invalid("no transport reaches rank " + std::to_string(peer.rank) + " (built: " + built_names() + ")");
 }
 
 Setup::Setup(Engine& engine) : e_(engine), o_(engine.options()) {}
 
 std::string Setup::begin() {
   const std::string& t = o_.transport;
-  if (t != "auto" && t != "fallback" && !find_transport(t))
+  if (t != "auto" && !find_transport(t))
     invalid("transport '" + t + "' is not built into this varcomm (built: " + built_names() + "); see `varcomm-doctor`");
   round_ = 0;
   return host_key();
@@ -78,21 +79,25 @@ void Setup::open_transports() {
   me_.layout = e_.layout();
   bool any_remote = std::any_of(hosts_.begin(), hosts_.end(), [&](const std::string& h) { return h != me_.host; });
   const std::string& forced = o_.transport;
-  why_fallback_ = forced == "fallback" ? "VARCOMM_TRANSPORT=fallback" : "no varcomm transport reaches this peer";
-  if (forced == "fallback") return;
+  const TransportFactory* forced_f = find_transport(forced);
+  why_fallback_ = forced_f && forced_f->last_resort ? "VARCOMM_TRANSPORT=" + forced
+                                                    : "no varcomm transport reaches this peer";
   TransportContext ctx{rank, e_.world(), e_.region(), e_.layout(), o_, any_remote};
   auto open = [&](const TransportFactory& f) {
     auto t = f.make(ctx);
     me_.desc[f.name] = t->expose(e_.region().base(), e_.region().size());
     return t;
   };
-  // Network endpoints are opened only when some peer needs one (or forced).
+  // Network endpoints are opened only when some peer needs one (or forced);
+  // same-host ones always (the route to self), the last resort always (it
+  // holds nothing until a route uses it, and any pair may need it).
   for (auto& f : transport_factories()) {
-    if (f.device || !(f.same_host_only || f.name == forced || (forced == "auto" && any_remote))) continue;
+    if (f.device || !(f.same_host_only || f.last_resort || f.name == forced || (forced == "auto" && any_remote)))
+      continue;
     try {
       open_[f.name] = open(f);
     } catch (const Error& err) {
-      if (f.same_host_only || f.name == forced) throw;
+      if (f.same_host_only || f.last_resort || f.name == forced) throw;
       why_fallback_ = f.name + " unavailable: " + err.what();
     }
   }
@@ -126,23 +131,27 @@ std::string Setup::connect_peers() {
     const PeerInfo& p = peers_[size_t(r)];
     std::string route = choose_route(me_, p, o_);
     routes_[size_t(r)] = route;
-    if (route == "fallback") continue;
     auto& t = open_.at(route);
     t->connect(r, p.desc.at(route));
     e_.set_transport(r, t, p.layout);
-    if (!find_transport(route)->same_host_only) close_waits_ = true;
+    // A network peer may still write into our registered region after we are
+    // done. The last resort's writes into our region are made by our own mover
+    // threads, which its close() ends (a goodbye each peer answers) and which
+    // keep the region alive while they run: nothing to wait for here.
+    const TransportFactory* f = find_transport(route);
+    if (!f->same_host_only && !f->last_resort) close_waits_ = true;
   }
-  // Every rank builds the fallback group, so it exists as soon as any pair needs it
-  // (self pairs too: a forced fallback carries self-sends).
+  // The mover's gloo group is built by every rank (a collective), so it exists
+  // as soon as any pair in the job uses the last resort.
   for (int i = 0; i < world && !any_fallback_; ++i)
-    for (int j = i; j < world && !any_fallback_; ++j)
-      any_fallback_ = choose_route(peers_[size_t(i)], peers_[size_t(j)], o_) == "fallback";
+    for (int j = i + 1; j < world && !any_fallback_; ++j)
+      any_fallback_ = find_transport(choose_route(peers_[size_t(i)], peers_[size_t(j)], o_))->last_resort;
   std::string acks;
   if (device_) {
     const TransportFactory* f = find_transport(device_name_);
     for (int r = 0; r < world; ++r) {
       const std::string& host_route = routes_[size_t(r)];
-      if (host_route == "fallback" || !find_transport(host_route)->same_host_only) continue;
+      if (!find_transport(host_route)->same_host_only) continue;
       if (!f->can_connect(me_, peers_[size_t(r)], o_).empty()) continue;
       try {
         device_->connect(r, peers_[size_t(r)].desc.at(device_name_));
@@ -172,11 +181,17 @@ void Setup::agree_device(const std::vector<std::string>& acks) {
 }
 
 std::string Setup::describe(int peer) const {
-  if (routes_.at(size_t(peer)) == "fallback")
-    return "fallback (torch.distributed gloo: shape header, then payload; " + why_fallback_ + ")";
   std::string d = e_.transport_describe(peer);
+  if (find_transport(routes_.at(size_t(peer)))->last_resort) d += "; " + why_fallback_;
   if (!device_routes_[size_t(peer)].empty()) return d + "; GPU tensors: " + device_->describe();
   return device_note_.empty() ? d : d + "; GPU tensors: no nvlink (" + device_note_ + ")";
+}
+
+std::map<std::string, std::string> Setup::route_info(int peer) const {
+  auto info = e_.transport_properties(peer);
+  info["route"] = routes_.at(size_t(peer));
+  info["device_route"] = device_routes_.at(size_t(peer));
+  return info;
 }
 
 }  // namespace varcomm

@@ -13,8 +13,9 @@
 
 namespace varcomm {
 
-// The route for `peer` as seen by `me`: a registered host transport's name,
-// or "fallback" when none reaches it (the fallback then carries the pair).
+// The route for `peer` as seen by `me`: the first registered host transport
+// that connects, the last resort ("fallback") when no other does. Self stays
+// in local memory whatever is forced for the other peers.
 // Throws Error(Invalid) when options.transport forces one that cannot.
 std::string choose_route(const PeerInfo& me, const PeerInfo& peer, const Options& o);
 
@@ -34,11 +35,21 @@ class Setup {
   // Device-memory route per peer, "" when device tensors are staged through host memory.
   const std::vector<std::string>& device_routes() const { return device_routes_; }
   std::string describe(int peer) const;
-  // Some pair in the job (not only this rank's) has no native route.
+  // describe() as data: "route", "device_route" ("" when staged), and the
+  // route's own transport properties (rdma: provider, fabric, domain).
+  std::map<std::string, std::string> route_info(int peer) const;
+  // Some pair in the job (not only this rank's) is on the last resort, whose
+  // mover (python/varcomm/fallback.py) every rank must then start.
   bool any_fallback() const { return any_fallback_; }
   // A peer reaches our region over the network (rdma): it may still write
-  // into it after we are done, so close waits for it (or its death).
+  // into it after we are done, so close waits for it (or its death). Not for
+  // the last resort: its mover's close ends the writes (see connect_peers).
   bool close_waits_for_peers() const { return close_waits_; }
+  // This rank's endpoint of a registered transport, null when it is not open.
+  std::shared_ptr<Transport> opened(const std::string& name) const {
+    auto it = open_.find(name);
+    return it == open_.end() ? nullptr : it->second;
+  }
   // The GPU holding our device receive slots, -1 when no device transport is open.
   int device_ordinal() const { return device_ordinal_; }
 

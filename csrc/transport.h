@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 
@@ -14,6 +15,9 @@ class Transport {
   virtual std::string name() const = 0;
   // Why this transport was chosen / how it is configured; shown by transport_for().
   virtual std::string describe() const { return name(); }
+  // The same facts as describe(), as key/value pairs for programs (benchmarks
+  // pick their raw baseline from them): never parse describe() text.
+  virtual std::map<std::string, std::string> properties() const { return {}; }
 
   // Make the local region [base, base+size) writable by peers; returns an
   // opaque descriptor that peers pass to connect(). Called once.

@@ -201,16 +201,22 @@ def test_cli_relaunches_itself_and_plots(tmp_path: Path) -> None:
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_raw_libfabric_provider(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--fi-provider, else the provider varcomm was asked for, else libfabric's shm."""
+@world(2, timeout=60, requires=("libfabric",))
+def test_raw_libfabric_provider() -> None:
+    """--fi-provider, else the provider varcomm's rdma route chose (the core's
+    route_info), else libfabric's shm when no peer is on rdma."""
     from types import SimpleNamespace
 
     from varcomm_bench.core import fi_provider
 
     ctx = SimpleNamespace(a=SimpleNamespace(fi_provider=None))
-    monkeypatch.delenv("VARCOMM_FI_PROVIDER", raising=False)
-    assert fi_provider(ctx, None) == "shm"
-    monkeypatch.setenv("VARCOMM_FI_PROVIDER", "tcp;ofi_rxm")
-    assert fi_provider(ctx, None) == "tcp;ofi_rxm"
-    ctx.a.fi_provider = "sockets"
-    assert fi_provider(ctx, None) == "sockets"
+    with varcomm.init(transport="rdma", rdma_provider="tcp;ofi_rxm", timeout=30) as comm:
+        info = comm.route_info(1 - comm.rank)
+        assert info["route"] == "rdma" and info["provider"] == "tcp;ofi_rxm", info
+        assert fi_provider(ctx, comm) == "tcp;ofi_rxm"
+        ctx.a.fi_provider = "sockets"
+        assert fi_provider(ctx, comm) == "sockets"
+    ctx.a.fi_provider = None
+    with varcomm.init(transport="shm", timeout=30) as comm:
+        assert comm.route_info(1 - comm.rank)["route"] == "shm"
+        assert fi_provider(ctx, comm) == "shm"

@@ -45,13 +45,22 @@ def test_routes_after_setup():
     with pytest.raises(varcomm.InvalidArgument, match="set-up is not complete"):
         c.transport_for(0)
     _setup_alone(c)
-    assert c.routes == ["shm"] and c.via_fallback == [False] and c.device_routes == [None]
+    assert c.routes == ["shm"] and c.device_routes == [None]
     assert not c.needs_fallback_group and not c.close_waits_for_peers
     assert c.describe_transport(0).startswith("shm (same host")
+    # A forced fallback carries the other ranks; self stays in local memory.
     f = _C.Comm(0, 1, core_options(transport="fallback"))
     _setup_alone(f)
-    assert f.routes == ["fallback"] and f.needs_fallback_group
-    assert "VARCOMM_TRANSPORT=fallback" in f.describe_transport(0)
+    assert f.routes == ["shm"] and not f.needs_fallback_group
+    cs = [_C.Comm(r, 2, core_options(transport="fallback")) for r in range(2)]
+    outs = [x.setup_begin() for x in cs]
+    while outs[0] is not None:
+        outs = [x.setup_step(outs) for x in cs]
+    for r, x in enumerate(cs):
+        assert x.routes == (["shm", "fallback"] if r == 0 else ["fallback", "shm"])
+        assert x.needs_fallback_group and not x.close_waits_for_peers
+        assert "VARCOMM_TRANSPORT=fallback" in x.describe_transport(1 - r)
+        x.close()
 
 
 @world(1)

@@ -20,7 +20,6 @@ from varcomm.testing import seeded, world
 from conftest import TRANSPORTS, make_tensor, same_bytes
 
 BOUND = 64 * 1024
-NATIVE = [t for t in TRANSPORTS if t != "fallback"]
 DTS = [torch.float32, torch.int64, torch.uint8, torch.bfloat16, torch.bool, torch.float16, torch.complex64]
 
 
@@ -91,7 +90,7 @@ def _wait_until(pred, what: str, limit: float = 10.0) -> None:
         time.sleep(0.0005)
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_loan_holds_the_slot_until_freed(transport):
     """slots=2: two held loans (one only through a derived view) stop a third
@@ -137,7 +136,7 @@ def test_loan_holds_the_slot_until_freed(transport):
                 comm.recv(src=0, timeout=0.3)
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_loan_outlives_close(transport):
     """A loan held past comm.close() (and past the Communicator itself) is
@@ -160,23 +159,6 @@ def test_loan_outlives_close(transport):
     del v
     gc.collect()  # the slot's release runs on a closed communicator
     assert torch.equal(w, x.reshape(-1)[::7])
-
-
-@world(2, timeout=60)
-def test_fallback_copy_false_is_a_copy():
-    """The fallback has no slots: copy=False gives an ordinary array (nothing
-    to hold), so any number may be held without blocking the sender.
-    Catches: copy=False on the fallback raising, or returning wrong bytes."""
-    with varcomm.init(transport="fallback", bound=BOUND, slots=2, timeout=30) as comm:
-        xs = [make_tensor(torch.int16, (50 + i,), seed=i) for i in range(6)]
-        if comm.rank == 0:
-            for x in xs:
-                comm.send(x, dst=1, timeout=10)
-        else:
-            held = [comm.recv(src=0, copy=False) for _ in xs]  # 6 held > 2 slots
-            for v, x in zip(held, xs):
-                assert same_bytes(v, x)
-        comm.barrier()
 
 
 # ---------------------------------------------------------------------------
@@ -205,7 +187,7 @@ def test_dropped_isend_still_delivers(transport):
         comm.barrier()
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_dropped_irecv_takes_its_message(transport):
     """A dropped irecv keeps its place in the stream: the message it would
@@ -240,7 +222,7 @@ def test_dropped_irecv_takes_its_message(transport):
         comm.barrier()
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_dropped_irecv_with_out_finishes_into_out(transport):
     """A dropped irecv(out=buf) whose buffer is still alive: the transfer
@@ -273,7 +255,7 @@ def _unmappable(nbytes: int) -> tuple[np.ndarray, mmap.mmap]:
     return np.frombuffer(m, dtype=np.int32), m
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_dropped_irecv_never_writes_into_freed_out(transport):
     """A dropped irecv whose out= buffer is gone too must not write into that
@@ -295,7 +277,7 @@ def test_dropped_irecv_never_writes_into_freed_out(transport):
         comm.barrier()
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_dropped_queued_isend_never_reads_freed_source(transport):
     """isend of a buffer that the caller then frees, dropping the Work, while
@@ -323,7 +305,7 @@ def test_dropped_queued_isend_never_reads_freed_source(transport):
         comm.barrier()
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=90)
 def test_dropping_works_in_a_loop(transport):
     """2000 messages; the sender drops every isend, the receiver alternates
@@ -367,7 +349,7 @@ def test_dropping_works_in_a_loop(transport):
 
 
 @pytest.mark.parametrize("out", ["none", "numpy", "torch"])
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_blocking_recv_progresses_queued_isends(transport, out):
     """MPI's isend; recv; wait pattern: rank 0 starts more isends than rank 1
@@ -391,7 +373,7 @@ def test_blocking_recv_progresses_queued_isends(transport, out):
 
 
 @pytest.mark.parametrize("copy", [True, False])
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport, copy):
     """A recv that fails after matching (no numpy dtype for bfloat16) must
@@ -414,7 +396,7 @@ def test_channel_usable_after_a_recv_that_cannot_build_its_array(transport, copy
         comm.barrier()
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_dropped_irecv_with_too_small_out_keeps_the_message(transport):
     """A dropped irecv whose out= is too small for the message that arrives:
@@ -437,7 +419,7 @@ def test_dropped_irecv_with_too_small_out_keeps_the_message(transport):
         comm.barrier()
 
 
-@pytest.mark.parametrize("transport", NATIVE)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60, expect_exit={1: None})
 def test_dropped_works_when_the_peer_dies(transport):
     """Dropped irecvs and dropped queued isends to a peer that then dies: the

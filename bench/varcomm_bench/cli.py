@@ -10,7 +10,7 @@
             --json FILE --plot FILE.png --md FILE --save DIR --nranks N
 
 Baselines (each skipped with a stated reason when missing): varcomm's fallback
-(gloo, shape header + payload), mpi4py (in-process, when the job runs under
+(the same writes over gloo), mpi4py (in-process, when the job runs under
 mpirun), raw libfabric (fi_pingpong.c beside this package, p2p latency), single-thread memcpy,
 device-to-device copy (--device cuda), and for alltoall the two-phase algorithm.
 

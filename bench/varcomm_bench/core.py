@@ -46,7 +46,7 @@ LABELS = {
     "varcomm-numpy": "varcomm (numpy buffers)",
     "varcomm-zerocopy": "varcomm (torch, zero-copy recv)",
     "two-phase": "varcomm two-phase (counts first)",
-    "fallback": "varcomm fallback (gloo, shape header + payload)",
+    "fallback": "varcomm fallback (the same writes over gloo)",
     "mpi4py": "mpi4py + MPI",
     "libfabric": "raw libfabric fi_writedata (fi_pingpong)",
     "memcpy": "memcpy (1 thread)",
@@ -697,17 +697,14 @@ def fi_provider(ctx: Ctx, vc: Any) -> str:
 
 
 def _rdma_provider(comm: Any) -> str:
-    """The libfabric provider varcomm was asked to use for rdma: the bench passes
-    varcomm.init no rdma_provider, so that is VARCOMM_FI_PROVIDER (init's default;
-    the relaunch exports it to every rank); when none was asked for, "shm", libfabric's
-    same-host provider (fi_pingpong forks both sides on one host).
-
-    The one place the bench learns the provider: when the core reports the provider
-    `comm`'s rdma route chose, this body becomes that call (then a default choice
-    of varcomm's, e.g. tcp;ofi_rxm under --transport rdma, is seen too). It never
-    parses describe_transport or _C.rdma_info(), which are text for people."""
-    del comm  # until the core reports its choice
-    return os.environ.get("VARCOMM_FI_PROVIDER") or "shm"
+    """The libfabric provider varcomm's rdma route to a peer chose (the core's
+    route_info, never describe text); "shm", libfabric's same-host provider, when
+    no peer is on rdma (fi_pingpong forks both sides on one host)."""
+    for peer in range(comm.world_size):
+        info = comm.route_info(peer)
+        if info["route"] == "rdma":
+            return info["provider"]
+    return "shm"
 
 
 def fi_runner(ctx: Ctx, exe: str, provider: str) -> Callable[..., tuple[float, int]]:

@@ -12,7 +12,7 @@ same on every rank and for every method) from --dist:
 
 The receiver does not know the sizes:
   varcomm   ``x = comm.recv(src)`` (size, dtype and shape in the message header)
-  fallback  the same call on varcomm's gloo fallback: a shape header, then the payload
+  fallback  the same call on varcomm's fallback transport (the same writes over gloo)
   mpi4py    ``Probe`` + ``Get_count``, allocate, ``Recv`` (the MPI way)
   memcpy    one single-thread copy of each message (the one-copy limit)
 

@@ -14,6 +14,7 @@
 
 #include "collectives.h"
 #include "engine.h"
+#include "fallback.h"
 #include "options.h"
 #include "routes.h"
 #ifdef VARCOMM_HAVE_RDMA
@@ -428,6 +429,80 @@ void bind_collectives(py::module_& m) {
 }  // namespace
 // ---- end collectives ---------------------------------------------------------
 
+// ---- fallback mover ------------------------------------------------------------
+// The Python threads that move the fallback transport's frames over gloo
+// (python/varcomm/fallback.py; protocol in transport/fallback/fallback.h).
+namespace {
+
+void bind_fallback_mover(py::module_& m) {
+  using FT = FallbackTransport;
+  // A C-contiguous buffer's bytes, without py::buffer_info's allocations
+  // (one call per frame).
+  struct Bytes {
+    Py_buffer v{};
+    Bytes(py::handle o, bool writable) {
+      if (PyObject_GetBuffer(o.ptr(), &v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0)
+        throw py::error_already_set();
+    }
+    ~Bytes() { PyBuffer_Release(&v); }
+  };
+  auto view = [](void* p, size_t n, bool readonly) { return py::memoryview::from_memory(p, ssize_t(n), readonly); };
+  py::class_<FT, std::shared_ptr<FT>>(m, "FallbackMover")
+      .def_property_readonly_static("frame_bytes", [](py::object) { return FT::kFrameBytes; })
+      .def_property_readonly("peers", &FT::peers)
+      // -> None when nothing more goes to peer; (0, None) at timeout; else
+      // (ticket, payload view or None) with the op's frame written into `frame`.
+      .def("next_op",
+           [view](FT& t, int peer, py::handle frame, std::optional<double> timeout) -> py::object {
+             Bytes f(frame, true);
+             if (size_t(f.v.len) != FT::kFrameBytes) throw Error(ErrorKind::Invalid, "frame buffer of wrong size");
+             const void* payload = nullptr;
+             size_t n = 0;
+             int64_t ticket;
+             {
+               py::gil_scoped_release nogil;
+               ticket = t.next_op(peer, static_cast<char*>(f.v.buf), deadline_of(timeout), &payload, &n);
+             }
+             if (ticket < 0) return py::none();
+             // Read-only for us; writable so torch.frombuffer takes it without a warning (gloo only reads).
+             py::object pv = py::none();
+             if (n) pv = view(const_cast<void*>(payload), n, false);
+             return py::make_tuple(ticket, pv);
+           },
+           py::arg("peer"), py::arg("frame"), py::arg("timeout") = py::none())
+      .def("op_sent", &FT::op_sent)
+      .def("op_failed", &FT::op_failed)
+      .def("fail", &FT::fail)
+      // -> a writable view of our slot to receive the payload into (then
+      // landed()), True for a frame already handled (a credit), False when
+      // the peer said goodbye. Raises PeerFailure for a frame it refuses.
+      .def("landing",
+           [view](FT& t, int peer, py::handle frame) -> py::object {
+             Bytes f(frame, false);
+             char* dst = nullptr;
+             size_t n = 0;
+             switch (t.landing(peer, static_cast<const char*>(f.v.buf), size_t(f.v.len), &dst, &n)) {
+               case FT::Landing::Write: return view(dst, n, false);
+               case FT::Landing::Handled: return py::bool_(true);
+               default: return py::bool_(false);
+             }
+           })
+      .def("landed", &FT::landed)
+      .def("shutdown", &FT::shutdown);
+  // The mover writes into the region: it keeps the Comm (which owns it) alive.
+  m.def(
+      "fallback_mover",
+      [](Comm& c) {
+        auto t = std::dynamic_pointer_cast<FT>(c.ready().opened("fallback"));
+        if (!t) throw Error(ErrorKind::Invalid, "this communicator has no fallback endpoint");
+        return t;
+      },
+      py::keep_alive<0, 1>());
+}
+
+}  // namespace
+// ---- end fallback mover --------------------------------------------------------
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "varcomm core: slots, headers, credits over shm / rdma transports";
 
@@ -445,6 +520,7 @@ PYBIND11_MODULE(_C, m) {
   py::dict build;
   py::list have;
   have.append("shm");
+  have.append("fallback");
 #ifdef VARCOMM_HAVE_RDMA
   have.append("rdma");
   build["rdma"] = true;
@@ -461,6 +537,7 @@ PYBIND11_MODULE(_C, m) {
   build["max_dims"] = kMaxDims;
   m.attr("build_info") = build;
   bind_collectives(m);
+  bind_fallback_mover(m);
 
   // The doctor's views; with an options dict they describe what those options would select.
   m.def("rdma_info", [](std::optional<py::dict> opts) -> std::string {
@@ -550,13 +627,6 @@ PYBIND11_MODULE(_C, m) {
              return next ? py::object(py::bytes(*next)) : py::object(py::none());
            })
       .def_property_readonly("routes", [](Comm& c) { return c.ready().routes(); })
-      // Per peer: no native route reaches it, so the fallback carries it.
-      .def_property_readonly("via_fallback",
-                             [](Comm& c) {
-                               std::vector<bool> v;
-                               for (auto& r : c.ready().routes()) v.push_back(r == "fallback");
-                               return v;
-                             })
       .def_property_readonly("device_routes",
                              [](Comm& c) {
                                py::list l;
@@ -580,6 +650,12 @@ PYBIND11_MODULE(_C, m) {
              c.check_peer(peer);
              return c.ready().describe(peer);
            })
+      .def("route_info",
+           [](Comm& c, int peer) {
+             c.check_peer(peer);
+             return c.ready().route_info(peer);
+           })
+      // Some pair in the job uses the fallback: every rank starts its mover (fallback_mover).
       .def_property_readonly("needs_fallback_group", [](Comm& c) { return c.ready().any_fallback(); })
       .def_property_readonly("close_waits_for_peers", [](Comm& c) { return c.ready().close_waits_for_peers(); })
       .def_property_readonly("device_ordinal", [](Comm& c) { return c.ready().device_ordinal(); })

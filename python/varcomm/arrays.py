@@ -38,8 +38,7 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
     Non-contiguous inputs are copied (the copy is the keepalive)."""
     if is_torch(x):
         if not x.is_cpu:  # is_cpu, not device.type: the ping-pong path cannot afford a device object
-            raise InvalidArgument(f"tensor on {x.device}: this build has no GPU transport; "
-                                  "move it to CPU or use the fallback (VARCOMM_TRANSPORT=fallback)")
+            raise InvalidArgument(f"tensor on {x.device}: this build has no GPU transport; move it to CPU")
         if not x.is_contiguous():
             x = x.contiguous()
         return x.data_ptr(), x.nbytes, dtypes.from_torch(x.dtype), x.shape, x

@@ -125,20 +125,20 @@ class Communicator:
         self._fallback: Any = None
         self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
         self._setup()
-        # Per peer, from the core: whether the fallback carries it, and its
-        # device-memory route (None: CUDA tensors are staged through host memory).
+        # Per peer, from the core: its route, and its device-memory route
+        # (None: CUDA tensors are staged through host memory).
         self._routes: list[str] = self._c.routes
-        self._via_fallback: list[bool] = self._c.via_fallback
         self._device_routes: list[str | None] = self._c.device_routes
         # The GPU whose memory holds our device receive slots, else None.
         self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
         self._routes_ready = True
-        # The gloo group is built by every rank, so it exists as soon as any
-        # pair in the job needs it, not only pairs that include this rank.
+        # The core says whether some pair in the job needs the mover; building
+        # its gloo group is collective, so then every rank starts one.
         if self._c.needs_fallback_group:
             from .fallback import Fallback
 
-            self._fallback = Fallback(self._store, self.rank, self.world_size, self.bound, self._timeout, self._array)
+            self._fallback = Fallback(self._store, self.rank, self.world_size, self._timeout,
+                                      _C.fallback_mover(self._c))
 
     # ---- set-up ---------------------------------------------------------------
 
@@ -173,6 +173,13 @@ class Communicator:
         self._check_peer(peer, "peer")
         return self._c.describe_transport(peer)
 
+    def route_info(self, peer: int) -> dict[str, str]:
+        """describe_transport() as data for programs: "route", "device_route"
+        ("" when CUDA tensors are staged through host memory) and the route's own
+        facts (rdma: "provider", "fabric", "domain")."""
+        self._check_peer(peer, "peer")
+        return self._c.route_info(peer)
+
     def device_transport_for(self, peer: int) -> str | None:
         """"nvlink" when CUDA tensors to and from `peer` travel GPU to GPU, else None."""
         self._check_peer(peer, "peer")
@@ -191,9 +198,9 @@ class Communicator:
     def send(self, tensor: Array, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Returns when `tensor` may be reused."""
         t = self._timeout if timeout is None else timeout
-        if not (type(dst) is int and 0 <= dst < self.world_size) or self._via_fallback[dst]:
+        if not (type(dst) is int and 0 <= dst < self.world_size):
             self._check_peer(dst, "dst")
-            return self._fallback.send(tensor, dst, tag, t)
+            dst = int(dst)
         kind = type(tensor)
         if kind is np.ndarray and self._c.send_buffer(dst, tag, tensor, t):
             return
@@ -213,8 +220,6 @@ class Communicator:
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
         self._check_peer(dst, "dst")
-        if self._via_fallback[dst]:
-            return self._fallback.isend(tensor, dst, tag)
         ptr, nbytes, word, shape, keep, stream = arrays.describe_send(tensor)
         if stream >= 0 and self._device_routes[dst] is None:
             ptr, nbytes, word, shape, keep = arrays.describe_host(_stage(tensor))
@@ -235,7 +240,7 @@ class Communicator:
         goes back to the sender when the view is garbage collected, so do not hold
         more than `slots` of them per peer."""
         t = self._timeout if timeout is None else timeout
-        if out is not None and type(src) is int and 0 <= src < self.world_size and not self._via_fallback[src]:
+        if out is not None and type(src) is int and 0 <= src < self.world_size:
             kind = type(out)
             if kind is np.ndarray:
                 r = self._c.recv_buffer(src, tag, out, t)
@@ -260,14 +265,10 @@ class Communicator:
         `nbytes` may exceed the bound. A recv of it returns its Status
         (``status.descriptor`` is True)."""
         self._check_peer(dst, "dst")
-        if self._via_fallback[dst]:
-            raise InvalidArgument(f"descriptor messages to rank {dst} need a varcomm transport; it is on the fallback")
         return P2PWork(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
 
     def irecv(self, src: int, tag: int = 0, out: Array | None = None, copy: bool = True) -> Work:
         self._check_peer(src, "src")
-        if self._via_fallback[src]:
-            return self._fallback.irecv(src, tag, out)
         c = self._c
         if out is not None:
             ptr, cap, word, stream = arrays.describe_recv(out)
@@ -428,7 +429,7 @@ class Communicator:
                     except Exception:  # noqa: BLE001 - the store's owner left after every rank had
                         break
                     # A rank that died without closing will not come: stop waiting for it.
-                    if all(not self._via_fallback[r] and self._c.peer_error(r) for r in missing):
+                    if all(self._c.peer_error(r) for r in missing):
                         break
                     time.sleep(0.005)
         finally:

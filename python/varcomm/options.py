@@ -317,7 +317,7 @@ class Options(_Declared):
                                   "largest nvlink message sent by one copy-and-flag kernel; 0: copy engine only")
     a2a_algorithm: str = _opt("VARCOMM_A2A_ALGORITHM", _choice("auto", "one-phase", "two-phase"), "auto",
                               "all-to-all: `one-phase` (shapes travel with the data), `two-phase` (counts first); "
-                              "`auto`: one-phase unless a peer is on the fallback")
+                              "`auto`: one-phase")
     torch_nccl: bool = _opt("VARCOMM_TORCH_NCCL", _BOOL, True,
                             "torch backend: run CUDA tensors' collectives on NCCL", "`1`")
 

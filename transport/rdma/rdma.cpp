@@ -188,6 +188,11 @@ class RdmaTransport final : public Transport {
 
   std::string name() const override { return "rdma"; }
   std::string describe() const override { return describe_; }
+  std::map<std::string, std::string> properties() const override {
+    return {{"provider", info_->fabric_attr->prov_name},
+            {"fabric", info_->fabric_attr->name},
+            {"domain", info_->domain_attr->name}};
+  }
   std::string expose(void* base, size_t size) override;
   void connect(int peer, const std::string& descriptor) override;
   void connected() override;

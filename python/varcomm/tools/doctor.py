@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     w("")
     w("transport per peer class:")
     forced = opts.transport
-    fallback = "fallback over torch.distributed (gloo on CPU, NCCL on GPU): a shape header, then the payload"
+    fallback = ("fallback: varcomm's slot writes carried by torch.distributed gloo (transport/fallback; "
+                "GPU tensors staged through host memory)")
     if forced == "fallback":
         w(f"  every pair: {fallback} (VARCOMM_TRANSPORT=fallback)")
     else:
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if "nvlink" in transports:
             gpu = "nvlink (CUDA IPC, stream-ordered)" + ("" if ngpu >= 2 else f"; {ngpu or 'no'} GPU visible here")
         else:
-            gpu = "no device transport in this build (no CUDA): send CPU tensors, or the fallback (NCCL)"
+            gpu = "no device transport in this build (no CUDA): CUDA tensors are staged through host memory"
         w(f"  same host, GPU memory:   {gpu}")
         if "rdma" in transports:
             remote = "rdma, provider " + _rdma_provider_choice(fab, opts.rdma_provider, C)
