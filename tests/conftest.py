@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import varcomm  # noqa: E402
+import varcomm
 
 TRANSPORTS = [t for t in ("shm", "rdma") if t in varcomm.build_info()["transports"]] + ["fallback"]
 

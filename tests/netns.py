@@ -20,7 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 IFACE = "eth0"  # the member's interface name: pass it as VARCOMM_FI_IFACE
 _counter = itertools.count()
@@ -101,7 +101,7 @@ class Netns:
         return f"ip -n {self.names[i]} link set {IFACE} down"
 
     # -- lifetime -----------------------------------------------------------
-    def __enter__(self) -> "Netns":
+    def __enter__(self) -> Netns:
         try:
             self._add(self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import varcomm
+from conftest import TRANSPORTS, make_tensor, same_bytes
 from varcomm.collectives import alltoall as A
 from varcomm.testing import seeded, world
-
-from conftest import TRANSPORTS, make_tensor, same_bytes
 
 BOUND = 64 * 1024
 # Every transport, plus shm running the conventional two-phase algorithm (counts
@@ -162,7 +161,7 @@ def test_over_bound_chunk_errors_everywhere_then_recovers(transport):
     bound = 4096
     with _init(transport, bound=bound, slots=4, timeout=30) as comm:
         r, n = comm.rank, comm.world_size
-        for attempt in range(2):
+        for _attempt in range(2):
             splits = [2] * n
             if r == 1:
                 splits[3] = bound // 4 + 1  # one float32 row too many

@@ -23,10 +23,9 @@ import pytest
 import torch
 
 import varcomm
+from conftest import dtype_cases, make_tensor, same_bytes
 from varcomm import dtypes
 from varcomm.testing import world
-
-from conftest import dtype_cases, make_tensor, same_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 64 * 1024
@@ -114,7 +113,8 @@ def _fake_comm(path: str, **kw):
     os.environ["VARCOMM_NVLINK"] = "1"
     os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
     comm = varcomm.init(transport="shm", timeout=30, **kw)
-    assert all(comm.device_transport_for(r) == "nvlink" for r in range(comm.world_size)), comm.describe_transport(1 - comm.rank)
+    assert all(comm.device_transport_for(r) == "nvlink" for r in range(comm.world_size)), \
+        comm.describe_transport(1 - comm.rank)
     desc = comm.describe_transport(1 - comm.rank)
     flags = os.environ.get("VARCOMM_NVLINK_FLAGS") or "device"
     assert "nvlink" in desc and f"data flags in {flags} memory" in desc, desc  # the option was taken

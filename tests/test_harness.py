@@ -10,14 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from varcomm.tools import testing as vt
 from varcomm.testing import WorldFailure, has, rank, run_world, seeded, skip_unless, world, world_size
+from varcomm.tools import testing as vt
 
 try:  # imported here, before forking, so ranks don't each pay for it
     import torch.distributed as dist

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import varcomm
-from varcomm.testing import seeded, world
-
 from conftest import TRANSPORTS, make_tensor, same_bytes
+from varcomm.testing import seeded, world
 
 BOUND = 64 * 1024
 DTS = [torch.float32, torch.int64, torch.uint8, torch.bfloat16, torch.bool, torch.float16, torch.complex64]
@@ -360,7 +359,8 @@ def test_blocking_recv_progresses_queued_isends(transport, out):
     with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=2) as comm:
         if comm.rank == 0:
             works = [comm.isend(torch.full((10,), float(i)), dst=1) for i in range(5)]
-            buf = None if out == "none" else np.zeros(4, np.int64) if out == "numpy" else torch.zeros(4, dtype=torch.int64)
+            buf = (None if out == "none" else np.zeros(4, np.int64) if out == "numpy"
+                   else torch.zeros(4, dtype=torch.int64))
             assert comm.recv(src=1, out=buf).tolist() == [42]
             for w in works:
                 w.wait()

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import varcomm
+from conftest import TRANSPORTS
 from varcomm.collectives.moe import combine, dispatch
 from varcomm.testing import seeded, world
-
-from conftest import TRANSPORTS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import varcomm
-from varcomm.testing import seeded, world
-
 from conftest import TRANSPORTS, dtype_cases, make_tensor, same_bytes
+from varcomm.testing import seeded, world
 
 BOUND = 64 * 1024
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import varcomm.torch  # noqa: F401 - registers the backend
+import varcomm.torch  # registers the backend
 from varcomm.testing import world
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import pipeline_varlen as pv  # noqa: E402
+import pipeline_varlen as pv
 
 RTOL, ATOL = 1e-5, 1e-6
 CFG = pv.Config(vocab=48, hidden=64, heads=2, layers=4, max_len=32, max_seqs=3)

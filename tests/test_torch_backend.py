@@ -5,13 +5,13 @@ import os
 
 import pytest
 import torch
+import torch._dynamo  # functional collectives import it on first use: once here, not in every rank
 import torch.distributed as dist
-import torch._dynamo  # noqa: F401 - functional collectives import it on first use: once here, not in every rank
 import torch.distributed._functional_collectives as fc
 
 import varcomm.torch  # noqa: F401 - registers the backend
-from varcomm.testing import world
 from varcomm.integrations.torch_backend import VarcommProcessGroup, comm_of
+from varcomm.testing import world
 
 SMALL_BOUND = str(64 * 1024)  # small receive slots, so the chunked path (messages over the bound) is cheap to test
 
@@ -69,7 +69,8 @@ def test_send_recv_exact_sizes_and_refusals():
             with pytest.raises(RuntimeError, match="another dtype.*int32 does not match.*float32"):
                 dist.recv(torch.zeros(4), src=0)
             assert dist.recv(torch.zeros(4, dtype=torch.int32), src=0) == 0  # the kept int32 message
-            with pytest.raises(RuntimeError, match=r"larger.*800000 bytes \(a descriptor: the data, dtype torch.float64, travels in separate"):
+            with pytest.raises(RuntimeError, match=r"larger.*800000 bytes \(a descriptor: the data, "
+                                                   r"dtype torch.float64, travels in separate"):
                 dist.recv(torch.zeros(10, dtype=torch.float64), src=0)
             # drop the refused message (its descriptor was kept, as every refused message is) and its chunks
             for _ in range(len(big) * 8 // (64 * 1024) + 2):

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import varcomm
-from varcomm.testing import seeded, world
-
 from conftest import make_tensor, same_bytes
+from varcomm.testing import seeded, world
 
 pytestmark = pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"],
                                 reason="varcomm was built without the rdma transport")
@@ -98,7 +97,9 @@ def test_option_ring_of_three(rdma_option):
         r, n = comm.rank, comm.world_size
         nxt, prv = (r + 1) % n, (r - 1) % n
         for step in range(30):
-            size = lambda src: int(np.random.default_rng([seed, src, step]).integers(0, BOUND // 4 + 1))  # noqa: E731
+            def size(src: int, step: int = step) -> int:
+                return int(np.random.default_rng([seed, src, step]).integers(0, BOUND // 4 + 1))
+
             mine = make_tensor(torch.float32, (size(r),), seed=seed + 100 * step + r)
             works = comm.batch_isend_irecv([varcomm.P2POp(comm.irecv, None, prv, tag=step),
                                             varcomm.P2POp(comm.isend, mine, nxt, tag=step)])

@@ -29,8 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from .core import BenchError, Ctx, Method, Test, agree, corrupting, d2d_method, init_comms, log, \
-    memcpy_method, run_test, sweep
+from .core import (
+    BenchError,
+    Ctx,
+    Method,
+    Test,
+    agree,
+    corrupting,
+    d2d_method,
+    init_comms,
+    log,
+    memcpy_method,
+    run_test,
+    sweep,
+)
 
 ROUTINGS = ("uniform", "zipf", "all-to-one")
 
@@ -101,7 +113,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     if ctx.device.type != "cpu":  # all_to_all_v may take host tensors only: find out (symmetric on all ranks)
         try:
             A.all_to_all_v(vc, torch.zeros((n, hidden), dtype=ctx.dtype, device=ctx.device), [1] * n)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if r == 0:
                 log(f"alltoall skipped: all_to_all_v on {ctx.device}: {type(e).__name__}: {e}")
             ctx.sync_all()

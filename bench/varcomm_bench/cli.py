@@ -37,8 +37,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from .alltoall import ROUTINGS
 from .core import BASELINES, LABELS, BenchError, fmt_bytes, log, parse_bytes
@@ -106,14 +107,14 @@ def machine(ctx: Any = None) -> dict[str, Any]:
     for mod in ("numpy", "torch", "mpi4py", "matplotlib"):
         try:
             info[mod] = __import__(mod).__version__ if importlib.util.find_spec(mod) else None
-        except Exception:  # noqa: BLE001
+        except Exception:
             info[mod] = None
     try:
         import varcomm
 
         info["varcomm"] = varcomm.__version__
         info["varcomm_build"] = varcomm.build_info()
-    except Exception as e:  # noqa: BLE001 - informational only
+    except Exception as e:  # informational only
         info["varcomm_build"] = f"unavailable: {e}"
     fi: dict[str, Any] = {}
     v = _cmd_out(["pkg-config", "--modversion", "libfabric"])

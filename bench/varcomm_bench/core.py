@@ -30,8 +30,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -183,7 +184,7 @@ class Ctx:
                                  "varcomm-bench without a launcher to get mpirun, or under mpirun -n N)")
         try:
             from mpi4py import MPI
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return None, f"mpi4py not importable: {type(e).__name__}: {e}"
         if MPI.COMM_WORLD.Get_size() != self.world or MPI.COMM_WORLD.Get_rank() != self.rank:
             return None, "MPI world differs from the launcher's"
@@ -639,7 +640,7 @@ def init_comms(ctx: Ctx, bound: int, slots: int) -> tuple[Any, Any, str | None]:
     try:  # informational: the route to the next rank, by name and described
         peer = (ctx.rank + 1) % ctx.world
         ctx.transport, ctx.transport_detail = vc.transport_for(peer), vc.describe_transport(peer)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     fb, why = None, None
     if "fallback" not in opts.baselines:
@@ -649,7 +650,7 @@ def init_comms(ctx: Ctx, bound: int, slots: int) -> tuple[Any, Any, str | None]:
     else:
         try:
             fb = a.init(bound=bound, slots=slots, transport="fallback", array="torch", timeout=opts.op_timeout)
-        except Exception as e:  # noqa: BLE001 - symmetric on every rank: report and go on
+        except Exception as e:  # symmetric on every rank: report and go on
             why = f"varcomm.init(transport='fallback') failed: {type(e).__name__}: {e}"
     return vc, fb, why
 

@@ -16,8 +16,24 @@ import math
 import time
 from typing import Any
 
-from .core import (Ctx, Method, MpiEP, NumpyEP, Test, TorchEP, ZeroCopyEP, agree, d2d_method, fi_binary,
-                         fi_provider, fi_runner, init_comms, memcpy_method, run_test, sweep)
+from .core import (
+    Ctx,
+    Method,
+    MpiEP,
+    NumpyEP,
+    Test,
+    TorchEP,
+    ZeroCopyEP,
+    agree,
+    d2d_method,
+    fi_binary,
+    fi_provider,
+    fi_runner,
+    init_comms,
+    memcpy_method,
+    run_test,
+    sweep,
+)
 
 TESTS = ("latency", "unibw", "bibw")
 SHORT_TITLES = {"latency": "p2p latency (half round trip)", "unibw": "p2p unidirectional bandwidth",
@@ -36,7 +52,7 @@ def _latency(ctx: Ctx, ep: Any, nbytes: int, n: int, w: int) -> tuple[float, int
     send, recv = ep.send, ep.recv
     wrong = 0
     if r == 0:
-        for i in range(w):
+        for _ in range(w):
             send(src, 1)
             if chk:
                 ep.clear(nbytes)
@@ -148,7 +164,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
 
         na = None
         if name == "fallback":
-            def na(test: str, nbytes: int) -> str | None:  # noqa: F811
+            def na(test: str, nbytes: int) -> str | None:
                 return f"sizes over --fallback-maxbytes {a.fallback_maxbytes}" if nbytes > a.fallback_maxbytes \
                     else None
         return Method(name, reason=reason, kernel=kernel, na=na)

@@ -144,8 +144,11 @@ def plot(doc: dict[str, Any], path: str) -> None:
                 if not d:
                     continue
                 xs.append(p["size"])
-                t.append(d["time_us"]["median"]); tlo.append(d["time_us"]["min"]); thi.append(d["time_us"]["max"])
-                bw.append(d["algbw_gbps"]["median"]); blo.append(d["algbw_gbps"]["min"])
+                t.append(d["time_us"]["median"])
+                tlo.append(d["time_us"]["min"])
+                thi.append(d["time_us"]["max"])
+                bw.append(d["algbw_gbps"]["median"])
+                blo.append(d["algbw_gbps"]["min"])
                 bhi.append(d["algbw_gbps"]["max"])
             style = dict(color=colors[m], marker="o", ms=4, lw=2.4 if m == "varcomm" else 1.4,
                          ls="-" if m in ("varcomm", "two-phase") else "--" if m in ("memcpy", "d2d") else "-",

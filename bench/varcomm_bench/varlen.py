@@ -29,8 +29,21 @@ from typing import Any
 
 import numpy as np
 
-from .core import (BenchError, Ctx, Method, MpiEP, Test, TorchEP, agree, d2d_method, init_comms,
-                         memcpy_method, parse_bytes, run_test, sweep)
+from .core import (
+    BenchError,
+    Ctx,
+    Method,
+    MpiEP,
+    Test,
+    TorchEP,
+    agree,
+    d2d_method,
+    init_comms,
+    memcpy_method,
+    parse_bytes,
+    run_test,
+    sweep,
+)
 
 
 def read_sizes(path: str) -> list[int]:

@@ -6,7 +6,8 @@ DLPack-packed (code << 16 | bits << 8 | lanes), see varcomm/dtypes.py.
 transport, rdma_provider, rdma_iface, peer_timeout, rdma_strict,
 rdma_eager_credits, liveness_addr, debug, nvlink, cuda_device, nvlink_flags,
 nvlink_kernel_max (see varcomm.options.Options.core)."""
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 build_info: dict[str, Any]
 rdma_providers: list[str]  # tried in this order when no rdma_provider is given

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (ClosedError, InvalidArgument, MessageMismatch, MessageTooLarge, PeerFailure, TimeoutError,
-                     VarcommError)
+from .errors import (
+    ClosedError,
+    InvalidArgument,
+    MessageMismatch,
+    MessageTooLarge,
+    PeerFailure,
+    TimeoutError,
+    VarcommError,
+)
 from .options import Options
 from .work import Work
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgument
 

@@ -4,7 +4,8 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, NamedTuple, Sequence, overload
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -32,7 +33,7 @@ class P2PWork:
 
     __slots__ = ("_comm", "_id", "_done", "_result", "_error", "_finish", "_keep", "_stream", "peer", "op")
 
-    def __init__(self, comm: "Communicator", rid: int, finish: Callable[[], Any] | None, peer: int, op: str,
+    def __init__(self, comm: Communicator, rid: int, finish: Callable[[], Any] | None, peer: int, op: str,
                  keep: Any = None, stream: Any = None):
         self._comm = comm
         # The memory the core reads or writes (a send's source or its staged
@@ -426,7 +427,7 @@ class Communicator:
                         self._c.progress()
                     try:
                         missing = [r for r in missing if not self._store.check([f"left/{r}"])]
-                    except Exception:  # noqa: BLE001 - the store's owner left after every rank had
+                    except Exception:  # the store's owner left after every rank had
                         break
                     # A rank that died without closing will not come: stop waiting for it.
                     if all(self._c.peer_error(r) for r in missing):
@@ -437,7 +438,7 @@ class Communicator:
                 self._fallback.close()
             self._c.close()
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc: object) -> None:

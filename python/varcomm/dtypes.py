@@ -97,7 +97,8 @@ def from_numpy(dtype: Any) -> int:
     except (KeyError, TypeError):
         from .errors import InvalidArgument
 
-        raise InvalidArgument(f"numpy dtype {dtype} is not supported by varcomm; use a fixed-size numeric or bool dtype") from None
+        raise InvalidArgument(f"numpy dtype {dtype} is not supported by varcomm; "
+                              "use a fixed-size numeric or bool dtype") from None
 
 
 def to_numpy(w: int) -> np.dtype:

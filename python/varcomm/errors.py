@@ -24,7 +24,7 @@ class MessageMismatch(VarcommError):
     """A recv's `out` buffer has another dtype than the message; the message is kept."""
 
 
-class TimeoutError(VarcommError, builtins.TimeoutError):  # noqa: A001 - mirrors the builtin on purpose
+class TimeoutError(VarcommError, builtins.TimeoutError):  # mirrors the builtin on purpose
     """An operation did not complete in time; it was cancelled and the channel stays usable."""
 
 

@@ -130,7 +130,7 @@ def _send_loop(pg: Any, mover: Any, dst: int) -> None:
                 works.append(pg.send([torch.frombuffer(payload, dtype=torch.uint8)], dst, _TAG))
             for w in works:
                 w.wait()  # releases the GIL; never times out (see the module doc)
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+        except Exception as e:  # gloo raises RuntimeError subclasses
             mover.op_failed(dst, _gloo_reason(e))
             return
         mover.op_sent(dst, ticket)
@@ -154,12 +154,12 @@ def _recv_loop(pg: Any, mover: Any, src: int) -> None:
             mover.landed(src)
         except VarcommError:
             return  # a frame landing() refused: it failed src already
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+        except Exception as e:  # gloo raises RuntimeError subclasses
             mover.fail(src, _gloo_reason(e))
             return
 
 
-_live: "weakref.WeakSet[Fallback]" = weakref.WeakSet()
+_live: weakref.WeakSet[Fallback] = weakref.WeakSet()
 
 
 @atexit.register
@@ -169,7 +169,7 @@ def _close_all() -> None:
     for fb in list(_live):
         try:
             fb.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -21,7 +21,8 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, ClassVar, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar, TypeVar
 
 from .errors import InvalidArgument
 
@@ -321,7 +322,7 @@ class Options(_Declared):
     torch_nccl: bool = _opt("VARCOMM_TORCH_NCCL", _BOOL, True,
                             "torch backend: run CUDA tensors' collectives on NCCL", "`1`")
 
-    def placed(self, local_world_size: int, cores: int | None = None) -> "Options":
+    def placed(self, local_world_size: int, cores: int | None = None) -> Options:
         """These options with the choices that depend on the host filled in (spin_us)."""
         if self.spin_us is not None:
             return self

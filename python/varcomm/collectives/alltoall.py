@@ -18,7 +18,8 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, overload
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 import numpy as np
 
@@ -252,18 +253,18 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
 
 
 @overload
-def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: Literal[False] = False, timeout: float | None = None) -> None: ...
 @overload
-def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: Literal[True], timeout: float | None = None) -> Work: ...
 @overload
-def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: bool = False, timeout: float | None = None) -> Work | None: ...
-def all_to_all_single(comm: Communicator, output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: bool = False, timeout: float | None = None) -> Work | None:
     """torch.distributed.all_to_all_single: rows of ``input`` go out by

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from . import alltoall
 from ..errors import InvalidArgument
+from . import alltoall
 
 if TYPE_CHECKING:
     from ..comm import Communicator

@@ -28,19 +28,20 @@ Works); receiving from any source (``src=None``) is not supported.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, cast, overload
 
 import torch
 import torch.distributed as _tdist
 
-from . import torch_backend as _tb
 from ..arrays import Array, Splits
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import InvalidArgument
 from ..options import Options
 from ..work import Work
+from . import torch_backend as _tb
 
 if TYPE_CHECKING:
     from .._C import Status
@@ -245,18 +246,18 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
 
 
 @overload
-def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
                       group: Group | None = None, async_op: Literal[False] = False) -> None: ...
 @overload
-def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
                       group: Group | None = None, *, async_op: Literal[True]) -> Work: ...
 @overload
-def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
                       group: Group | None = None, async_op: bool = False) -> Work | None: ...
-def all_to_all_single(output: Array, input: Array,  # noqa: A002 - torch's name
+def all_to_all_single(output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None,
                       group: Group | None = None, async_op: bool = False) -> Work | None:
     """torch.distributed.all_to_all_single over varcomm (each chunk one message)."""
@@ -282,15 +283,15 @@ def all_to_all(output_tensor_list: list[Array | None] | None, input_tensor_list:
 
 
 @overload
-def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # torch's name
                  async_op: Literal[False] = False, out: Array | None = None) -> tuple[Array, list[int]]: ...
 @overload
-def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # torch's name
                  *, async_op: Literal[True], out: Array | None = None) -> Work: ...
 @overload
-def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # torch's name
                  async_op: bool = False, out: Array | None = None) -> tuple[Array, list[int]] | Work: ...
-def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # noqa: A002 - torch's name
+def all_to_all_v(input: Array, send_splits: Splits, group: Group | None = None,  # torch's name
                  async_op: bool = False, out: Array | None = None) -> tuple[Array, list[int]] | Work:
     """Variable-size all-to-all: rows ``input[off[d]:off[d] + send_splits[d]]``
     go to rank d; returns ``(received, recv_splits)`` (the chunks from every

@@ -35,18 +35,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import _C, dtypes
+from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
 from ..options import Options
-
-from ..collectives import alltoall as _a2a
 
 BACKEND = "varcomm"
 
@@ -207,7 +207,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
     # ---- identity -------------------------------------------------------------
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:  # torch's name
         return BACKEND
 
     def __repr__(self) -> str:
@@ -223,7 +223,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
     # ---- point-to-point -------------------------------------------------------
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work:  # noqa: N803
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work:
         t = _single(tensors, "send")
         if t.device.type != "cpu":
             return self._device_backend(t, "send").send(tensors, dstRank, tag)
@@ -241,7 +241,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
         return VarcommWork(finish, _all_done(works), [t])
 
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work:  # noqa: N803
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work:
         t = _single(tensors, "recv")
         if t.device.type != "cpu":
             return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
@@ -298,7 +298,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
     # ---- all-to-all -------------------------------------------------------------
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 - torch's name
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # torch's name
                           output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None) -> dist.Work:
         if opts is None:
             opts = dist.AllToAllOptions()

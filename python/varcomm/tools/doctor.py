@@ -33,7 +33,7 @@ def _run(argv: list[str], timeout: float = 30) -> str | None:
 def _build() -> tuple[dict | None, object | None, str]:
     try:
         from .. import _C  # type: ignore[attr-defined]
-    except Exception as e:  # noqa: BLE001 - any import failure is worth reporting
+    except Exception as e:  # any import failure is worth reporting
         return None, None, f"C extension not importable ({type(e).__name__}: {e})"
     info = dict(getattr(_C, "build_info", {}) or {})
     return info, _C, ""
@@ -46,7 +46,7 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
         try:
             text = C.rdma_info(_options.Options.resolve().placed(1).core(-1))  # type: ignore[attr-defined]
             lines += text.rstrip().splitlines()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             lines.append(f"rdma_info() failed: {e}")
     else:
         name = ctypes.util.find_library("fabric") or "libfabric.so.1"
@@ -60,7 +60,8 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     listing = _run(["fi_info", "-l"])
     provs = [ln.strip().rstrip(":") for ln in (listing or "").splitlines() if ln.strip().endswith(":")]
     if listing is None:
-        lines.append("fi_info -l: " + ("failed or timed out" if shutil.which("fi_info") else "fi_info not found (libfabric-bin)"))
+        lines.append("fi_info -l: " + ("failed or timed out" if shutil.which("fi_info")
+                                       else "fi_info not found (libfabric-bin)"))
     else:
         lines.append("fi_info -l: " + (", ".join(provs) or "no providers"))
     return lines, provs
@@ -93,7 +94,7 @@ def _rdma_devices() -> list[str]:
             lines.append(f"{name} (pyverbs)")
         if lines:
             return lines
-    except Exception:  # noqa: BLE001 - pyverbs is optional
+    except Exception:  # pyverbs is optional
         pass
     for dev in sorted(glob.glob("/sys/class/infiniband/*")):
         ports = []
@@ -122,9 +123,10 @@ def _cuda_devices() -> tuple[list[str], int]:
             lines = []
             for i in range(n):
                 p = torch.cuda.get_device_properties(i)
-                lines.append(f"cuda:{i} {p.name} sm_{p.major}{p.minor} {p.total_memory / 2**30:.0f} GiB (torch {torch.__version__})")
+                lines.append(f"cuda:{i} {p.name} sm_{p.major}{p.minor} {p.total_memory / 2**30:.0f} GiB "
+                             f"(torch {torch.__version__})")
             return lines, n
-    except Exception:  # noqa: BLE001 - torch is optional
+    except Exception:  # torch is optional
         pass
     out = _run(["nvidia-smi", "-L"])
     if out:
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         from importlib.metadata import version
 
         w(f"varcomm: {version('varcomm')}")
-    except Exception:  # noqa: BLE001
+    except Exception:
         w("varcomm: (not installed as a distribution)")
     transports = set(build.get("transports", ())) if build else set()
     if build is None:

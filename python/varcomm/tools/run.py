@@ -30,7 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO, Any
 
 from ..options import ToolOptions, env_name
 
@@ -296,7 +297,8 @@ def _report(
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split launcher options from PROGRAM [ARGS]: the program starts at the first non-option, ``-m`` or after ``--``."""
+    """Split launcher options from PROGRAM [ARGS]: the program starts at the first
+    non-option, ``-m`` or after ``--``."""
     i = 0
     while i < len(argv):
         a = argv[i]

@@ -47,7 +47,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn, Sequence, TypeVar, Union
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, TypeVar, Union
 
 from ..bootstrap import LOCAL_RANK_VARS, LOCAL_WORLD_SIZE_VARS, RANK_VARS, WORLD_SIZE_VARS, env_int, launched
 from ..options import ToolOptions, env_name
@@ -138,7 +139,7 @@ def has(requirement: Requirement) -> tuple[bool, str]:
     return _has_named(requirement)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_named(name: str) -> tuple[bool, str]:
     if name in ("torch", "numpy"):
         try:
@@ -209,7 +210,7 @@ def _skip_reason(requirements: Sequence[Requirement]) -> str | None:
     return None
 
 
-def skip_unless(*requirements: Requirement) -> "pytest.MarkDecorator":
+def skip_unless(*requirements: Requirement) -> pytest.MarkDecorator:
     """A ``pytest.mark.skipif`` for ordinary (single-process) tests, e.g. ``@skip_unless("root")``."""
     reason = _skip_reason(requirements)
     mark: pytest.MarkDecorator = _pytest().mark.skipif(reason is not None, reason=reason or "")
@@ -392,7 +393,7 @@ def run_world(
     __tracebackhide__ = True
     scale = _timeout_scale()
     limit, grace = timeout * scale, fail_grace * scale
-    expected: dict[int, int | None | str] = {r: "success" for r in range(n)}
+    expected: dict[int, int | None | str] = dict.fromkeys(range(n), "success")
     expected.update(expect_exit or {})
     port = free_port()
     given = ToolOptions.resolve().test_seed
@@ -418,7 +419,8 @@ def run_world(
     sys.stderr.flush()
     try:
         for r in range(n):
-            with warnings.catch_warnings():  # Python >= 3.12 warns when forking a threaded process; accepted trade-off for speed
+            # Python >= 3.12 warns when forking a threaded process; accepted trade-off for speed.
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 pid = os.fork()
             if pid == 0:  # pragma: no cover - child
