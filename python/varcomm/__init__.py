@@ -37,7 +37,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'varcomm' has no attribute {name!r}")
 
 
-def build_info() -> dict:
+def build_info() -> dict[str, object]:
     """Which transports this build has (shm always; rdma with libfabric; nvlink with CUDA)."""
     from . import _C
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union, overload
 
 import numpy as np
 
@@ -16,12 +16,9 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
 try:  # torch is optional: numpy-only users never import it
-    import torch
-
-    Tensor: Any = torch.Tensor
+    import torch as torch  # re-exported: the package reaches torch as arrays.torch
 except ImportError:  # pragma: no cover - exercised only without torch
     torch = None  # type: ignore[assignment]
-    Tensor = ()
 
 #: What varcomm sends and receives: a numpy array or a torch tensor.
 Array = Union["np.ndarray[Any, Any]", "torch.Tensor"]
@@ -106,7 +103,13 @@ def describe_out(out: Any) -> tuple[int, int, int]:
     raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, not {type(out).__name__}")
 
 
-def prefix_view(out: Any, nbytes: int, shape: Sequence[int]) -> Any:
+@overload
+def prefix_view(out: np.ndarray[Any, Any], nbytes: int, shape: Sequence[int]) -> np.ndarray[Any, Any]: ...
+@overload
+def prefix_view(out: torch.Tensor, nbytes: int, shape: Sequence[int]) -> torch.Tensor: ...
+@overload
+def prefix_view(out: Array, nbytes: int, shape: Sequence[int]) -> Array: ...
+def prefix_view(out: Array, nbytes: int, shape: Sequence[int]) -> Array:
     """The received message as a view of the front of `out`, with the sender's shape."""
     if tuple(out.shape) == tuple(shape):
         return out
@@ -120,7 +123,8 @@ def prefix_view(out: Any, nbytes: int, shape: Sequence[int]) -> Any:
     return out.as_strided(tuple(shape), tuple(strides))
 
 
-def empty(kind: str, dtype_word: int, shape: Sequence[int], device: Any = None) -> tuple[Any, int]:
+def empty(kind: str, dtype_word: int, shape: Sequence[int],
+          device: torch.device | None = None) -> tuple[Array, int]:
     """A fresh array for a message of unknown size, and its data pointer (a
     torch tensor on `device` when given)."""
     if kind == "torch":
@@ -131,17 +135,26 @@ def empty(kind: str, dtype_word: int, shape: Sequence[int], device: Any = None) 
 
 
 def loan(kind: str, ptr: int, nbytes: int, dtype_word: int, shape: Sequence[int],
-         on_free: Callable[[], None]) -> Any:
+         on_free: Callable[[], None]) -> Array:
     """A zero-copy view of a receive slot; `on_free` returns the slot when the
     view (and every view derived from it) is garbage collected."""
     # The dtype first: a kind that cannot hold it refuses before the slot is tied to the view.
-    dt = dtypes.to_torch(dtype_word) if kind == "torch" else dtypes.to_numpy(dtype_word)
-    raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
-    weakref.finalize(raw, on_free)
     if kind == "torch":
+        dt = dtypes.to_torch(dtype_word)
+        raw = _slot(ptr, nbytes, on_free)
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dt)
         flat = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
         return flat.view(dt).reshape(tuple(shape))
-    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(dt)
+    ndt = dtypes.to_numpy(dtype_word)
+    raw = _slot(ptr, nbytes, on_free)
+    # raw is a buffer (a ctypes array), which numpy's stub does not list.
+    arr: np.ndarray[Any, Any] = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(ndt)  # type: ignore[call-overload]
     return arr.reshape(tuple(shape))
+
+
+def _slot(ptr: int, nbytes: int, on_free: Callable[[], None]) -> ctypes.Array[ctypes.c_char]:
+    """The slot's bytes as a buffer; `on_free` runs when the last view of it is gone."""
+    raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
+    weakref.finalize(raw, on_free)
+    return raw

@@ -5,9 +5,13 @@ received as the same dtype by the other (where that kind has it).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+    import torch
 
 # DLPack type codes (dlpack.h, DLDataTypeCode).
 INT, UINT, FLOAT, BFLOAT, COMPLEX, BOOL = 0, 1, 2, 4, 5, 6
@@ -23,7 +27,7 @@ def itemsize(w: int) -> int:
     return (((w >> 8) & 0xFF) * max(w & 0xFF, 1) + 7) // 8
 
 
-_NUMPY: dict[Any, int] = {
+_NUMPY: dict[np.dtype[Any], int] = {
     np.dtype(np.bool_): word(BOOL, 8),
     np.dtype(np.int8): word(INT, 8),
     np.dtype(np.int16): word(INT, 16),
@@ -41,8 +45,8 @@ _NUMPY: dict[Any, int] = {
 }
 _FROM_NUMPY = {v: k for k, v in _NUMPY.items()}
 
-_TORCH: dict[Any, int] = {}
-_FROM_TORCH: dict[int, Any] = {}
+_TORCH: dict[torch.dtype, int] = {}
+_FROM_TORCH: dict[int, torch.dtype] = {}
 
 
 def _torch_table() -> None:
@@ -67,7 +71,7 @@ def _torch_table() -> None:
             _FROM_TORCH[w] = dt
 
 
-def from_torch(dtype: Any) -> int:
+def from_torch(dtype: torch.dtype) -> int:
     try:
         return _TORCH[dtype]
     except KeyError:
@@ -80,7 +84,7 @@ def from_torch(dtype: Any) -> int:
                               "send a tensor of a fixed-size dtype, e.g. t.int_repr()") from None
 
 
-def to_torch(w: int) -> Any:
+def to_torch(w: int) -> torch.dtype:
     if not _TORCH:
         _torch_table()
     try:
@@ -91,7 +95,7 @@ def to_torch(w: int) -> Any:
         raise InvalidArgument(f"received dtype word {w:#x} has no torch equivalent in this torch version") from None
 
 
-def from_numpy(dtype: Any) -> int:
+def from_numpy(dtype: npt.DTypeLike) -> int:
     try:
         return _NUMPY[np.dtype(dtype)]
     except (KeyError, TypeError):
@@ -101,7 +105,7 @@ def from_numpy(dtype: Any) -> int:
                               "use a fixed-size numeric or bool dtype") from None
 
 
-def to_numpy(w: int) -> np.dtype:
+def to_numpy(w: int) -> np.dtype[Any]:
     try:
         return _FROM_NUMPY[w]
     except KeyError:

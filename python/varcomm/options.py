@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, TypedDict, TypeVar
 
 from .errors import InvalidArgument
 
@@ -217,6 +217,27 @@ def _default_array() -> str:
 T = TypeVar("T", bound="_Declared")
 
 
+class CoreOptions(TypedDict):
+    """What the C++ core takes: exactly the fields of csrc/options.h (the
+    binding refuses a missing or unknown key)."""
+
+    bound: int
+    slots: int
+    spin_us: int
+    transport: str
+    rdma_provider: str
+    rdma_iface: str
+    peer_timeout: float
+    rdma_strict: bool
+    rdma_eager_credits: bool
+    liveness_addr: str
+    debug: bool
+    nvlink: str
+    cuda_device: int
+    nvlink_flags: str
+    nvlink_kernel_max: int
+
+
 class _Declared:
     """Resolution shared by Options and ToolOptions: every field carries a Spec."""
 
@@ -254,7 +275,7 @@ class _Declared:
                             f"valid: {', '.join(specs)}")
         values = {name: _convert(specs[name], value, f"{keyword_origin or type(self).__name__}({name}=...)")
                   for name, value in overrides.items() if value is not None or specs[name].none_is_value}
-        return dataclasses.replace(self, **values) if values else self
+        return dataclasses.replace(self, **values) if values else self  # type: ignore[type-var]  # a dataclass
 
 
 def _convert(spec: Spec, value: object, where: str) -> Any:
@@ -331,7 +352,7 @@ class Options(_Declared):
         n = cores if cores is not None else (os.cpu_count() or 1)
         return dataclasses.replace(self, spin_us=50 if local_world_size <= n else 0)
 
-    def core(self, cuda_device: int) -> dict[str, int | str | bool]:
+    def core(self, cuda_device: int) -> CoreOptions:
         """What the C++ core takes (csrc/options.h); cuda_device -1: none."""
         if self.spin_us is None:
             raise InvalidArgument("Options.spin_us is still auto: call Options.placed(local_world_size) first")

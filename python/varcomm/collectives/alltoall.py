@@ -19,7 +19,7 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Literal, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar, cast, overload
 
 import numpy as np
 
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from ..arrays import Array, Splits
     from ..comm import Communicator
     from ..work import Work
+
+R = TypeVar("R")
 
 #: Collective tags are >= this; user point-to-point tags should stay below it.
 COLL_TAG_BASE: int = _C.COLL_TAG_BASE
@@ -42,24 +44,26 @@ _STRATEGIES = {"auto": 0, "one-phase": 0, "two-phase": 1}
 _V, _SINGLE = 0, 1  # the core's row-form operations
 
 
-def _strategy(comm: Any) -> int:
+def _strategy(comm: Communicator) -> int:
     """The all-to-all strategy (option a2a_algorithm), read at call time."""
     return _STRATEGIES[comm.options.a2a_algorithm]
 
 
 # The only uses of the core's collective binding.
-def _rows(comm: Any, op: int, tag: int, ptr: int, row_bytes: int, splits: list[int], word: int,
-          trailing: tuple[int, ...], out: int, cap: int, expect: list[int] | None = None) -> Any:
+def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, splits: list[int], word: int,
+          trailing: tuple[int, ...], out: int, cap: int, expect: list[int] | None = None) -> _C.AllToAll:
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
                               expect)
 
 
-def _list(comm: Any, sends: list[tuple[int, int, int, tuple[int, ...]]],
-          outs: list[tuple[int, int, int, tuple[int, ...]] | None]) -> Any:
+def _list(comm: Communicator, sends: list[tuple[int, int, int, tuple[int, ...]]],
+          outs: list[tuple[int, int, int, tuple[int, ...]] | None]) -> _C.AllToAll:
     return _C.all_to_all_list(comm._c, _strategy(comm), sends, outs)
 
 
-def _run(comm: Any, handle: Any, timeout: float | None, alloc: Callable[..., int] | None = None) -> Any:
+def _run(comm: Communicator, handle: _C.AllToAll, timeout: float | None,
+         alloc: Callable[..., int] | None = None) -> Any:
+    """Rows per source (row forms; Any: the caller knows it is a list), None (list form)."""
     return handle.run(comm._timeout if timeout is None else timeout, alloc)
 
 
@@ -158,7 +162,7 @@ class AllToAllWork:
                 pass
 
 
-def _done(finish: Callable[[float | None], Any], async_op: bool, timeout: float | None, keep: Any) -> Any:
+def _done(finish: Callable[[float | None], R], async_op: bool, timeout: float | None, keep: object) -> R | Work:
     return AllToAllWork(finish, keep) if async_op else finish(timeout)
 
 
@@ -238,7 +242,7 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         made.append(a)
         return a.data_ptr() if arrays.is_torch(a) else a.ctypes.data
 
-    def finish(t: float | None) -> Any:
+    def finish(t: float | None) -> tuple[Array, list[int]]:
         recv = _run(comm, h, t, alloc if out is None else None)
         if out is None:
             return made[0], recv
@@ -322,7 +326,7 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
     if output_tensor_list is not None and len(output_tensor_list) != n:
         raise InvalidArgument(f"output_tensor_list has {len(output_tensor_list)} entries; the world has {n} ranks")
     msgs = [arrays.host_array(t, f"input_tensor_list[{d}]") for d, t in enumerate(input_tensor_list)]
-    outs = output_tensor_list if output_tensor_list is not None else [None] * n
+    outs: list[Array | None] = output_tensor_list if output_tensor_list is not None else [None] * n
     sends = []
     for m in msgs:
         ptr, nbytes, word, shape, _keep = arrays.describe_host(m)
@@ -345,8 +349,8 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
         outs[s] = a
         return ptr
 
-    def finish(t: float | None) -> Any:
+    def finish(t: float | None) -> list[Array]:
         _run(comm, h, t, alloc)
-        return outs
+        return cast("list[Array]", outs)  # every entry given or allocated now
 
     return _done(finish, async_op, timeout, (msgs, outs))

@@ -71,7 +71,7 @@ def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tens
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tokens: torch.Tensor, handle_box: list, topk_ids: torch.Tensor,
+    def forward(ctx: Any, tokens: torch.Tensor, handle_box: list[Any], topk_ids: torch.Tensor,
                 num_experts: int, comm: Any) -> Any:
         n = comm.world_size
         per_rank = num_experts // n
@@ -152,8 +152,9 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
         raise InvalidArgument(f"topk_ids must be [T, K] with T={tokens.shape[0]}, got {tuple(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
-    box: list = []
-    expert_tokens, tokens_per_expert = _Dispatch.apply(tokens, box, topk_ids, num_experts, comm)
+    box: list[Any] = []
+    # Function.apply is unannotated in torch.
+    expert_tokens, tokens_per_expert = _Dispatch.apply(tokens, box, topk_ids, num_experts, comm)  # type: ignore[no-untyped-call]
     order, send_splits, recv_splits, perm, tpe, T, K = box[0]
     handle = MoEHandle(comm, T, K, order, send_splits, recv_splits, perm, tpe, topk_weights)
     return expert_tokens, tokens_per_expert, handle
@@ -169,6 +170,7 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle)
         raise InvalidArgument(f"expert_outputs has {expert_outputs.shape[0]} rows; dispatch delivered "
                               f"{handle.perm.numel()}")
     h = handle
-    per_tk = _Combine.apply(expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk)
+    per_tk: torch.Tensor = _Combine.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
+        expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk)
     w = h.topk_weights.to(per_tk.dtype)
     return (per_tk * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1)

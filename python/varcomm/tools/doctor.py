@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from .. import options as _options
 from ..errors import InvalidArgument
@@ -30,21 +32,21 @@ def _run(argv: list[str], timeout: float = 30) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
-def _build() -> tuple[dict | None, object | None, str]:
+def _build() -> tuple[dict[str, Any] | None, ModuleType | None, str]:
     try:
-        from .. import _C  # type: ignore[attr-defined]
+        from .. import _C
     except Exception as e:  # any import failure is worth reporting
         return None, None, f"C extension not importable ({type(e).__name__}: {e})"
     info = dict(getattr(_C, "build_info", {}) or {})
     return info, _C, ""
 
 
-def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[str]]:
+def _libfabric(C: ModuleType | None, build: dict[str, Any] | None) -> tuple[list[str], list[str]]:
     """(report lines, provider names found)."""
     lines: list[str] = []
     if C is not None and build and "rdma" in build.get("transports", ()) and hasattr(C, "rdma_info"):
         try:
-            text = C.rdma_info(_options.Options.resolve().placed(1).core(-1))  # type: ignore[attr-defined]
+            text = C.rdma_info(_options.Options.resolve().placed(1).core(-1))
             lines += text.rstrip().splitlines()
         except Exception as e:
             lines.append(f"rdma_info() failed: {e}")
@@ -67,7 +69,7 @@ def _libfabric(C: object | None, build: dict | None) -> tuple[list[str], list[st
     return lines, provs
 
 
-def _rdma_provider_choice(fab: list[str], want: str, C: object | None) -> str:
+def _rdma_provider_choice(fab: list[str], want: str, C: ModuleType | None) -> str:
     if want:
         return f"{want} (VARCOMM_FI_PROVIDER)"
     for ln in fab:  # the extension's own answer, when it has rdma
