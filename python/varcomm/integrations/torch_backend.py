@@ -121,14 +121,14 @@ class VarcommWork(dist.Work):
     def synchronize(self, timeout: timedelta | float | None = None) -> None:
         self.wait(timeout)
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
         """A completed future (the work is finished first: varcomm has no progress thread)."""
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         try:
             self.wait()
             fut.set_result(self._result)
         except BaseException as e:
-            fut.set_exception(e)
+            fut.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the result
         return fut
 
     def block_current_stream(self) -> None:
@@ -182,7 +182,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, *,
                  global_ranks: Sequence[int] | None = None, group_id: str = "", options: Options | None = None):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) overload is not in torch's stub
         self._rank = rank
         self._size = size
         self._pg_timeout = timeout
@@ -318,7 +318,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
         return VarcommWork(finish, None, [output])
 
     # torch calls it by both names (dist.all_to_all_single; functional collectives)
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # torch's stub overloads it
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> dist.Work:
@@ -365,7 +365,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, *args: Any) -> dist.Work:
         return self._delegate("_allgather_base", args)
 
-    all_gather_single = _allgather_base
+    all_gather_single = _allgather_base  # type: ignore[assignment]  # *args: delegated as given
 
     def reduce_scatter(self, *args: Any) -> dist.Work:
         return self._delegate("reduce_scatter", args)
@@ -373,7 +373,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, *args: Any) -> dist.Work:
         return self._delegate("_reduce_scatter_base", args)
 
-    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]  # *args: delegated as given
 
     def reduce(self, *args: Any) -> dist.Work:
         return self._delegate("reduce", args)
@@ -388,21 +388,21 @@ class VarcommProcessGroup(dist.ProcessGroup):
         return self._delegate("scatter", args)
 
     def monitored_barrier(self, *args: Any) -> Any:
-        return self._gloo.monitored_barrier(*args)
+        return self._gloo.monitored_barrier(*args)  # type: ignore[attr-defined]  # not in torch's stub
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         return self._coalesced("_allgather_base", "allgather_into_tensor_coalesced", outputs, inputs, opts,
-                               dist.AllgatherOptions)
+                               dist.AllgatherOptions)  # type: ignore[attr-defined]  # not in torch's stub
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]  # torch's parameter names
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         return self._coalesced("_reduce_scatter_base", "reduce_scatter_tensor_coalesced", outputs, inputs, opts,
                                dist.ReduceScatterOptions)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]  # torch's parameter names
 
     def _coalesced(self, single: str, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                    opts: Any, make_opts: Callable[[], Any]) -> dist.Work:
@@ -478,7 +478,7 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 def _dtype_names(msg: str) -> str:
     """The engine names dtypes by code: name them as torch does."""
-    def name(m: re.Match) -> str:
+    def name(m: re.Match[str]) -> str:
         try:
             return f"{m.group(1)} {dtypes.to_torch(int(m.group(2)))}"
         except Exception:
