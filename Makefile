@@ -1,5 +1,5 @@
 # make demo: the main job (a local multi-rank run comparing varcomm with the fallback)
-# make test: the whole suite
+# make test: the whole suite (after make lint: ruff and mypy)
 # Both set everything up on a fresh Debian machine and are quick once set up.
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +9,7 @@ DEPS := $(VENV)/.deps-ok
 SO_STAMP := $(VENV)/.build-ok
 SOURCES := $(shell find csrc transport -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: all setup build test demo bench clean
+.PHONY: all setup build lint test demo bench clean
 all: build
 
 $(DEPS): requirements-dev.txt scripts/setup-system.sh Makefile
@@ -30,7 +30,12 @@ $(SO_STAMP): $(DEPS) $(SOURCES) bench/pyproject.toml
 setup: $(DEPS)
 build: $(SO_STAMP)
 
-test: build
+# mypy keeps its cache in .venv/.mypy_cache (pyproject.toml): seconds once warm.
+lint: $(DEPS)
+	$(PY) -m ruff check python tests bench/varcomm_bench examples
+	$(PY) -m mypy
+
+test: build lint
 	$(PY) -m pytest -q tests
 
 # The main job, then a short run of the benchmark suite (bench/, package
