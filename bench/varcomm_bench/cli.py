@@ -386,6 +386,7 @@ def run_job(a: argparse.Namespace) -> int:
         ctx.close()
     if ctx.rank != 0:
         return 0
+    assert info is not None  # rank 0
     info["loadavg_start"] = load0
     try:
         info["loadavg_end"] = list(os.getloadavg())

@@ -137,6 +137,8 @@ class Ctx:
         self.hostname = socket.gethostname()
         self.transport: str | None = None  # varcomm's route to the next rank (set by init_comms)
         self.transport_detail: str | None = None
+        self.fi_provider_used: str | None = None  # the libfabric provider fi_pingpong was asked for
+        self.fi_seen_provider: str | None = None  # and the one it reported
 
     # -- collective helpers over the control channel (shm: microseconds) --
     def gather(self, vals: Sequence[float]) -> np.ndarray | None:
@@ -150,7 +152,7 @@ class Ctx:
         out[0] = mine
         buf = np.empty(k, dtype=np.float64)
         for r in range(1, self.world):
-            out[r] = self.ctl.recv(r, tag=CTL_TAG, out=buf)
+            out[r] = self.ctl.recv(r, tag=CTL_TAG, out=buf)  # type: ignore[assignment]  # buf, filled
         return out
 
     def bcast(self, vals: Sequence[float]) -> np.ndarray:
@@ -160,7 +162,7 @@ class Ctx:
             for r in range(1, self.world):
                 self.ctl.send(mine, r, tag=CTL_TAG + 1)
             return mine
-        return self.ctl.recv(0, tag=CTL_TAG + 1, out=np.empty(k, dtype=np.float64)).copy()
+        return self.ctl.recv(0, tag=CTL_TAG + 1, out=np.empty(k, dtype=np.float64)).copy()  # type: ignore[union-attr]  # out
 
     def sync_all(self) -> None:
         """A fast barrier (gather + release over the control channel)."""
@@ -384,7 +386,7 @@ def agree(ctx: Ctx, methods: list[Method]) -> None:
     if ctx.rank == 0:
         for i, m in enumerate(methods):
             if m.reason is None and m.where == "all":
-                bad = [r for r in range(ctx.world) if not g[r, i]]
+                bad = [r for r in range(ctx.world) if not g[r, i]]  # type: ignore[index]  # rank 0 has the table
                 if bad:
                     m.reason = f"unavailable on rank(s) {bad}"
         ok = [0.0 if m.reason else 1.0 for m in methods]
@@ -501,9 +503,9 @@ def run_test(ctx: Ctx, t: Test, methods: list[Method], ext: dict[str, Callable[.
         if ctx.rank == 0 and not a.quiet:
             parts = []
             for m in methods:
-                rec = samples[m.name].get(pi)
-                if rec and rec["t"]:
-                    parts.append(f"{SHORT[m.name]} {fmt_time(np.median(rec['t']) * 1e6)}")
+                got = samples[m.name].get(pi)
+                if got and got["t"]:
+                    parts.append(f"{SHORT[m.name]} {fmt_time(np.median(got['t']) * 1e6)}")
             log(f"{t.bench} {t.test:<10} {fmt_bytes(t.size_of(point)):>7} "
                 f"({pi + 1}/{len(t.points)}, {time.monotonic() - t_pt:5.2f} s): " + ", ".join(parts))
     ctx.sync_all()
@@ -516,7 +518,7 @@ def _sample(ctx: Ctx, m: Method, t: Test, point: Any, n: int, w: int) -> tuple[f
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        return m.kernel(t.test, point, n, w)
+        return m.kernel(t.test, point, n, w)  # type: ignore[misc]  # agree() runs only methods with a kernel
     finally:
         if gc_was:
             gc.enable()
@@ -558,7 +560,7 @@ def _result(ctx: Ctx, t: Test, methods: list[Method], samples: dict[str, dict[in
         row["ratios"] = {b: row["methods"][b]["time_us"]["median"] / v["time_us"]["median"]
                          for b in row["methods"] if b != "varcomm" and v}
         pts.append(row)
-    status = {}
+    status: dict[str, dict[str, Any]] = {}
     for m in methods:
         have = any(m.name in p["methods"] for p in pts)
         if m.reason or (m.failed and not have):

@@ -190,7 +190,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
             prov = fi_provider(ctx, vc)
             fi.note = f"provider {prov}; payloads not verified by fi_pingpong"
             ctx.fi_provider_used = prov
-            ext["libfabric"] = fi_runner(ctx, exe, prov)
+            ext["libfabric"] = fi_runner(ctx, exe, prov)  # type: ignore[arg-type]  # no why: a path
     methods += [fi, memcpy_method(ctx, lambda s: [s]), d2d_method(ctx, lambda s: [s])]
     agree(ctx, methods)
     results = []
