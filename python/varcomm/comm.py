@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .arrays import Array, Splits
 
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
-_TORCH_WORDS: dict[Any, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
+_TORCH_WORDS: dict[torch.dtype, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
 
 
 class P2PWork:
