@@ -150,7 +150,7 @@ class Communicator:
         out: bytes | None = self._c.setup_begin()
         rnd = 0
         while out is not None:
-            self._store.set(f"setup/{rnd}/{self.rank}", out)  # type: ignore[arg-type]  # the stub says str; bytes work
+            self._store.set(f"setup/{rnd}/{self.rank}", out)  # type: ignore[arg-type]  # torch's stub says str; bytes work
             blobs = [self._store.get(f"setup/{rnd}/{r}") for r in range(self.world_size)]
             out = self._c.setup_step(blobs)
             rnd += 1
