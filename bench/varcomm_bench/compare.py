@@ -1,0 +1,67 @@
+"""Compare varcomm-bench JSON results of two builds, point by point.
+
+    python -m varcomm_bench.compare --before a1.json a2.json --after b1.json b2.json
+
+Runs of the two builds should alternate in one session (this machine is
+noisy). Each point's time is the best of its runs' medians, so one loaded run
+does not decide it; the ratio is before / after (> 1: the after build is faster).
+Only varcomm's own methods are compared unless --methods says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+
+Key = tuple[str, str, float, str]  # bench (with its routing/notes title), test, size, method
+
+
+def _points(paths: Iterable[str], methods: set[str] | None) -> dict[Key, float]:
+    best: dict[Key, float] = {}
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        for res in doc["results"]:
+            for pt in res["points"]:
+                for m, v in pt["methods"].items():
+                    if methods is not None and m not in methods:
+                        continue
+                    if methods is None and not m.startswith("varcomm"):
+                        continue
+                    t = v.get("time_us", {}).get("median")
+                    if t is None:
+                        continue
+                    k = (res.get("title", res["bench"]), res["test"], float(pt["size"]), m)
+                    best[k] = min(best.get(k, float("inf")), float(t))
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m varcomm_bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", nargs="+", required=True, help="JSON files of the baseline build")
+    p.add_argument("--after", nargs="+", required=True, help="JSON files of the build under test")
+    p.add_argument("--methods", help="comma-separated methods to compare (default: varcomm*)")
+    p.add_argument("--slower", type=float, default=0.9,
+                   help="flag a point whose ratio is below this (default 0.9)")
+    a = p.parse_args(argv)
+    methods = set(a.methods.split(",")) if a.methods else None
+    before, after = _points(a.before, methods), _points(a.after, methods)
+    keys = sorted(set(before) & set(after))
+    if not keys:
+        p.error("no point is in both --before and --after")
+    print("| bench | test | size | method | before (µs) | after (µs) | before/after |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    flagged = 0
+    for k in keys:
+        r = before[k] / after[k]
+        mark = " **slower**" if r < a.slower else ""
+        flagged += bool(mark)
+        print(f"| {k[0]} | {k[1]} | {int(k[2])} | {k[3]} | {before[k]:.2f} | {after[k]:.2f} | {r:.2f}{mark} |")
+    print(f"\n{len(keys)} points, {flagged} below {a.slower}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
