@@ -187,6 +187,20 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
                        const int64_t* shape, uint32_t ndim, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
+  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, 0);
+}
+
+uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
+                                  uint32_t ndim) {
+  std::lock_guard<std::mutex> g(mu_);
+  check_send(peer, 0, ndim, Mem{});
+  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor);
+}
+
+// Every queued send goes through here: sending_ counts what is in the sendqs
+// (a blocking recv drives them only while it is nonzero).
+uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
+                            const int64_t* shape, uint32_t ndim, Mem mem, uint64_t hflags) {
   Peer& p = peers_[peer];
   uint64_t id = alloc(ReqKind::Send);
   Request& r = reqs_[uint32_t(id)];
@@ -197,30 +211,11 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   r.dtype = dtype;
   r.ndim = ndim;
   r.mem = mem;
+  r.hflags = hflags;
   std::copy(shape, shape + ndim, r.shape);
   r.state = ReqState::Queued;
   p.sendq.push_back(id);
   sending_++;
-  progress_sends(peer);
-  return id;
-}
-
-uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                                  uint32_t ndim) {
-  std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, 0, ndim, Mem{});
-  Peer& p = peers_[peer];
-  uint64_t id = alloc(ReqKind::Send);
-  Request& r = reqs_[uint32_t(id)];
-  r.peer = peer;
-  r.tag = tag;
-  r.nbytes = nbytes;
-  r.dtype = dtype;
-  r.ndim = ndim;
-  r.hflags = kDescriptor;
-  std::copy(shape, shape + ndim, r.shape);
-  r.state = ReqState::Queued;
-  p.sendq.push_back(id);
   progress_sends(peer);
   return id;
 }

@@ -292,3 +292,31 @@ def test_descriptor_messages(transport):
             st = comm.recv(src=0, tag=3)  # kept: the next recv gets it
             assert st.descriptor and st.nbytes == 24
             assert comm.recv(src=0, tag=3, out=out).tolist() == [0.0, 1.0, 2.0]
+
+
+@world(2, timeout=60)
+def test_blocking_recv_drives_queued_sends_after_a_descriptor():
+    """A blocking recv keeps this rank's queued isends moving (the peer may
+    wait for them before it answers). The engine counts queued sends to know
+    when to: a descriptor send that was never counted used to drive that count
+    below zero, so that after it the next queued isend was not moved and both
+    ranks hung."""
+    from varcomm import dtypes
+
+    f64 = dtypes.word(dtypes.FLOAT, 64)
+    with varcomm.init(transport="shm", bound=BOUND, slots=1, timeout=10) as comm:
+        if comm.rank == 0:
+            comm.isend_descriptor(1, 24, f64, (3,), tag=9).wait()
+            comm.recv(src=1, tag=8)  # rank 1's slot for us is free again
+            a = comm.isend(np.full(4, 1.0), dst=1, tag=1)
+            b = comm.isend(np.full(4, 2.0), dst=1, tag=2)  # queued: rank 1's one slot holds a
+            got = comm.recv(src=1, tag=3, out=np.zeros(1))  # rank 1 answers only once it has b
+            a.wait()
+            b.wait()
+            assert got.tolist() == [3.0]
+        else:
+            assert comm.recv(src=0, tag=9).descriptor
+            comm.send(np.zeros(1), dst=0, tag=8)
+            assert comm.recv(src=0, tag=1).tolist() == [1.0] * 4
+            assert comm.recv(src=0, tag=2).tolist() == [2.0] * 4
+            comm.send(np.full(1, 3.0), dst=0, tag=3)
