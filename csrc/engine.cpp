@@ -269,6 +269,20 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   return "";
 }
 
+// A header is copied out of the slot once and checked before anything uses
+// it: the peer writes our region (mapped, or by the fallback's frames), so a
+// header that would make us read past its slot, build a shape longer than
+// kMaxDims, or lose track of the slot fails the peer instead.
+bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
+  if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq) return true;
+  fail_peer(peer, peer_str(peer) + " wrote a malformed message header into this rank's slot (seq " +
+                      std::to_string(h.seq) + " in the slot marked " + std::to_string(seq) + ", " +
+                      std::to_string(h.nbytes) + " bytes against a bound of " + std::to_string(layout_.bound) +
+                      ", ndim " + std::to_string(h.ndim) +
+                      "); it is treated as failed (a different varcomm version on that rank, or memory corruption)");
+  return false;
+}
+
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                          Mem mem) {
   Peer& p = peers_[peer];
@@ -277,10 +291,12 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     if (a->claimed) continue;
     const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
     if (h->tag != tag) continue;
-    ErrorKind kind;
-    std::string why = misfit(peer, *h, out_cap, out_dtype, &kind);
-    if (!why.empty()) throw Error(kind, why, peer);
     *hdr = *h;
+    if (!sane(peer, *hdr, a->seq))
+      throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    ErrorKind kind;
+    std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind);
+    if (!why.empty()) throw Error(kind, why, peer);
     int k = a->slot;
     p.ready.erase(a);
     consume(peer, k, *hdr, out, mem);
@@ -496,25 +512,22 @@ void Engine::progress_recvs(int peer) {
       ++it;
       continue;
     }
-    const char* slot = base + layout_.slot_off(peer, m->slot);
-    const auto* h = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    r.hdr = *reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, m->slot) + kHeaderOff);
+    if (!sane(peer, r.hdr, m->seq)) return;  // the peer is failed, and with it every posted recv
     if (r.out) {
       // Refuse without consuming: the message stays for the next receive.
-      r.error = misfit(peer, *h, r.out_cap, r.out_dtype, &r.err);
+      r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err);
       if (!r.error.empty()) {
         r.state = ReqState::Failed;
-        r.hdr = *h;
         if (r.detached) recycle(*it);  // nobody will read the error
         it = p.posted.erase(it);
         continue;
       }
-      r.hdr = *h;
       int k = m->slot;
       p.ready.erase(m);
       consume(peer, k, r.hdr, r.out, r.mem);
       r.state = ReqState::Done;
     } else {
-      r.hdr = *h;
       r.slot = m->slot;
       m->claimed = true;
       r.state = ReqState::Matched;

@@ -160,6 +160,8 @@ class Engine {
                    Mem mem);
   // Empty when a message fits a recv's out; else why not (and *kind).
   std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
+  // False, with the peer failed, when a header it wrote cannot be trusted.
+  bool sane(int peer, const MsgHeader& h, uint64_t seq);
   // Copy a message out of our slot into dst and give the slot back.
   void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
   Transport& device_transport(int peer);

@@ -320,3 +320,34 @@ def test_blocking_recv_drives_queued_sends_after_a_descriptor():
             assert comm.recv(src=0, tag=1).tolist() == [1.0] * 4
             assert comm.recv(src=0, tag=2).tolist() == [2.0] * 4
             comm.send(np.full(1, 3.0), dst=0, tag=3)
+
+
+@pytest.mark.parametrize("field", ["ndim", "nbytes", "seq"])
+@world(2, timeout=60)
+def test_malformed_header_fails_the_peer(field):
+    """A peer writes our region, so what its headers say is checked before it
+    is used: one that would make a recv read past its slot (nbytes over the
+    bound), build a shape of more than 8 dims, or name another message (seq)
+    fails the peer with PeerFailure instead. The lie is written into rank 0's
+    own slot here (a slot loan gives its address), as a buggy or hostile
+    rank 1 mapping it would."""
+    import ctypes
+
+    bound = 4096
+    slot_bytes = 256 + bound  # csrc/protocol.h Layout::slot_bytes: slot control + header + payload
+    with varcomm.init(transport="shm", bound=bound, slots=4, array="numpy", timeout=10) as comm:
+        if comm.rank == 1:
+            for tag in (1, 2, 3):
+                comm.send(np.full(4, float(tag)), dst=0, tag=tag)
+            return  # its messages stay in rank 0's slots
+        comm.recv(src=1, tag=3)  # writes land in order: tags 1 and 2 are in slots 0 and 1 by now
+        loan = comm.recv(src=1, tag=1, copy=False)
+        hdr = loan.ctypes.data + slot_bytes - 128  # slot 1's MsgHeader
+        off, value = {"seq": (0, 99), "nbytes": (8, 3 * bound), "ndim": (28, 1000)}[field]
+        ctypes.c_uint64.from_address(hdr + off).value = value if field != "ndim" else (
+            ctypes.c_uint64.from_address(hdr + off).value & ~0xFFFFFFFF | value)
+        with pytest.raises(varcomm.PeerFailure, match="malformed message header"):
+            comm.recv(src=1, tag=2)
+        with pytest.raises(varcomm.PeerFailure, match="malformed message header"):
+            comm.recv(src=1, tag=2, out=np.zeros(4))
+        del loan
