@@ -608,22 +608,24 @@ void Engine::throw_if_failed(Request& r, uint64_t id) {
   throw e;
 }
 
+std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  *peer = r.peer;
+  std::string op = r.kind == ReqKind::Send ? "send to " : "recv from ";
+  char secs[32];
+  snprintf(secs, sizeof secs, "%.3g", seconds);
+  std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
+  if (r.kind == ReqKind::Send)
+    msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
+  else
+    msg += "; nothing arrived (is the peer sending with this tag?)";
+  return msg;
+}
+
 void Engine::raise_timeout(uint64_t id, double seconds) {
-  std::string msg;
   int peer;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    Request& r = get(id);
-    peer = r.peer;
-    std::string op = r.kind == ReqKind::Send ? "send to " : "recv from ";
-    char secs[32];
-    snprintf(secs, sizeof secs, "%.3g", seconds);
-    msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
-    if (r.kind == ReqKind::Send)
-      msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
-    else
-      msg += "; nothing arrived (is the peer sending with this tag?)";
-  }
+  std::string msg = timeout_message(id, seconds, &peer);
   cancel(id);
   throw Error(ErrorKind::Timeout, msg, peer);
 }
@@ -728,7 +730,7 @@ void Engine::release_locked(uint64_t id) {
   recycle(id);
 }
 
-void Engine::cancel(uint64_t id) {
+bool Engine::cancel(uint64_t id, bool report) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   Peer& p = peers_[r.peer];
@@ -743,10 +745,14 @@ void Engine::cancel(uint64_t id) {
       if (a.seq == r.hdr.seq) a.claimed = false;
   } else {
     // In flight: the transport still reads the source; finish in the background.
-    if (r.state == ReqState::InFlight) r.detached = true;
-    return;
+    if (r.state != ReqState::InFlight) return false;
+    r.detached = true;
+    if (closed_) return false;  // the transports are gone: nothing reads the source any more
+    r.reported = report;
+    return true;
   }
   recycle(id);
+  return false;
 }
 
 bool Engine::detach(uint64_t id, bool report) {

@@ -122,9 +122,14 @@ class Engine {
   const void* payload(uint64_t id);       // zero-copy view; free with release()
   void release(uint64_t id);
   // Give up on a request that has not started (send not written, recv not
-  // matched): nothing is half-written and no message is lost.
-  void cancel(uint64_t id);
+  // matched): nothing is half-written and no message is lost. A send the
+  // transport still reads (in flight) goes on detached: true then, and with
+  // `report` its id comes back from take_recycled() once the engine is done
+  // with its buffer (as for detach), so the caller keeps the buffer until then.
+  bool cancel(uint64_t id, bool report = false);
   [[noreturn]] void raise_timeout(uint64_t id, double seconds);
+  // What raise_timeout says about `id` (and its peer), without cancelling it.
+  std::string timeout_message(uint64_t id, double seconds, int* peer);
   // The caller drops it: finish in the background, recycle. True when it goes
   // on (the engine still touches its buffer); with `report`, its id then comes
   // back from take_recycled() once the engine is done with that buffer, so the

@@ -312,7 +312,26 @@ namespace {
 
 struct AllToAllHandle {
   py::object comm;  // keeps the Comm, and so the Engine, alive
+  py::object keep;  // what the plan's pointers belong to (inputs, outputs)
   std::unique_ptr<AllToAll> a;
+
+  AllToAllHandle() = default;
+  AllToAllHandle(AllToAllHandle&&) = default;
+  // A collective given up on (timeout, error, interrupt, dropped) may leave
+  // sends the transport still reads: their inputs stay in the Comm's keep map
+  // until the engine is done with them, as for a dropped p2p Work.
+  void keep_in_flight() {
+    if (!a) return;
+    auto ids = a->take_in_flight();
+    if (ids.empty()) return;
+    Comm& c = comm.cast<Comm&>();
+    for (uint64_t id : ids) c.kept[id] = keep;
+  }
+  ~AllToAllHandle() {
+    if (!a) return;
+    a->cleanup();
+    keep_in_flight();
+  }
 };
 
 std::string dtype_name(uint32_t w) {
@@ -351,18 +370,31 @@ void fill_chunk(A2AChunk& c, const py::handle& t) {
   std::copy(shape.begin(), shape.end(), c.shape);
 }
 
-AllToAllHandle make_a2a(py::object comm, A2APlan plan) {
+AllToAllHandle make_a2a(py::object comm, A2APlan plan, py::object keep) {
   Comm& c = comm.cast<Comm&>();
   AllToAllHandle h;
   h.comm = comm;
+  h.keep = std::move(keep);
   h.a = std::make_unique<AllToAll>(*c.engine, std::move(plan));
+  h.a->start();  // a throw leaves its in-flight sends to h's destructor
   return h;
 }
+
+py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::object alloc);
 
 // Finishes the collective. Row forms: returns the rows per source; alloc(total
 // rows) -> pointer is called when there is no out. List form: returns None;
 // alloc(src, dtype word, shape) -> pointer for each output left to allocate.
 py::object a2a_run(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
+  try {
+    return a2a_finish(h, timeout, alloc);
+  } catch (...) {
+    h.keep_in_flight();
+    throw;
+  }
+}
+
+py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
   AllToAll& a = *h.a;
   auto deadline = deadline_of(timeout);
   a2a_drive(a, [&](Clock::time_point d) { return a.wait_headers(d); }, deadline, timeout);
@@ -395,25 +427,26 @@ void bind_collectives(py::module_& m) {
   py::class_<AllToAllHandle>(m, "AllToAll")
       .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none());
   // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
-  // expected rows per source).
+  // expected rows per source). keep: the objects x (and out) belong to; a send
+  // still in flight when the collective is given up on keeps them alive.
   m.def("all_to_all_rows",
         [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
            const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
-           uint64_t cap, std::optional<std::vector<int64_t>> expect) {
+           uint64_t cap, std::optional<std::vector<int64_t>> expect, py::object keep) {
           A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, Mem{});
           p.strategy = A2AStrategy(strategy);
           p.user_tag = tag;
           p.out = reinterpret_cast<void*>(out);
           p.out_cap = cap;
           if (expect) p.expect_rows = *expect;
-          return make_a2a(comm, std::move(p));
+          return make_a2a(comm, std::move(p), std::move(keep));
         },
         py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
         py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
-        py::arg("expect") = py::none());
+        py::arg("expect") = py::none(), py::arg("keep") = py::none());
   // sends[d], outs[s]: (ptr, nbytes, dtype word, shape); an out of None is allocated.
   m.def("all_to_all_list",
-        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs) {
+        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs, py::object keep) {
           A2APlan p;
           p.op = A2AOp::List;
           p.strategy = A2AStrategy(strategy);
@@ -422,8 +455,9 @@ void bind_collectives(py::module_& m) {
           for (size_t i = 0; i < p.send.size(); ++i) fill_chunk(p.send[i], sends[i]);
           for (size_t i = 0; i < p.outs.size(); ++i)
             if (!outs[i].is_none()) fill_chunk(p.outs[i], outs[i]);
-          return make_a2a(comm, std::move(p));
-        });
+          return make_a2a(comm, std::move(p), std::move(keep));
+        },
+        py::arg("comm"), py::arg("strategy"), py::arg("sends"), py::arg("outs"), py::arg("keep") = py::none());
 }
 
 }  // namespace
