@@ -623,13 +623,6 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   return msg;
 }
 
-void Engine::raise_timeout(uint64_t id, double seconds) {
-  int peer;
-  std::string msg = timeout_message(id, seconds, &peer);
-  cancel(id);
-  throw Error(ErrorKind::Timeout, msg, peer);
-}
-
 // ---- waiting --------------------------------------------------------------
 
 bool Engine::test(uint64_t id) {

@@ -127,8 +127,7 @@ class Engine {
   // `report` its id comes back from take_recycled() once the engine is done
   // with its buffer (as for detach), so the caller keeps the buffer until then.
   bool cancel(uint64_t id, bool report = false);
-  [[noreturn]] void raise_timeout(uint64_t id, double seconds);
-  // What raise_timeout says about `id` (and its peer), without cancelling it.
+  // Why `id` timed out, for the TimeoutError (and its peer); the caller cancels it.
   std::string timeout_message(uint64_t id, double seconds, int* peer);
   // The caller drops it: finish in the background, recycle. True when it goes
   // on (the engine still touches its buffer); with `report`, its id then comes

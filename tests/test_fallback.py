@@ -277,3 +277,38 @@ def test_alltoall_given_up_keeps_its_in_flight_input_alive():
         time.sleep(0.05)
     assert alive() is None, "the input was kept after the mover had sent it"
     comm.close()
+
+
+@world(2, timeout=120)
+def test_blocking_send_timed_out_in_flight_keeps_its_array_alive():
+    """A blocking numpy send that times out while the mover still sends it
+    (receiver stopped mid-payload) keeps the array alive until the mover is
+    done, then lets it go."""
+    import gc
+    import signal
+    import weakref
+
+    big = 32 << 20
+    comm = varcomm.init(transport="fallback", bound=big, slots=1, timeout=60)
+    if comm.rank == 1:
+        comm.send(torch.tensor([os.getpid()]), dst=0)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        assert comm.recv(src=0, timeout=30).nbytes == big
+        comm.close()
+        return
+    pid = int(comm.recv(src=1).item())
+    time.sleep(0.5)
+    x = np.full(big, 7, np.uint8)
+    alive = weakref.ref(x)
+    with pytest.raises(varcomm.TimeoutError):
+        comm.send(x, dst=1, timeout=1.0)
+    del x
+    gc.collect()
+    assert alive() is not None, "the array was let go while the mover still sends it"
+    os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while alive() is not None and time.monotonic() < deadline:
+        comm._c.progress()
+        time.sleep(0.05)
+    assert alive() is None, "the array was kept after the mover had sent it"
+    comm.close()

@@ -219,8 +219,10 @@ struct Comm {
                                           std::to_string(engine->world()) + ")");
   }
 
-  // Waits in slices so Ctrl-C reaches Python while a peer is silent.
-  void wait(uint64_t id, std::optional<double> timeout) {
+  // Waits in slices so Ctrl-C reaches Python while a peer is silent. `owner`
+  // (may be null): what a send's source belongs to; when the wait gives up on
+  // a send the transport still reads, it is kept until the engine is done.
+  void wait(uint64_t id, std::optional<double> timeout, py::handle owner = {}) {
     if (engine->wait(id, Clock::time_point::min())) {  // done already: keep the GIL
       drop_kept();
       return;
@@ -237,12 +239,20 @@ struct Comm {
       }
       if (done) break;
       if (PyErr_CheckSignals() != 0) {
-        engine->cancel(id);
+        give_up(id, owner);
         throw py::error_already_set();
       }
-      if (Clock::now() >= deadline) engine->raise_timeout(id, *timeout);
+      if (Clock::now() >= deadline) {
+        int peer;
+        std::string msg = engine->timeout_message(id, *timeout, &peer);
+        give_up(id, owner);
+        throw Error(ErrorKind::Timeout, msg, peer);
+      }
     }
     drop_kept();
+  }
+  void give_up(uint64_t id, py::handle owner) {
+    if (engine->cancel(id, bool(owner))) kept[id] = py::reinterpret_borrow<py::object>(owner);
   }
 };
 
@@ -260,12 +270,14 @@ Clock::time_point deadline_of(std::optional<double> timeout) {
                  : Clock::time_point::max();
 }
 
+// owner: what ptr belongs to, kept if the send is given up on in flight.
 void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbytes, uint32_t dtype,
-                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem = {}) {
+                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem = {},
+                   py::handle owner = {}) {
   uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
   if (id == Engine::kSentDone) return;
   if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
-  c.wait(id, timeout);
+  c.wait(id, timeout, owner);
 }
 
 // Blocking receive into a caller buffer; false when irecvs from src are
@@ -726,7 +738,7 @@ PYBIND11_MODULE(_C, m) {
            [](Comm& c, int dst, int64_t tag, py::handle obj, std::optional<double> timeout) {
              Buf b;
              if (!b.get(obj.ptr(), false)) return false;
-             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout);
+             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj);
              return true;
            })
       // A descriptor message: the header of `nbytes` of data sent separately, no payload.
