@@ -351,3 +351,22 @@ def test_malformed_header_fails_the_peer(field):
         with pytest.raises(varcomm.PeerFailure, match="malformed message header"):
             comm.recv(src=1, tag=2, out=np.zeros(4))
         del loan
+
+
+@world(1)
+def test_point_to_point_tags_stay_out_of_the_collective_space():
+    """Tags from 2**40 up belong to collectives: a user message there could be
+    matched by a collective's receive (or take one's message)."""
+    with varcomm.init(timeout=10, array="numpy") as comm:
+        for call in (lambda: comm.send(np.zeros(2), dst=0, tag=1 << 40),
+                     lambda: comm.send(torch.zeros(2), dst=0, tag=A2A_TAG),
+                     lambda: comm.isend(torch.zeros(2), dst=0, tag=A2A_TAG),
+                     lambda: comm.irecv(src=0, tag=A2A_TAG),
+                     lambda: comm.recv(src=0, tag=A2A_TAG, out=np.zeros(2))):
+            with pytest.raises(varcomm.InvalidArgument, match="reserved for collectives"):
+                call()
+        comm.send(np.ones(2), dst=0, tag=(1 << 40) - 1)  # the largest user tag still works
+        assert comm.recv(src=0, tag=(1 << 40) - 1).tolist() == [1.0, 1.0]
+
+
+A2A_TAG = 1 << 41

@@ -256,6 +256,14 @@ struct Comm {
   }
 };
 
+// Point-to-point tags stay below the collectives' reserved space, so a user
+// message can never be matched by (or steal) a collective's receive.
+inline void check_tag(int64_t tag) {
+  if (tag >= kCollTagBase)
+    throw Error(ErrorKind::Invalid, "tag " + std::to_string(tag) + " is reserved for collectives: point-to-point "
+                                    "tags must be below 2**40 (" + std::to_string(kCollTagBase) + ")");
+}
+
 // Python passes stream = -1 for host memory, else the CUDA stream handle
 // (torch.cuda.current_stream().cuda_stream) that orders a device buffer.
 Mem mem_of(int64_t stream) {
@@ -717,6 +725,7 @@ PYBIND11_MODULE(_C, m) {
       .def("isend",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               int64_t stream) {
+             check_tag(tag);
              auto s = to_shape(shape);
              return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(),
                                     uint32_t(s.size()), mem_of(stream));
@@ -726,6 +735,7 @@ PYBIND11_MODULE(_C, m) {
       .def("send",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               std::optional<double> timeout, int64_t stream) {
+             check_tag(tag);
              auto s = to_shape(shape);
              send_blocking(c, dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()),
                            timeout, mem_of(stream));
@@ -736,6 +746,7 @@ PYBIND11_MODULE(_C, m) {
       // object is not C-contiguous.
       .def("send_buffer",
            [](Comm& c, int dst, int64_t tag, py::handle obj, std::optional<double> timeout) {
+             check_tag(tag);
              Buf b;
              if (!b.get(obj.ptr(), false)) return false;
              send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj);
@@ -744,12 +755,14 @@ PYBIND11_MODULE(_C, m) {
       // A descriptor message: the header of `nbytes` of data sent separately, no payload.
       .def("isend_descriptor",
            [](Comm& c, int dst, int64_t tag, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+             check_tag(tag);
              auto s = to_shape(shape);
              return c.engine->isend_descriptor(dst, tag, nbytes, dtype, s.data(), uint32_t(s.size()));
            },
            py::arg("dst"), py::arg("tag"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"))
       .def("irecv",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
+             check_tag(tag);
              return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("stream") = -1)
@@ -758,6 +771,7 @@ PYBIND11_MODULE(_C, m) {
       // object is unusable here (the caller takes the general path).
       .def("recv_buffer",
            [](Comm& c, int src, int64_t tag, py::handle obj, std::optional<double> timeout) -> py::object {
+             check_tag(tag);
              Buf b;
              if (!b.get(obj.ptr(), true)) return py::none();
              MsgHeader h;
@@ -780,6 +794,7 @@ PYBIND11_MODULE(_C, m) {
       .def("recv_into",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
               std::optional<double> timeout, int64_t stream) -> py::object {
+             check_tag(tag);
              MsgHeader h;
              if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
                return py::none();
