@@ -200,13 +200,12 @@ struct Comm {
     drop_kept();
     if (engine->detach(id, !keep.is_none())) kept[id] = std::move(keep);
   }
+  // `kept` stays until the Comm goes: a fallback mover thread that close()
+  // could not join (a hung peer) may still be sending from a kept buffer, and
+  // such a thread keeps this Comm alive (fallback_mover's keep_alive).
   void close() {
-    {
-      py::gil_scoped_release nogil;
-      engine->close();
-    }
-    std::unordered_map<uint64_t, py::object> gone;
-    gone.swap(kept);  // closed: the engine touches no buffer any more
+    py::gil_scoped_release nogil;
+    engine->close();
   }
 
   Setup& ready() {
