@@ -87,6 +87,10 @@ AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), ran
   offset_.assign(n, 0);
   got_[r] = plan_.send[r];
   got_[r].data = nullptr;
+}
+
+void AllToAll::start() {
+  const int n = world_, r = rank_;
   const bool two = plan_.strategy == A2AStrategy::TwoPhase;
   guarded([&] {
     for (int k = 1; k < n; ++k) {  // receives first, so early senders find them posted
@@ -124,14 +128,19 @@ void AllToAll::guarded(F&& f) {
   }
 }
 
-// Sends not started are cancelled (nothing half-written); receives are
-// detached, so a message that still arrives is dropped and its slot freed.
+// Sends not started are cancelled (nothing half-written); those in flight go
+// on and are reported (take_in_flight). Receives are detached, so a message
+// that still arrives is dropped and its slot freed; none holds caller memory
+// (every receive is posted without a buffer and copied out once matched).
 void AllToAll::cleanup() {
   auto drop = [&](uint64_t& id, bool send) {
     if (!id) return;
     try {
-      if (send) e_.cancel(id);
-      else e_.detach(id);
+      if (send) {
+        if (e_.cancel(id, true)) in_flight_.push_back(id);
+      } else {
+        e_.detach(id);
+      }
     } catch (const Error&) {
     }
     id = 0;
@@ -257,11 +266,10 @@ void AllToAll::post_payloads() {
     int s = (r - k + n) % n;
     if (fate_[s] == Fate::OverBound) continue;  // its sender sends nothing
     // A refused chunk is still received (and dropped): its sender cannot know.
-    void* d = dest(s);
-    bool into = d && got_[s].nbytes;
-    payload_into_[s] = into;
-    payload_[s] = into ? e_.irecv(s, tag_ + 1, d, got_[s].nbytes, got_[s].dtype, dest_mem(s))
-                       : e_.irecv(s, tag_ + 1, nullptr, 0, 0);
+    // Posted without a buffer (copied out in wait_done): a receive given up
+    // on never writes into the caller's output afterwards.
+    payload_into_[s] = dest(s) && got_[s].nbytes;
+    payload_[s] = e_.irecv(s, tag_ + 1, nullptr, 0, 0);
   }
   for (int k = 1; k < n; ++k) {
     int d = (r + k) % n;
@@ -300,8 +308,24 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
         done = false;
         return;
       }
-      if (payload_into_[s]) e_.info(id);  // retires the request
-      else e_.release(id);
+      if (payload_into_[s]) {
+        MsgInfo m = e_.info(id);
+        const A2AChunk& want = got_[s];
+        if (m.nbytes != want.nbytes || m.dtype != want.dtype || (m.flags & kDescriptor)) {
+          e_.release(id);
+          id = 0;
+          throw Error(ErrorKind::Mismatch,
+                      std::string(op_name(plan_.op)) + ": the payload from " + rank_str(s) + " (" +
+                          std::to_string(m.nbytes) + " bytes, dtype code " + std::to_string(m.dtype) +
+                          ") does not match the count it sent first (" + std::to_string(want.nbytes) +
+                          " bytes, dtype code " + std::to_string(want.dtype) +
+                          "); is every rank running the same strategy (a2a_algorithm) and varcomm version?",
+                      s);
+        }
+        e_.copy_out(id, dest(s), dest_mem(s));
+      } else {
+        e_.release(id);
+      }
       id = 0;
     }
     for (auto& id : sends_) {
@@ -321,12 +345,10 @@ void AllToAll::timeout(double seconds) {
   if (!headers_) late = recv_[(rank_ - next_ + world_) % world_];  // the one wait_headers waits for
   for (int s = 0; s < world_ && !late; ++s) late = payload_[s];
   for (size_t i = 0; i < sends_.size() && !late; ++i) late = sends_[i];
-  for (auto* v : {&recv_, &payload_, &sends_})
-    for (auto& id : *v)
-      if (id == late) id = 0;
-  cleanup();
-  if (late) e_.raise_timeout(late, seconds);  // cancels it too
-  throw Error(ErrorKind::Timeout, std::string(op_name(plan_.op)) + " timed out");
+  int peer = -1;
+  std::string msg = late ? e_.timeout_message(late, seconds, &peer) : std::string(op_name(plan_.op)) + " timed out";
+  cleanup();  // `late` with the rest: an in-flight send is reported
+  throw Error(ErrorKind::Timeout, msg, peer);
 }
 
 std::optional<Error> AllToAll::error(const std::function<std::string(uint32_t)>& dtype_name) const {

@@ -71,8 +71,10 @@ A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector
 
 class AllToAll {
  public:
-  // Posts every receive and send (the first phase); nothing blocks.
+  // Checks the plan; start() posts it.
   AllToAll(Engine& e, A2APlan plan);
+  // Posts every receive and send (the first phase); nothing blocks.
+  void start();
   ~AllToAll();
   AllToAll(const AllToAll&) = delete;
   AllToAll& operator=(const AllToAll&) = delete;
@@ -98,6 +100,10 @@ class AllToAll {
   [[noreturn]] void timeout(double seconds);
   // Give up (an error or an interrupt): cancel the sends not started, detach the rest.
   void cleanup();
+  // Sends that cleanup() left in flight: the transport still reads their
+  // source (the caller's input) until each id comes back from
+  // Engine::take_recycled(), so the caller must keep the input alive until then.
+  std::vector<uint64_t> take_in_flight() { return std::move(in_flight_); }
   uint64_t total_bytes() const { return total_bytes_; }
   A2AOp op() const { return plan_.op; }
 
@@ -117,8 +123,9 @@ class AllToAll {
   int64_t tag_;  // one-phase message / two-phase descriptor; tag_ + 1: two-phase payload
   std::vector<uint64_t> recv_;     // per source: pending recv id (0: none)
   std::vector<uint64_t> sends_;    // pending send ids (0: done)
+  std::vector<uint64_t> in_flight_;  // sends cleanup() left reading the input
   std::vector<uint64_t> payload_;  // two-phase: per source, the payload recv
-  std::vector<char> payload_into_;  // ... received straight into place (else dropped)
+  std::vector<char> payload_into_;  // ... copied into place once matched (else dropped)
   std::vector<A2AChunk> got_;      // per source: the header that arrived (self: own chunk)
   std::vector<Fate> fate_;
   std::vector<std::string> why_;   // Rejected: why the caller could not place it

@@ -187,6 +187,20 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
                        const int64_t* shape, uint32_t ndim, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
+  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, 0);
+}
+
+uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
+                                  uint32_t ndim) {
+  std::lock_guard<std::mutex> g(mu_);
+  check_send(peer, 0, ndim, Mem{});
+  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor);
+}
+
+// Every queued send goes through here: sending_ counts what is in the sendqs
+// (a blocking recv drives them only while it is nonzero).
+uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
+                            const int64_t* shape, uint32_t ndim, Mem mem, uint64_t hflags) {
   Peer& p = peers_[peer];
   uint64_t id = alloc(ReqKind::Send);
   Request& r = reqs_[uint32_t(id)];
@@ -197,30 +211,11 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   r.dtype = dtype;
   r.ndim = ndim;
   r.mem = mem;
+  r.hflags = hflags;
   std::copy(shape, shape + ndim, r.shape);
   r.state = ReqState::Queued;
   p.sendq.push_back(id);
   sending_++;
-  progress_sends(peer);
-  return id;
-}
-
-uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                                  uint32_t ndim) {
-  std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, 0, ndim, Mem{});
-  Peer& p = peers_[peer];
-  uint64_t id = alloc(ReqKind::Send);
-  Request& r = reqs_[uint32_t(id)];
-  r.peer = peer;
-  r.tag = tag;
-  r.nbytes = nbytes;
-  r.dtype = dtype;
-  r.ndim = ndim;
-  r.hflags = kDescriptor;
-  std::copy(shape, shape + ndim, r.shape);
-  r.state = ReqState::Queued;
-  p.sendq.push_back(id);
   progress_sends(peer);
   return id;
 }
@@ -274,6 +269,20 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   return "";
 }
 
+// A header is copied out of the slot once and checked before anything uses
+// it: the peer writes our region (mapped, or by the fallback's frames), so a
+// header that would make us read past its slot, build a shape longer than
+// kMaxDims, or lose track of the slot fails the peer instead.
+bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
+  if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq) return true;
+  fail_peer(peer, peer_str(peer) + " wrote a malformed message header into this rank's slot (seq " +
+                      std::to_string(h.seq) + " in the slot marked " + std::to_string(seq) + ", " +
+                      std::to_string(h.nbytes) + " bytes against a bound of " + std::to_string(layout_.bound) +
+                      ", ndim " + std::to_string(h.ndim) +
+                      "); it is treated as failed (a different varcomm version on that rank, or memory corruption)");
+  return false;
+}
+
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                          Mem mem) {
   Peer& p = peers_[peer];
@@ -282,10 +291,12 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     if (a->claimed) continue;
     const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
     if (h->tag != tag) continue;
-    ErrorKind kind;
-    std::string why = misfit(peer, *h, out_cap, out_dtype, &kind);
-    if (!why.empty()) throw Error(kind, why, peer);
     *hdr = *h;
+    if (!sane(peer, *hdr, a->seq))
+      throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    ErrorKind kind;
+    std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind);
+    if (!why.empty()) throw Error(kind, why, peer);
     int k = a->slot;
     p.ready.erase(a);
     consume(peer, k, *hdr, out, mem);
@@ -501,25 +512,22 @@ void Engine::progress_recvs(int peer) {
       ++it;
       continue;
     }
-    const char* slot = base + layout_.slot_off(peer, m->slot);
-    const auto* h = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    r.hdr = *reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, m->slot) + kHeaderOff);
+    if (!sane(peer, r.hdr, m->seq)) return;  // the peer is failed, and with it every posted recv
     if (r.out) {
       // Refuse without consuming: the message stays for the next receive.
-      r.error = misfit(peer, *h, r.out_cap, r.out_dtype, &r.err);
+      r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err);
       if (!r.error.empty()) {
         r.state = ReqState::Failed;
-        r.hdr = *h;
         if (r.detached) recycle(*it);  // nobody will read the error
         it = p.posted.erase(it);
         continue;
       }
-      r.hdr = *h;
       int k = m->slot;
       p.ready.erase(m);
       consume(peer, k, r.hdr, r.out, r.mem);
       r.state = ReqState::Done;
     } else {
-      r.hdr = *h;
       r.slot = m->slot;
       m->claimed = true;
       r.state = ReqState::Matched;
@@ -600,24 +608,19 @@ void Engine::throw_if_failed(Request& r, uint64_t id) {
   throw e;
 }
 
-void Engine::raise_timeout(uint64_t id, double seconds) {
-  std::string msg;
-  int peer;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    Request& r = get(id);
-    peer = r.peer;
-    std::string op = r.kind == ReqKind::Send ? "send to " : "recv from ";
-    char secs[32];
-    snprintf(secs, sizeof secs, "%.3g", seconds);
-    msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
-    if (r.kind == ReqKind::Send)
-      msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
-    else
-      msg += "; nothing arrived (is the peer sending with this tag?)";
-  }
-  cancel(id);
-  throw Error(ErrorKind::Timeout, msg, peer);
+std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  *peer = r.peer;
+  std::string op = r.kind == ReqKind::Send ? "send to " : "recv from ";
+  char secs[32];
+  snprintf(secs, sizeof secs, "%.3g", seconds);
+  std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
+  if (r.kind == ReqKind::Send)
+    msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
+  else
+    msg += "; nothing arrived (is the peer sending with this tag?)";
+  return msg;
 }
 
 // ---- waiting --------------------------------------------------------------
@@ -720,7 +723,7 @@ void Engine::release_locked(uint64_t id) {
   recycle(id);
 }
 
-void Engine::cancel(uint64_t id) {
+bool Engine::cancel(uint64_t id, bool report) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   Peer& p = peers_[r.peer];
@@ -735,10 +738,14 @@ void Engine::cancel(uint64_t id) {
       if (a.seq == r.hdr.seq) a.claimed = false;
   } else {
     // In flight: the transport still reads the source; finish in the background.
-    if (r.state == ReqState::InFlight) r.detached = true;
-    return;
+    if (r.state != ReqState::InFlight) return false;
+    r.detached = true;
+    if (closed_) return false;  // the transports are gone: nothing reads the source any more
+    r.reported = report;
+    return true;
   }
   recycle(id);
+  return false;
 }
 
 bool Engine::detach(uint64_t id, bool report) {

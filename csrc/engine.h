@@ -122,9 +122,13 @@ class Engine {
   const void* payload(uint64_t id);       // zero-copy view; free with release()
   void release(uint64_t id);
   // Give up on a request that has not started (send not written, recv not
-  // matched): nothing is half-written and no message is lost.
-  void cancel(uint64_t id);
-  [[noreturn]] void raise_timeout(uint64_t id, double seconds);
+  // matched): nothing is half-written and no message is lost. A send the
+  // transport still reads (in flight) goes on detached: true then, and with
+  // `report` its id comes back from take_recycled() once the engine is done
+  // with its buffer (as for detach), so the caller keeps the buffer until then.
+  bool cancel(uint64_t id, bool report = false);
+  // Why `id` timed out, for the TimeoutError (and its peer); the caller cancels it.
+  std::string timeout_message(uint64_t id, double seconds, int* peer);
   // The caller drops it: finish in the background, recycle. True when it goes
   // on (the engine still touches its buffer); with `report`, its id then comes
   // back from take_recycled() once the engine is done with that buffer, so the
@@ -153,11 +157,15 @@ class Engine {
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);
   void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem);
+  uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
+                      uint32_t ndim, Mem mem, uint64_t hflags);
   // 1: message copied into out; 0: none yet; throws when it does not fit.
   int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                    Mem mem);
   // Empty when a message fits a recv's out; else why not (and *kind).
   std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
+  // False, with the peer failed, when a header it wrote cannot be trusted.
+  bool sane(int peer, const MsgHeader& h, uint64_t seq);
   // Copy a message out of our slot into dst and give the slot back.
   void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
   Transport& device_transport(int peer);

@@ -27,7 +27,9 @@ void put(std::string& out, const std::string& v) {
 
 std::string take(const std::string& in, size_t& at, int rank) {
   size_t colon = in.find(':', at);
-  if (colon == std::string::npos) throw Error(ErrorKind::Invalid, "bad set-up record from rank " + std::to_string(rank));
+  if (colon == std::string::npos)
+    throw Error(ErrorKind::Invalid, "bad set-up record from rank " + std::to_string(rank) +
+                                        " (does every rank run the same varcomm version?)");
   size_t n = std::stoull(in.substr(at, colon - at));
   if (colon + 1 + n > in.size()) throw Error(ErrorKind::Invalid, "truncated set-up record from rank " + std::to_string(rank));
   at = colon + 1 + n;
@@ -58,6 +60,7 @@ std::string PeerInfo::encode() const {
   put(out, std::to_string(layout.world));
   put(out, std::to_string(layout.nslots));
   put(out, std::to_string(layout.bound));
+  put(out, transport);
   put(out, std::to_string(desc.size()));
   for (auto& kv : desc) {
     put(out, kv.first);
@@ -73,14 +76,20 @@ PeerInfo PeerInfo::decode(const std::string& blob, int rank) {
   PeerInfo p;
   p.rank = rank;
   size_t at = magic.size();
-  p.host = take(blob, at, rank);
-  p.layout.world = std::stoi(take(blob, at, rank));
-  p.layout.nslots = std::stoi(take(blob, at, rank));
-  p.layout.bound = std::stoull(take(blob, at, rank));
-  size_t n = std::stoull(take(blob, at, rank));
-  for (size_t i = 0; i < n; ++i) {
-    std::string k = take(blob, at, rank);
-    p.desc[k] = take(blob, at, rank);
+  try {
+    p.host = take(blob, at, rank);
+    p.layout.world = std::stoi(take(blob, at, rank));
+    p.layout.nslots = std::stoi(take(blob, at, rank));
+    p.layout.bound = std::stoull(take(blob, at, rank));
+    p.transport = take(blob, at, rank);
+    size_t n = std::stoull(take(blob, at, rank));
+    for (size_t i = 0; i < n; ++i) {
+      std::string k = take(blob, at, rank);
+      p.desc[k] = take(blob, at, rank);
+    }
+  } catch (const std::logic_error&) {  // stoi/stoull on a field that is no number
+    throw Error(ErrorKind::Invalid, "bad set-up record from rank " + std::to_string(rank) +
+                                        " (does every rank run the same varcomm version?)");
   }
   return p;
 }

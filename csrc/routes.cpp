@@ -62,7 +62,17 @@ std::optional<std::string> Setup::step(const std::vector<std::string>& blobs) {
       return me_.encode();
     case 1:
       peers_.clear();
-      for (int r = 0; r < e_.world(); ++r) peers_.push_back(PeerInfo::decode(blobs[size_t(r)], r));
+      for (int r = 0; r < e_.world(); ++r) {
+        peers_.push_back(PeerInfo::decode(blobs[size_t(r)], r));
+        // Each rank chooses its routes alone: only the same rule everywhere
+        // gives both ends of a pair the same route (and every rank the same
+        // answer to whether the fallback's group is needed).
+        const PeerInfo& p = peers_.back();
+        if (p.transport != o_.transport)
+          invalid("rank " + std::to_string(r) + " was started with transport='" + p.transport + "' but rank " +
+                  std::to_string(e_.rank()) + " with transport='" + o_.transport +
+                  "': every rank must pass the same transport= (VARCOMM_TRANSPORT)");
+      }
       return connect_peers();
     case 2:
       agree_device(blobs);
@@ -77,6 +87,7 @@ void Setup::open_transports() {
   me_.rank = rank;
   me_.host = hosts_[size_t(rank)];
   me_.layout = e_.layout();
+  me_.transport = o_.transport;
   bool any_remote = std::any_of(hosts_.begin(), hosts_.end(), [&](const std::string& h) { return h != me_.host; });
   const std::string& forced = o_.transport;
   const TransportFactory* forced_f = find_transport(forced);
@@ -132,6 +143,9 @@ std::string Setup::connect_peers() {
     std::string route = choose_route(me_, p, o_);
     routes_[size_t(r)] = route;
     auto& t = open_.at(route);
+    if (!p.has(route))
+      invalid("rank " + std::to_string(r) + " published no " + route + " endpoint, which this rank chose to reach it; "
+              "it may have failed to open one (see its varcomm-doctor)");
     t->connect(r, p.desc.at(route));
     e_.set_transport(r, t, p.layout);
     // A network peer may still write into our registered region after we are

@@ -83,3 +83,26 @@ def test_status_of_a_received_message():
         assert isinstance(st, varcomm.Status)
         assert (st.src, st.tag, st.nbytes, st.shape, st.device) == (0, 7, 24, (2, 3), False)
         assert "float32" in repr(st) and "shape=(2, 3)" in repr(st)
+
+
+@world(1)
+def test_setup_refuses_ranks_started_with_different_transports():
+    """Routes are chosen on each rank alone: with different transport= the two
+    ends of a pair chose different routes (and only one rank waited for the
+    fallback's group, until its rendezvous timed out). Both ranks now refuse
+    at set-up, naming the option."""
+    cs = [_C.Comm(0, 2, core_options(transport="fallback")), _C.Comm(1, 2, core_options())]
+    outs = [x.setup_begin() for x in cs]
+    outs = [x.setup_step(outs) for x in cs]
+    for x in cs:
+        with pytest.raises(varcomm.InvalidArgument, match="every rank must pass the same transport="):
+            x.setup_step(outs)
+        x.close()
+
+
+@world(1)
+def test_setup_refuses_a_garbled_record():
+    c = _C.Comm(0, 1, core_options())
+    with pytest.raises(varcomm.InvalidArgument, match="bad set-up record from rank 0"):
+        _setup_alone(c, lambda blob: blob.replace(b"1:1", b"1:x", 1))
+    c.close()

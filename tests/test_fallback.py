@@ -235,3 +235,80 @@ def test_describe_names_the_fallback():
         assert comm.transport_for(peer) == "fallback"
         assert comm.describe_transport(peer).startswith("fallback (torch.distributed gloo")
         assert comm.transport_for(comm.rank) == "shm"  # self-sends stay in local memory
+
+
+@world(2, timeout=120)
+def test_alltoall_given_up_keeps_its_in_flight_input_alive():
+    """An all-to-all that times out while the mover still sends its input
+    (the receiver is stopped, so gloo blocks mid-payload) must keep that input
+    alive until the mover is done with it, and let it go then: freeing it at
+    the timeout made the mover read unmapped memory once the peer resumed.
+    Calls the core's collective binding directly, with the `keep` it takes
+    (the objects the plan's pointers belong to)."""
+    import gc
+    import signal
+    import weakref
+
+    from varcomm import _C, dtypes
+
+    big = 32 << 20  # well over what the socket buffers take while the receiver is stopped
+    comm = varcomm.init(transport="fallback", bound=big, slots=1, timeout=60)
+    if comm.rank == 1:
+        comm.send(torch.tensor([os.getpid()]), dst=0)
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 0 resumes us once its collective gave up
+        time.sleep(2)  # the mover receives rank 0's payload meanwhile
+        comm.close()
+        return
+    pid = int(comm.recv(src=1).item())
+    time.sleep(0.5)
+    x = np.full(big, 7, np.uint8)  # mmap'd by malloc: freeing it unmaps it
+    alive = weakref.ref(x)
+    h = _C.all_to_all_rows(comm._c, 0, 0, 0, x.ctypes.data, 1, [0, big], dtypes.from_numpy(x.dtype), (), 0, 0,
+                           None, keep=x)
+    with pytest.raises(varcomm.TimeoutError):
+        h.run(1.0, None)
+    del x, h
+    gc.collect()
+    assert alive() is not None, "the input was let go while the mover still sends it"
+    os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while alive() is not None and time.monotonic() < deadline:
+        comm._c.progress()  # lets go of what the engine is done with
+        time.sleep(0.05)
+    assert alive() is None, "the input was kept after the mover had sent it"
+    comm.close()
+
+
+@world(2, timeout=120)
+def test_blocking_send_timed_out_in_flight_keeps_its_array_alive():
+    """A blocking numpy send that times out while the mover still sends it
+    (receiver stopped mid-payload) keeps the array alive until the mover is
+    done, then lets it go."""
+    import gc
+    import signal
+    import weakref
+
+    big = 32 << 20
+    comm = varcomm.init(transport="fallback", bound=big, slots=1, timeout=60)
+    if comm.rank == 1:
+        comm.send(torch.tensor([os.getpid()]), dst=0)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        assert comm.recv(src=0, timeout=30).nbytes == big
+        comm.close()
+        return
+    pid = int(comm.recv(src=1).item())
+    time.sleep(0.5)
+    x = np.full(big, 7, np.uint8)
+    alive = weakref.ref(x)
+    with pytest.raises(varcomm.TimeoutError):
+        comm.send(x, dst=1, timeout=1.0)
+    del x
+    gc.collect()
+    assert alive() is not None, "the array was let go while the mover still sends it"
+    os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while alive() is not None and time.monotonic() < deadline:
+        comm._c.progress()
+        time.sleep(0.05)
+    assert alive() is None, "the array was kept after the mover had sent it"
+    comm.close()

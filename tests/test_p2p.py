@@ -291,3 +291,81 @@ def test_descriptor_messages(transport):
             st = comm.recv(src=0, tag=3)  # kept: the next recv gets it
             assert st.descriptor and st.nbytes == 24
             assert comm.recv(src=0, tag=3, out=out).tolist() == [0.0, 1.0, 2.0]
+
+
+@world(2, timeout=60)
+def test_blocking_recv_drives_queued_sends_after_a_descriptor():
+    """A blocking recv keeps this rank's queued isends moving (the peer may
+    wait for them before it answers). The engine counts queued sends to know
+    when to: a descriptor send that was never counted used to drive that count
+    below zero, so that after it the next queued isend was not moved and both
+    ranks hung."""
+    from varcomm import dtypes
+
+    f64 = dtypes.word(dtypes.FLOAT, 64)
+    with varcomm.init(transport="shm", bound=BOUND, slots=1, timeout=10) as comm:
+        if comm.rank == 0:
+            comm.isend_descriptor(1, 24, f64, (3,), tag=9).wait()
+            comm.recv(src=1, tag=8)  # rank 1's slot for us is free again
+            a = comm.isend(np.full(4, 1.0), dst=1, tag=1)
+            b = comm.isend(np.full(4, 2.0), dst=1, tag=2)  # queued: rank 1's one slot holds a
+            got = comm.recv(src=1, tag=3, out=np.zeros(1))  # rank 1 answers only once it has b
+            a.wait()
+            b.wait()
+            assert got.tolist() == [3.0]
+        else:
+            assert comm.recv(src=0, tag=9).descriptor
+            comm.send(np.zeros(1), dst=0, tag=8)
+            assert comm.recv(src=0, tag=1).tolist() == [1.0] * 4
+            assert comm.recv(src=0, tag=2).tolist() == [2.0] * 4
+            comm.send(np.full(1, 3.0), dst=0, tag=3)
+
+
+@pytest.mark.parametrize("field", ["ndim", "nbytes", "seq"])
+@world(2, timeout=60)
+def test_malformed_header_fails_the_peer(field):
+    """A peer writes our region, so what its headers say is checked before it
+    is used: one that would make a recv read past its slot (nbytes over the
+    bound), build a shape of more than 8 dims, or name another message (seq)
+    fails the peer with PeerFailure instead. The lie is written into rank 0's
+    own slot here (a slot loan gives its address), as a buggy or hostile
+    rank 1 mapping it would."""
+    import ctypes
+
+    bound = 4096
+    slot_bytes = 256 + bound  # csrc/protocol.h Layout::slot_bytes: slot control + header + payload
+    with varcomm.init(transport="shm", bound=bound, slots=4, array="numpy", timeout=10) as comm:
+        if comm.rank == 1:
+            for tag in (1, 2, 3):
+                comm.send(np.full(4, float(tag)), dst=0, tag=tag)
+            return  # its messages stay in rank 0's slots
+        comm.recv(src=1, tag=3)  # writes land in order: tags 1 and 2 are in slots 0 and 1 by now
+        loan = comm.recv(src=1, tag=1, copy=False)
+        hdr = loan.ctypes.data + slot_bytes - 128  # slot 1's MsgHeader
+        off, value = {"seq": (0, 99), "nbytes": (8, 3 * bound), "ndim": (28, 1000)}[field]
+        ctypes.c_uint64.from_address(hdr + off).value = value if field != "ndim" else (
+            ctypes.c_uint64.from_address(hdr + off).value & ~0xFFFFFFFF | value)
+        with pytest.raises(varcomm.PeerFailure, match="malformed message header"):
+            comm.recv(src=1, tag=2)
+        with pytest.raises(varcomm.PeerFailure, match="malformed message header"):
+            comm.recv(src=1, tag=2, out=np.zeros(4))
+        del loan
+
+
+@world(1)
+def test_point_to_point_tags_stay_out_of_the_collective_space():
+    """Tags from 2**40 up belong to collectives: a user message there could be
+    matched by a collective's receive (or take one's message)."""
+    with varcomm.init(timeout=10, array="numpy") as comm:
+        for call in (lambda: comm.send(np.zeros(2), dst=0, tag=1 << 40),
+                     lambda: comm.send(torch.zeros(2), dst=0, tag=A2A_TAG),
+                     lambda: comm.isend(torch.zeros(2), dst=0, tag=A2A_TAG),
+                     lambda: comm.irecv(src=0, tag=A2A_TAG),
+                     lambda: comm.recv(src=0, tag=A2A_TAG, out=np.zeros(2))):
+            with pytest.raises(varcomm.InvalidArgument, match="reserved for collectives"):
+                call()
+        comm.send(np.ones(2), dst=0, tag=(1 << 40) - 1)  # the largest user tag still works
+        assert comm.recv(src=0, tag=(1 << 40) - 1).tolist() == [1.0, 1.0]
+
+
+A2A_TAG = 1 << 41

@@ -200,13 +200,12 @@ struct Comm {
     drop_kept();
     if (engine->detach(id, !keep.is_none())) kept[id] = std::move(keep);
   }
+  // `kept` stays until the Comm goes: a fallback mover thread that close()
+  // could not join (a hung peer) may still be sending from a kept buffer, and
+  // such a thread keeps this Comm alive (fallback_mover's keep_alive).
   void close() {
-    {
-      py::gil_scoped_release nogil;
-      engine->close();
-    }
-    std::unordered_map<uint64_t, py::object> gone;
-    gone.swap(kept);  // closed: the engine touches no buffer any more
+    py::gil_scoped_release nogil;
+    engine->close();
   }
 
   Setup& ready() {
@@ -219,8 +218,10 @@ struct Comm {
                                           std::to_string(engine->world()) + ")");
   }
 
-  // Waits in slices so Ctrl-C reaches Python while a peer is silent.
-  void wait(uint64_t id, std::optional<double> timeout) {
+  // Waits in slices so Ctrl-C reaches Python while a peer is silent. `owner`
+  // (may be null): what a send's source belongs to; when the wait gives up on
+  // a send the transport still reads, it is kept until the engine is done.
+  void wait(uint64_t id, std::optional<double> timeout, py::handle owner = {}) {
     if (engine->wait(id, Clock::time_point::min())) {  // done already: keep the GIL
       drop_kept();
       return;
@@ -237,14 +238,30 @@ struct Comm {
       }
       if (done) break;
       if (PyErr_CheckSignals() != 0) {
-        engine->cancel(id);
+        give_up(id, owner);
         throw py::error_already_set();
       }
-      if (Clock::now() >= deadline) engine->raise_timeout(id, *timeout);
+      if (Clock::now() >= deadline) {
+        int peer;
+        std::string msg = engine->timeout_message(id, *timeout, &peer);
+        give_up(id, owner);
+        throw Error(ErrorKind::Timeout, msg, peer);
+      }
     }
     drop_kept();
   }
+  void give_up(uint64_t id, py::handle owner) {
+    if (engine->cancel(id, bool(owner))) kept[id] = py::reinterpret_borrow<py::object>(owner);
+  }
 };
+
+// Point-to-point tags stay below the collectives' reserved space, so a user
+// message can never be matched by (or steal) a collective's receive.
+inline void check_tag(int64_t tag) {
+  if (tag >= kCollTagBase)
+    throw Error(ErrorKind::Invalid, "tag " + std::to_string(tag) + " is reserved for collectives: point-to-point "
+                                    "tags must be below 2**40 (" + std::to_string(kCollTagBase) + ")");
+}
 
 // Python passes stream = -1 for host memory, else the CUDA stream handle
 // (torch.cuda.current_stream().cuda_stream) that orders a device buffer.
@@ -260,12 +277,14 @@ Clock::time_point deadline_of(std::optional<double> timeout) {
                  : Clock::time_point::max();
 }
 
+// owner: what ptr belongs to, kept if the send is given up on in flight.
 void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbytes, uint32_t dtype,
-                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem = {}) {
+                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem = {},
+                   py::handle owner = {}) {
   uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
   if (id == Engine::kSentDone) return;
   if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
-  c.wait(id, timeout);
+  c.wait(id, timeout, owner);
 }
 
 // Blocking receive into a caller buffer; false when irecvs from src are
@@ -312,7 +331,26 @@ namespace {
 
 struct AllToAllHandle {
   py::object comm;  // keeps the Comm, and so the Engine, alive
+  py::object keep;  // what the plan's pointers belong to (inputs, outputs)
   std::unique_ptr<AllToAll> a;
+
+  AllToAllHandle() = default;
+  AllToAllHandle(AllToAllHandle&&) = default;
+  // A collective given up on (timeout, error, interrupt, dropped) may leave
+  // sends the transport still reads: their inputs stay in the Comm's keep map
+  // until the engine is done with them, as for a dropped p2p Work.
+  void keep_in_flight() {
+    if (!a) return;
+    auto ids = a->take_in_flight();
+    if (ids.empty()) return;
+    Comm& c = comm.cast<Comm&>();
+    for (uint64_t id : ids) c.kept[id] = keep;
+  }
+  ~AllToAllHandle() {
+    if (!a) return;
+    a->cleanup();
+    keep_in_flight();
+  }
 };
 
 std::string dtype_name(uint32_t w) {
@@ -351,18 +389,31 @@ void fill_chunk(A2AChunk& c, const py::handle& t) {
   std::copy(shape.begin(), shape.end(), c.shape);
 }
 
-AllToAllHandle make_a2a(py::object comm, A2APlan plan) {
+AllToAllHandle make_a2a(py::object comm, A2APlan plan, py::object keep) {
   Comm& c = comm.cast<Comm&>();
   AllToAllHandle h;
   h.comm = comm;
+  h.keep = std::move(keep);
   h.a = std::make_unique<AllToAll>(*c.engine, std::move(plan));
+  h.a->start();  // a throw leaves its in-flight sends to h's destructor
   return h;
 }
+
+py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::object alloc);
 
 // Finishes the collective. Row forms: returns the rows per source; alloc(total
 // rows) -> pointer is called when there is no out. List form: returns None;
 // alloc(src, dtype word, shape) -> pointer for each output left to allocate.
 py::object a2a_run(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
+  try {
+    return a2a_finish(h, timeout, alloc);
+  } catch (...) {
+    h.keep_in_flight();
+    throw;
+  }
+}
+
+py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
   AllToAll& a = *h.a;
   auto deadline = deadline_of(timeout);
   a2a_drive(a, [&](Clock::time_point d) { return a.wait_headers(d); }, deadline, timeout);
@@ -395,25 +446,26 @@ void bind_collectives(py::module_& m) {
   py::class_<AllToAllHandle>(m, "AllToAll")
       .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none());
   // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
-  // expected rows per source).
+  // expected rows per source). keep: the objects x (and out) belong to; a send
+  // still in flight when the collective is given up on keeps them alive.
   m.def("all_to_all_rows",
         [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
            const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
-           uint64_t cap, std::optional<std::vector<int64_t>> expect) {
+           uint64_t cap, std::optional<std::vector<int64_t>> expect, py::object keep) {
           A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, Mem{});
           p.strategy = A2AStrategy(strategy);
           p.user_tag = tag;
           p.out = reinterpret_cast<void*>(out);
           p.out_cap = cap;
           if (expect) p.expect_rows = *expect;
-          return make_a2a(comm, std::move(p));
+          return make_a2a(comm, std::move(p), std::move(keep));
         },
         py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
         py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
-        py::arg("expect") = py::none());
+        py::arg("expect") = py::none(), py::arg("keep") = py::none());
   // sends[d], outs[s]: (ptr, nbytes, dtype word, shape); an out of None is allocated.
   m.def("all_to_all_list",
-        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs) {
+        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs, py::object keep) {
           A2APlan p;
           p.op = A2AOp::List;
           p.strategy = A2AStrategy(strategy);
@@ -422,8 +474,9 @@ void bind_collectives(py::module_& m) {
           for (size_t i = 0; i < p.send.size(); ++i) fill_chunk(p.send[i], sends[i]);
           for (size_t i = 0; i < p.outs.size(); ++i)
             if (!outs[i].is_none()) fill_chunk(p.outs[i], outs[i]);
-          return make_a2a(comm, std::move(p));
-        });
+          return make_a2a(comm, std::move(p), std::move(keep));
+        },
+        py::arg("comm"), py::arg("strategy"), py::arg("sends"), py::arg("outs"), py::arg("keep") = py::none());
 }
 
 }  // namespace
@@ -671,6 +724,7 @@ PYBIND11_MODULE(_C, m) {
       .def("isend",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               int64_t stream) {
+             check_tag(tag);
              auto s = to_shape(shape);
              return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(),
                                     uint32_t(s.size()), mem_of(stream));
@@ -680,6 +734,7 @@ PYBIND11_MODULE(_C, m) {
       .def("send",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               std::optional<double> timeout, int64_t stream) {
+             check_tag(tag);
              auto s = to_shape(shape);
              send_blocking(c, dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()),
                            timeout, mem_of(stream));
@@ -690,20 +745,23 @@ PYBIND11_MODULE(_C, m) {
       // object is not C-contiguous.
       .def("send_buffer",
            [](Comm& c, int dst, int64_t tag, py::handle obj, std::optional<double> timeout) {
+             check_tag(tag);
              Buf b;
              if (!b.get(obj.ptr(), false)) return false;
-             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout);
+             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj);
              return true;
            })
       // A descriptor message: the header of `nbytes` of data sent separately, no payload.
       .def("isend_descriptor",
            [](Comm& c, int dst, int64_t tag, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+             check_tag(tag);
              auto s = to_shape(shape);
              return c.engine->isend_descriptor(dst, tag, nbytes, dtype, s.data(), uint32_t(s.size()));
            },
            py::arg("dst"), py::arg("tag"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"))
       .def("irecv",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
+             check_tag(tag);
              return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("stream") = -1)
@@ -712,6 +770,7 @@ PYBIND11_MODULE(_C, m) {
       // object is unusable here (the caller takes the general path).
       .def("recv_buffer",
            [](Comm& c, int src, int64_t tag, py::handle obj, std::optional<double> timeout) -> py::object {
+             check_tag(tag);
              Buf b;
              if (!b.get(obj.ptr(), true)) return py::none();
              MsgHeader h;
@@ -734,6 +793,7 @@ PYBIND11_MODULE(_C, m) {
       .def("recv_into",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
               std::optional<double> timeout, int64_t stream) -> py::object {
+             check_tag(tag);
              MsgHeader h;
              if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
                return py::none();
