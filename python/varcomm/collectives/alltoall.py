@@ -50,15 +50,18 @@ def _strategy(comm: Communicator) -> int:
 
 
 # The only uses of the core's collective binding.
+# keep: the arrays behind the pointers; a send still in flight when the
+# collective is given up on (timeout, error) keeps them alive in the core.
 def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, splits: list[int], word: int,
-          trailing: tuple[int, ...], out: int, cap: int, expect: list[int] | None = None) -> _C.AllToAll:
+          trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None
+          ) -> _C.AllToAll:
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
-                              expect)
+                              expect, keep)
 
 
 def _list(comm: Communicator, sends: list[tuple[int, int, int, tuple[int, ...]]],
-          outs: list[tuple[int, int, int, tuple[int, ...]] | None]) -> _C.AllToAll:
-    return _C.all_to_all_list(comm._c, _strategy(comm), sends, outs)
+          outs: list[tuple[int, int, int, tuple[int, ...]] | None], keep: object) -> _C.AllToAll:
+    return _C.all_to_all_list(comm._c, _strategy(comm), sends, outs, keep)
 
 
 def _run(comm: Communicator, handle: _C.AllToAll, timeout: float | None,
@@ -233,7 +236,7 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         optr, cap, oword = arrays.describe_out(out)
         if oword != word:
             raise InvalidArgument(f"out has dtype {out.dtype} but x has dtype {x.dtype}")
-    h = _rows(comm, _V, int(tag or 0), ptr, rb, splits, word, trailing, optr, cap)
+    h = _rows(comm, _V, int(tag or 0), ptr, rb, splits, word, trailing, optr, cap, (x, out))
     made: list[Any] = []
 
     def alloc(total: int) -> int:
@@ -293,7 +296,7 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
     n = comm.world_size
     in_splits = _splits(input_split_sizes, n, rows, "input_split_sizes")
     out_splits = _splits(output_split_sizes, n, orows, "output_split_sizes")
-    h = _rows(comm, _SINGLE, 0, ptr, rb, in_splits, word, trailing, optr, cap, out_splits)
+    h = _rows(comm, _SINGLE, 0, ptr, rb, in_splits, word, trailing, optr, cap, (inp, output), out_splits)
 
     def finish(t: float | None) -> None:
         _run(comm, h, t)
@@ -342,7 +345,7 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
         optr, cap, oword = arrays.describe_out(o)
         given[s] = (optr, cap, oword, tuple(o.shape))
     kind = "torch" if arrays.is_torch(msgs[r]) else "numpy"
-    h = _list(comm, sends, given)
+    h = _list(comm, sends, given, (msgs, list(outs)))
 
     def alloc(s: int, word: int, shape: tuple[int, ...]) -> int:
         a, ptr = arrays.empty(kind, word, shape)
