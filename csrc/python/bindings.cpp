@@ -733,14 +733,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("stream") = -1)
       .def("send",
            [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
-              std::optional<double> timeout, int64_t stream) {
+              std::optional<double> timeout, int64_t stream, py::handle keep) {
              check_tag(tag);
              auto s = to_shape(shape);
+             // keep: what ptr points into; a send that times out or is
+             // interrupted while the transport still reads it keeps it alive.
              send_blocking(c, dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()),
-                           timeout, mem_of(stream));
+                           timeout, mem_of(stream), keep);
            },
            py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
-           py::arg("timeout"), py::arg("stream") = -1)
+           py::arg("timeout"), py::arg("stream") = -1, py::arg("keep") = py::none())
       // Buffer-protocol (numpy) sends; false, with nothing sent, when the
       // object is not C-contiguous.
       .def("send_buffer",

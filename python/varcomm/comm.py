@@ -211,7 +211,7 @@ class Communicator:
         if kind is _Tensor and tensor.is_cpu and tensor.is_contiguous():  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
             if word is not None:
-                self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t)  # type: ignore[union-attr]
+                self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t, -1, tensor)  # type: ignore[union-attr]
                 return
         ptr, nbytes, word, shape, _keep, stream = arrays.describe_send(tensor)
         if stream >= 0 and self._device_routes[dst] is None:
@@ -219,7 +219,7 @@ class Communicator:
             stream = -1
         if stream >= 0:
             _check_capture()
-        self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream)
+        self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream, _keep)
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
