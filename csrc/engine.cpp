@@ -284,7 +284,7 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
 }
 
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
-                         Mem mem) {
+                         Mem mem, int* claim) {
   Peer& p = peers_[peer];
   const char* base = region_->base();
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
@@ -294,6 +294,11 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     *hdr = *h;
     if (!sane(peer, *hdr, a->seq))
       throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    if (claim) {
+      a->claimed = true;
+      *claim = a->slot;
+      return 1;
+    }
     ErrorKind kind;
     std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind);
     if (!why.empty()) throw Error(kind, why, peer);
@@ -306,7 +311,7 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
 }
 
 int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
-                        Clock::time_point deadline, Mem mem) {
+                        Clock::time_point deadline, Mem mem, int* claim) {
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   if (mem.device) {
@@ -332,7 +337,7 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
           p.t->progress();
         }
         progress_recvs(peer);
-        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem)) {
+        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
           result = 1;
           return true;
         }
@@ -669,6 +674,24 @@ MsgInfo Engine::info(uint64_t id) {
   m.flags = r.hdr.flags;
   if (r.state == ReqState::Done) recycle(id);
   return m;
+}
+
+void Engine::consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  Peer& p = peers_[peer];
+  for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
+    if (a->seq == hdr.seq) {
+      p.ready.erase(a);
+      break;
+    }
+  consume(peer, slot, hdr, dst, Mem{});
+}
+
+void Engine::unclaim(int peer, uint64_t seq) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& a : peers_[peer].ready)
+    if (a.seq == seq) a.claimed = false;
 }
 
 void Engine::copy_out(uint64_t id, void* dst, Mem mem) {

@@ -108,8 +108,13 @@ class Engine {
   // Blocks until a message from `peer` with `tag` is copied into out (1), or
   // the deadline passes (0); -1 at once when irecvs from `peer` are posted
   // (FIFO: the caller must queue an irecv behind them).
+  // With `claim` set (and no out), the message is claimed instead, as an
+  // irecv without out is matched: *claim is its slot; then consume_claimed()
+  // copies it out and frees the slot, or unclaim() gives it back.
   int recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
-                   std::chrono::steady_clock::time_point deadline, Mem mem = {});
+                   std::chrono::steady_clock::time_point deadline, Mem mem = {}, int* claim = nullptr);
+  void consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst);
+  void unclaim(int peer, uint64_t seq);
   bool test(uint64_t id);
   // Drive every transport once (waits outside the engine, e.g. store barriers,
   // call this so incoming writes and held credits keep moving).
@@ -161,7 +166,7 @@ class Engine {
                       uint32_t ndim, Mem mem, uint64_t hflags);
   // 1: message copied into out; 0: none yet; throws when it does not fit.
   int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
-                   Mem mem);
+                   Mem mem, int* claim);
   // Empty when a message fits a recv's out; else why not (and *kind).
   std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
   // False, with the peer failed, when a header it wrote cannot be trusted.

@@ -290,8 +290,8 @@ void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbyt
 // Blocking receive into a caller buffer; false when irecvs from src are
 // posted (FIFO: the caller must queue behind them).
 bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
-                   std::optional<double> timeout, Mem mem = {}) {
-  int r = c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem);
+                   std::optional<double> timeout, Mem mem = {}, int* claim = nullptr) {
+  int r = c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem, claim);
   if (r != 0) return r > 0;
   auto deadline = deadline_of(timeout);
   for (;;) {
@@ -299,7 +299,7 @@ bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint3
     int got;
     {
       py::gil_scoped_release nogil;
-      got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice, mem);
+      got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice, mem, claim);
     }
     if (got != 0) return got > 0;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
@@ -791,18 +791,55 @@ PYBIND11_MODULE(_C, m) {
                return py::reinterpret_borrow<py::object>(obj);
              return status_of(src, h);
            })
-      // Blocking receive into raw memory (torch out=): the message's Status.
+      // Blocking receive into raw memory (torch out=): the message's Status,
+      // or `same` itself when the message has exactly `shape` (a tuple: the
+      // out tensor's own, so the common case builds no Status).
       .def("recv_into",
            [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
-              std::optional<double> timeout, int64_t stream) -> py::object {
+              std::optional<double> timeout, int64_t stream, py::handle same, py::handle shape) -> py::object {
              check_tag(tag);
              MsgHeader h;
              if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
                return py::none();
+             if (!same.is_none() && PyTuple_Check(shape.ptr()) && PyTuple_GET_SIZE(shape.ptr()) == Py_ssize_t(h.ndim)) {
+               bool eq = true;
+               for (uint32_t i = 0; eq && i < h.ndim; ++i)
+                 eq = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i)) == h.shape[i];
+               if (eq) return py::reinterpret_borrow<py::object>(same);
+             }
              return status_of(src, h);
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("timeout"),
-           py::arg("stream") = -1)
+           py::arg("stream") = -1, py::arg("same") = py::none(), py::arg("shape") = py::none())
+      // Blocking receive of a new array (recv without out): claims the
+      // message, alloc(dtype word, shape) -> (array, data pointer) makes its
+      // array, the payload is copied there and the slot freed; one call and no
+      // request. None, with the message left in place, when irecvs from src
+      // are posted (FIFO) or the message is a device payload or a descriptor
+      // (the caller's irecv path handles those). An alloc that raises leaves
+      // the message for the next recv.
+      .def("recv_new",
+           [](Comm& c, int src, int64_t tag, std::optional<double> timeout, py::handle alloc) -> py::object {
+             check_tag(tag);
+             MsgHeader h;
+             int slot = -1;
+             if (!recv_blocking(c, src, tag, nullptr, 0, 0, &h, timeout, {}, &slot)) return py::none();
+             if (h.flags & (kDevicePayload | kDescriptor)) {
+               c.engine->unclaim(src, h.seq);
+               return py::none();
+             }
+             py::tuple shape(h.ndim);
+             for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
+             py::tuple made;
+             try {
+               made = alloc(h.dtype, shape);
+             } catch (...) {
+               c.engine->unclaim(src, h.seq);
+               throw;
+             }
+             c.engine->consume_claimed(src, slot, h, reinterpret_cast<void*>(made[1].cast<uintptr_t>()));
+             return made[0];
+           })
       .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })

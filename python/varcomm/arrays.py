@@ -134,6 +134,18 @@ def empty(kind: str, dtype_word: int, shape: Sequence[int],
     return a, a.ctypes.data
 
 
+def new_torch(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
+    """empty("torch", ...) for the blocking recv's allocator (the core calls it)."""
+    t = torch.empty(shape, dtype=dtypes.to_torch(dtype_word))
+    return t, t.data_ptr()
+
+
+def new_numpy(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
+    """empty("numpy", ...) for the blocking recv's allocator (the core calls it)."""
+    a = np.empty(shape, dtype=dtypes.to_numpy(dtype_word))
+    return a, a.ctypes.data
+
+
 def loan(kind: str, ptr: int, nbytes: int, dtype_word: int, shape: Sequence[int],
          on_free: Callable[[], None]) -> Array:
     """A zero-copy view of a receive slot; `on_free` returns the slot when the

@@ -120,6 +120,7 @@ class Communicator:
         self.slots: int = options.slots
         self._timeout: float | None = options.timeout
         self._array = options.array
+        self._alloc = arrays.new_torch if options.array == "torch" else arrays.new_numpy  # recv's new arrays
         self._store = store
         self._owner = owner
         self._closed = False
@@ -250,8 +251,9 @@ class Communicator:
                 r = self._c.recv_buffer(src, tag, out, t)
             # Hot path: as in send, `kind is _Tensor` narrows nothing for mypy.
             elif kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS:  # type: ignore[union-attr]
-                r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t)  # type: ignore[union-attr]
-                if r is not None and r.shape == out.shape:
+                r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t,  # type: ignore[union-attr]
+                                      -1, out, out.shape)
+                if r is out:
                     return out
             elif kind is _Tensor and out.is_cuda and self._device_routes[src] is None:  # type: ignore[union-attr]
                 r = None  # staged through host memory: irecv below
@@ -262,6 +264,10 @@ class Communicator:
                 r = self._c.recv_into(src, tag, ptr, cap, word, t, stream)
             if r is not None:
                 return r if r is out else arrays.prefix_view(out, r.nbytes, r.shape)
+        elif copy and type(src) is int and 0 <= src < self.world_size:
+            a = self._c.recv_new(src, tag, t, self._alloc)  # one core call; None: the irecv path decides
+            if a is not None:
+                return a
         return self.irecv(src, tag, out, copy=copy).wait(t)  # type: ignore[no-any-return]  # Work.wait: Any
 
     def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
