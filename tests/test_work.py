@@ -86,3 +86,42 @@ def test_every_pending_op_is_a_work_and_synchronizes():
         assert tw.is_completed()
     finally:
         vdist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_a_timed_out_work_keeps_its_error_and_the_channel_stays_usable():
+    """After wait(timeout) raises, the Work is over: is_completed() is True and
+    every later wait()/result() raises the same TimeoutError (not an unknown-
+    request error); the cancelled receive takes no message."""
+    import pytest
+
+    with varcomm.init(timeout=30, array="numpy") as comm:
+        if comm.rank == 1:
+            w = comm.irecv(0, tag=5)
+            with pytest.raises(varcomm.TimeoutError) as first:
+                w.wait(timeout=0.3)
+            assert w.is_completed()
+            for again in (w.wait, w.result, w.synchronize):
+                with pytest.raises(varcomm.TimeoutError) as e:
+                    again()
+                assert e.value is first.value
+        comm.barrier()
+        if comm.rank == 0:
+            comm.send(np.arange(3), 1, tag=5)
+        else:
+            assert comm.recv(0, tag=5).tolist() == [0, 1, 2]
+
+
+@world(2, timeout=60)
+def test_a_barrier_that_times_out_raises_varcomm_timeout():
+    import time
+
+    import pytest
+
+    with varcomm.init(timeout=1) as comm:
+        if comm.rank == 0:
+            with pytest.raises(varcomm.TimeoutError, match=r"barrier: 1 of 2 ranks arrived within 1 s"):
+                comm.barrier()
+        else:
+            time.sleep(1.5)
+            comm.barrier()  # rank 0's arrival still counts: this one passes

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import arrays, bootstrap
 from .errors import InvalidArgument, VarcommError
+from .errors import TimeoutError as _Timeout
 from .options import Options
 from .work import Work
 
@@ -52,7 +53,13 @@ class P2PWork:
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done:
-            self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
+            try:
+                self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
+            except BaseException as e:
+                # The core cancelled or failed the request (and forgot it): this
+                # Work is over, and every later wait says why.
+                self._done, self._error, self._keep, self._finish = True, e, None, None
+                raise
             self._done = True
             self._keep = None
             finish = self._finish
@@ -157,12 +164,14 @@ class Communicator:
             rnd += 1
 
     def _wait_count(self, key: str, n: int) -> None:
-        deadline = time.monotonic() + (self._timeout or 300)
-        while int(self._store.add(key, 0)) < n:
+        limit = self._timeout or 300
+        deadline = time.monotonic() + limit
+        while (got := int(self._store.add(key, 0))) < n:
             if self._routes_ready:
                 self._c.progress()  # a rank in a barrier still serves incoming rdma writes
             if time.monotonic() > deadline:
-                raise VarcommError(f"rendezvous timed out waiting for {n} ranks at {key!r}")
+                raise _Timeout(f"{key.split('/')[0]}: {got} of {n} ranks arrived within {limit:.3g} s "
+                               "(does every rank call it? a rank that died is reported by its peers' operations)")
             time.sleep(0.002)
 
     # ---- introspection --------------------------------------------------------
@@ -279,6 +288,10 @@ class Communicator:
         return P2PWork(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
 
     def irecv(self, src: int, tag: int = 0, out: Array | None = None, copy: bool = True) -> Work:
+        """Post a receive; wait() returns what recv() would. Receives from one
+        source match its messages in posting order. A Work dropped without
+        wait() still takes its message (and drops it, so later messages stay
+        in order); with out=, the message still lands in out."""
         self._check_peer(src, "src")
         c = self._c
         if out is not None:
@@ -423,6 +436,9 @@ class Communicator:
     # ---- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
+        """Leave the job. Peers may still be writing into this rank's region,
+        so close waits for them to close too (or die): up to 30 s on the rank
+        that hosts the rendezvous store, 10 s where a network route exists."""
         if self._closed:
             return
         self._closed = True

@@ -20,10 +20,16 @@ class Work(Protocol):
     communicator's); what ``wait`` returns depends on the operation (the
     received array, None for a send, an all-to-all's output)."""
 
-    def wait(self, timeout: float | None = None) -> Any: ...
+    def wait(self, timeout: float | None = None) -> Any:
+        """Finish the operation and return its result; raise its error (a
+        TimeoutError cancels what had not started; waiting again raises the
+        same error)."""
 
-    def is_completed(self) -> bool: ...
+    def is_completed(self) -> bool:
+        """True once wait() would return (or raise) at once."""
 
-    def synchronize(self, timeout: float | None = None) -> Any: ...
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """wait(), then block the host until the GPU work it queued has run."""
 
-    def result(self) -> Any: ...
+    def result(self) -> Any:
+        """wait() with the communicator's timeout."""
