@@ -14,7 +14,6 @@ from .errors import (
     TimeoutError,
     VarcommError,
 )
-from .options import Options
 from .work import Work
 
 __version__ = "0.1.0"
@@ -22,6 +21,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from ._C import Status
     from .comm import Communicator, P2POp, P2PWork, init
+    from .options import Options
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from . import comm
 
         return getattr(comm, name)
+    if name == "Options":  # lazy too, so `python -m varcomm.options` runs the module once
+        from .options import Options
+
+        return Options
     if name == "Status":  # a received message's header (recv_into, Work results' metadata)
         from ._C import Status
 
