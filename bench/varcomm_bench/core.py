@@ -152,7 +152,7 @@ class Ctx:
         out[0] = mine
         buf = np.empty(k, dtype=np.float64)
         for r in range(1, self.world):
-            out[r] = self.ctl.recv(r, tag=CTL_TAG, out=buf)  # type: ignore[assignment]  # buf, filled
+            out[r] = self.ctl.recv(r, tag=CTL_TAG, out=buf)  # buf, filled
         return out
 
     def bcast(self, vals: Sequence[float]) -> np.ndarray:

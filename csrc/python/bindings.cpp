@@ -142,29 +142,71 @@ Options options_from_dict(const py::dict& d) {
   return o;
 }
 
-// The status of one received message: what its header said.
-struct Status {
-  int src;
-  int64_t tag;
-  uint64_t nbytes;
-  uint32_t dtype;  // DLPack word, see python/varcomm/dtypes.py
-  py::tuple shape;
-  bool device;      // the payload is in device memory
-  bool descriptor;  // a descriptor (kDescriptor): nbytes, dtype, shape describe data sent separately
-};
+// The status of one received message: what its header said. A C struct
+// sequence (like os.stat_result): named, typed fields at the cost of a tuple,
+// since the prefix-view recv path builds one per message.
+PyStructSequence_Field kStatusFields[] = {
+    {"src", "the rank that sent it"},
+    {"tag", "its tag"},
+    {"nbytes", "payload bytes (a descriptor: the bytes it describes)"},
+    {"dtype", "DLPack dtype word (varcomm.dtypes.describe names it)"},
+    {"shape", "its shape, a tuple"},
+    {"device", "the payload is in device memory"},
+    {"descriptor", "a descriptor: nbytes, dtype and shape describe data sent separately"},
+    {nullptr, nullptr}};
+PyStructSequence_Desc kStatusDesc = {"varcomm.Status",
+                                     "A received message's header: source, tag, size, dtype, shape, and the "
+                                     "device and descriptor flags.",
+                                     kStatusFields, 7};
+PyTypeObject* status_type = nullptr;
+
+// repr names the dtype (varcomm.dtypes.describe), not its DLPack word.
+PyObject* status_repr(PyObject* self) {
+  try {
+    auto item = [&](int i) { return py::reinterpret_borrow<py::object>(PyStructSequence_GetItem(self, i)); };
+    std::string dt;
+    try {
+      dt = py::str(py::module_::import("varcomm.dtypes").attr("describe")(item(3)));
+    } catch (const py::error_already_set&) {
+      dt = py::str(item(3));
+    }
+    std::string r = "varcomm.Status(src=" + std::string(py::str(item(0))) + ", tag=" + std::string(py::str(item(1))) +
+                    ", nbytes=" + std::string(py::str(item(2))) + ", dtype=" + dt +
+                    ", shape=" + std::string(py::repr(item(4))) + ", device=" + std::string(py::str(item(5))) +
+                    ", descriptor=" + std::string(py::str(item(6))) + ")";
+    return PyUnicode_FromStringAndSize(r.data(), Py_ssize_t(r.size()));
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  }
+}
+
+py::object make_status(int src, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape, size_t ndim,
+                       uint64_t flags) {
+  PyObject* t = PyTuple_New(Py_ssize_t(ndim));
+  if (!t) throw py::error_already_set();
+  for (size_t i = 0; i < ndim; ++i) PyTuple_SET_ITEM(t, Py_ssize_t(i), PyLong_FromLongLong(shape[i]));
+  PyObject* o = PyStructSequence_New(status_type);
+  if (!o) {
+    Py_DECREF(t);
+    throw py::error_already_set();
+  }
+  PyStructSequence_SetItem(o, 0, PyLong_FromLong(src));
+  PyStructSequence_SetItem(o, 1, PyLong_FromLongLong(tag));
+  PyStructSequence_SetItem(o, 2, PyLong_FromUnsignedLongLong(nbytes));
+  PyStructSequence_SetItem(o, 3, PyLong_FromUnsignedLong(dtype));
+  PyStructSequence_SetItem(o, 4, t);
+  PyStructSequence_SetItem(o, 5, PyBool_FromLong((flags & kDevicePayload) != 0));
+  PyStructSequence_SetItem(o, 6, PyBool_FromLong((flags & kDescriptor) != 0));
+  return py::reinterpret_steal<py::object>(o);
+}
 
 py::object status_of(int src, const MsgHeader& h) {
-  py::tuple shape(h.ndim);
-  for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-  return py::cast(Status{src, h.tag, h.nbytes, h.dtype, std::move(shape), (h.flags & kDevicePayload) != 0,
-                         (h.flags & kDescriptor) != 0});
+  return make_status(src, h.tag, h.nbytes, h.dtype, h.shape, std::min<uint32_t>(h.ndim, kMaxDims), h.flags);
 }
 
 py::object status_of(const MsgInfo& m) {
-  py::tuple shape(m.shape.size());
-  for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = py::int_(m.shape[i]);
-  return py::cast(Status{m.src, m.tag, m.nbytes, m.dtype, std::move(shape), (m.flags & kDevicePayload) != 0,
-                         (m.flags & kDescriptor) != 0});
+  return make_status(m.src, m.tag, m.nbytes, m.dtype, m.shape.data(), m.shape.size(), m.flags);
 }
 
 // The core: the engine and the set-up that chose and connected its routes.
@@ -626,33 +668,11 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
 
-  py::class_<Status>(m, "Status",
-                     "A received message's header: source, tag, size, dtype, shape, device and descriptor flags.")
-      .def_readonly("src", &Status::src)
-      .def_readonly("tag", &Status::tag)
-      .def_readonly("nbytes", &Status::nbytes)
-      .def_readonly("dtype", &Status::dtype)
-      .def_readonly("shape", &Status::shape)
-      .def_readonly("device", &Status::device)
-      .def_readonly("descriptor", &Status::descriptor)
-      .def("__eq__", [](const Status& a, const Status& b) {
-        return a.src == b.src && a.tag == b.tag && a.nbytes == b.nbytes && a.dtype == b.dtype && a.device == b.device &&
-               a.descriptor == b.descriptor &&
-               a.shape.equal(b.shape);
-      })
-      .def("__repr__", [](const Status& s) {
-        std::string dt;
-        try {
-          dt = py::str(py::module_::import("varcomm.dtypes").attr("describe")(s.dtype));
-        } catch (const py::error_already_set&) {
-          char w[16];
-          snprintf(w, sizeof w, "0x%x", s.dtype);
-          dt = w;
-        }
-        return "Status(src=" + std::to_string(s.src) + ", tag=" + std::to_string(s.tag) + ", nbytes=" +
-               std::to_string(s.nbytes) + ", dtype=" + dt + ", shape=" + std::string(py::repr(s.shape)) +
-               ", device=" + (s.device ? "True" : "False") + (s.descriptor ? ", descriptor=True" : "") + ")";
-      });
+  status_type = PyStructSequence_NewType(&kStatusDesc);
+  if (!status_type) throw py::error_already_set();
+  status_type->tp_repr = status_repr;
+  PyType_Modified(status_type);
+  m.attr("Status") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(status_type));
 
   py::class_<Comm>(m, "Comm")
       .def(py::init([](int rank, int world, const py::dict& options) {

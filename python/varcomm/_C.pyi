@@ -27,7 +27,7 @@ def rdma_info(options: CoreOptions | None = None) -> str: ...
 def nvlink_info(options: CoreOptions | None = None) -> str: ...
 def nvlink_unavailable_reason() -> str: ...
 
-class Status:
+class Status(tuple[int, int, int, int, tuple[int, ...], bool, bool]):
     """A received message's header."""
     @property
     def src(self) -> int: ...
@@ -43,9 +43,7 @@ class Status:
     def device(self) -> bool: ...  # the payload is in device memory
     @property
     def descriptor(self) -> bool: ...  # a descriptor: nbytes, dtype, shape describe data sent separately
-    # Takes a Status only (another type raises TypeError); unhashable.
-    def __eq__(self, other: object, /) -> bool: ...
-    __hash__: ClassVar[None]  # type: ignore[assignment]  # pybind11 drops __hash__ when __eq__ is defined
+    # A C struct sequence (like os.stat_result): also a 7-tuple, compared and hashed as one.
 
 _T = TypeVar("_T")
 
