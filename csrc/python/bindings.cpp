@@ -850,15 +850,18 @@ PYBIND11_MODULE(_C, m) {
              }
              py::tuple shape(h.ndim);
              for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-             py::tuple made;
-             try {
-               made = alloc(h.dtype, shape);
+             py::object arr;
+             uintptr_t ptr = 0;
+             try {  // anything that refuses the message leaves it for the next recv
+               py::tuple made = alloc(h.dtype, shape);
+               arr = made[0];
+               ptr = made[1].cast<uintptr_t>();
              } catch (...) {
                c.engine->unclaim(src, h.seq);
                throw;
              }
-             c.engine->consume_claimed(src, slot, h, reinterpret_cast<void*>(made[1].cast<uintptr_t>()));
-             return made[0];
+             c.engine->consume_claimed(src, slot, h, reinterpret_cast<void*>(ptr));
+             return arr;
            })
       .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
            py::arg("id"), py::arg("timeout") = py::none())
