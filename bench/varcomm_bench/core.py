@@ -216,22 +216,19 @@ class Ctx:
 
 # ---- endpoints: one interface over varcomm, its fallback and MPI -------------------
 
-class TorchEP:
-    """varcomm (any transport) or its fallback: torch tensors on the bench device."""
+class _VarcommOps:
+    """A varcomm Communicator's operations, whatever kind of buffer they carry;
+    the ack buffers are the endpoint's own (`_acks`)."""
+
+    ctx: Ctx
+    comm: Any
 
     def __init__(self, ctx: Ctx, comm: Any, name: str) -> None:
         self.ctx, self.comm, self.name = ctx, comm, name
         self.corrupt = corrupting(name)
 
-    def msg(self, nbytes: int) -> Any:
-        return self.ctx.src[:nbytes].view(self.ctx.dtype)
-
-    def out(self) -> Any:
-        c = self.ctx
-        return c.dst[:c.cap - c.cap % c.itemsize].view(c.dtype)
-
-    def clear(self, nbytes: int) -> None:
-        self.ctx.dst[:nbytes].zero_()
+    def _acks(self) -> tuple[Any, Any]:
+        return self.ctx.ack_src, self.ctx.ack_dst
 
     def send(self, x: Any, peer: int) -> None:
         self.comm.send(x, peer)
@@ -250,10 +247,24 @@ class TorchEP:
         return self.comm.recv(peer)
 
     def ack(self, peer: int) -> None:
-        self.comm.send(self.ctx.ack_src[:1], peer)
+        self.comm.send(self._acks()[0][:1], peer)
 
     def wait_ack(self, peer: int) -> None:
-        self.comm.recv(peer, out=self.ctx.ack_dst)
+        self.comm.recv(peer, out=self._acks()[1])
+
+
+class TorchEP(_VarcommOps):
+    """varcomm (any transport) or its fallback: torch tensors on the bench device."""
+
+    def msg(self, nbytes: int) -> Any:
+        return self.ctx.src[:nbytes].view(self.ctx.dtype)
+
+    def out(self) -> Any:
+        c = self.ctx
+        return c.dst[:c.cap - c.cap % c.itemsize].view(c.dtype)
+
+    def clear(self, nbytes: int) -> None:
+        self.ctx.dst[:nbytes].zero_()
 
     def bad(self, x: Any, nbytes: int) -> int:
         """1 if x is not the pattern's first nbytes (after the test-only corruption)."""
@@ -319,34 +330,12 @@ class MpiEP:
         return int(x.size != nbytes or not np.array_equal(x, self.ctx.pattern_np[:nbytes]))
 
 
-class NumpyEP(MpiEP):
-    """varcomm with numpy buffers (the buffer-protocol fast path), on MpiEP's host buffers."""
+class NumpyEP(_VarcommOps, MpiEP):
+    """varcomm with numpy buffers (the buffer-protocol fast path), on MpiEP's host
+    buffers: MpiEP's msg/out/clear/bad, varcomm's operations."""
 
-    def __init__(self, ctx: Ctx, comm: Any, name: str) -> None:
-        self.ctx, self.comm, self.name = ctx, comm, name
-        self.corrupt = corrupting(name)
-
-    def send(self, x: Any, peer: int) -> None:
-        self.comm.send(x, peer)
-
-    def isend(self, x: Any, peer: int) -> Any:
-        return self.comm.isend(x, peer)
-
-    def wait(self, hs: list[Any]) -> None:
-        for h in hs:
-            h.wait()
-
-    def recv(self, peer: int, out: Any) -> Any:
-        return self.comm.recv(peer, out=out)
-
-    def recv_new(self, peer: int) -> Any:
-        return self.comm.recv(peer)
-
-    def ack(self, peer: int) -> None:
-        self.comm.send(self.ctx.ack_src_np[:1], peer)
-
-    def wait_ack(self, peer: int) -> None:
-        self.comm.recv(peer, out=self.ctx.ack_dst_np)
+    def _acks(self) -> tuple[Any, Any]:
+        return self.ctx.ack_src_np, self.ctx.ack_dst_np
 
 
 class ZeroCopyEP(TorchEP):
