@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"],
                                 reason="needs the rdma transport (libfabric-dev at build time)")
 
+# Keepalive probes go out once a second and a peer counts as gone once none is
+# answered for this long, so it is also how long a stall of the whole machine a
+# live peer survives. At 2 s a loaded CI host once took a survivor for dead.
+PEER_TIMEOUT = "4"
+
 WORKER = textwrap.dedent('''
     import os, sys, time, torch, varcomm
     mode, flags = sys.argv[1], sys.argv[2]
@@ -86,7 +91,7 @@ def _run(net: Netns, tmp: Path, mode: str, n: int) -> list[subprocess.Popen]:
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR=net.addr(0), MASTER_PORT="29611", VARCOMM_FI_PROVIDER="tcp;ofi_rxm",
-                   VARCOMM_FI_IFACE=IFACE, VARCOMM_PEER_TIMEOUT="2", OMP_NUM_THREADS="1",
+                   VARCOMM_FI_IFACE=IFACE, VARCOMM_PEER_TIMEOUT=PEER_TIMEOUT, OMP_NUM_THREADS="1",
                    PYTHONPATH=str(ROOT / "python"))
         procs.append(net.popen(r, [sys.executable, str(script), mode, str(flags)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
