@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -87,8 +88,10 @@ def stream(comm: object, n: int, bound: int, seed: int, marks: int = 10) -> list
                     r = comm.recv(0, tag=tag, copy=False)
                 else:
                     r = comm.irecv(0, tag=tag).wait()
-                if r.shape[0] != e or float(r[e - 1]) != float(e - 1):
-                    raise AssertionError(f"message {j}: {tuple(r.shape)} / last {float(r[e - 1])}, want {e}")
+                a = cast("np.ndarray | torch.Tensor", r)  # data, not a Status: no out= was too small
+                if a.shape[0] != e or float(a[e - 1]) != float(e - 1):
+                    raise AssertionError(f"message {j}: {tuple(a.shape)} / last {float(a[e - 1])}, want {e}")
+                del a
                 del r
         i += k
         if i - warm >= every * (len(got) + 1) or i == n:
