@@ -279,7 +279,8 @@ def selftest_child(transport: str) -> int:
             back = comm.recv(peer)
             rtt = time.perf_counter() - t1
             ok = isinstance(back, np.ndarray) and np.array_equal(back, msg)
-            print(json.dumps({"ok": bool(ok), "rtt": rtt, "setup": setup, "route": comm.describe_transport(peer).split("; GPU tensors")[0],
+            route = comm.describe_transport(peer).split("; GPU tensors")[0]
+            print(json.dumps({"ok": bool(ok), "rtt": rtt, "setup": setup, "route": route,
                               "error": "" if ok else "the message came back changed"}), flush=True)
         else:
             comm.send(comm.recv(peer), peer)
