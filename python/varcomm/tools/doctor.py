@@ -241,7 +241,7 @@ def _effective_options() -> tuple[_options.Options, list[str]]:
         bad = ""
     except InvalidArgument as e:
         opts, bad = _options.Options(), f"bad option: {e} (showing the defaults)"
-    env = os.environ
+    env = _options.environment()
     lines = [bad] if bad else []
     for name, spec in _options.Options.specs().items():
         origin = spec.env if env.get(spec.env, "").strip() else "default"
@@ -288,8 +288,10 @@ def selftest_child(transport: str) -> int:
 
 
 def _selftest_env(transport: str, rank: int, port: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _launcher_names()
-           and not k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))}
+    # This process's environment, less every launcher's variables: the children are a job of their own.
+    env = dict(os.environ)
+    for k in [k for k in env if k in _launcher_names() or k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))]:
+        del env[k]
     env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VARCOMM_TRANSPORT=transport)
     if transport == "rdma":
