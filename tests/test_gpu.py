@@ -171,7 +171,7 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
                 gpu.put(p, _payload(i, n))
                 works.append(c.isend(1, 0, p, n, U8, (n,), s))
             host = np.frombuffer(_payload(7, 1000), dtype=np.uint8).copy()
-            assert c.send_buffer(1, 1, host, 30.0)  # host memory, received into device memory
+            assert c.send_buffer(1, 1, host, 30.0, 1)  # numpy (kind 1), host -> device memory
             for w in works:
                 c.wait(w, 30.0)
             for i in range(6):  # after the dropped one: its slot must come back
