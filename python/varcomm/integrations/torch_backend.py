@@ -50,7 +50,7 @@ from ..options import Options
 
 BACKEND = "varcomm"
 
-__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of"]
+__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of", "placeholder"]
 
 
 # ---------------------------------------------------------------------------
@@ -245,6 +245,8 @@ class VarcommProcessGroup(dist.ProcessGroup):
         t = _single(tensors, "recv")
         if t.device.type != "cpu":
             return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
+        if getattr(t, _ANY_SHAPE, False):
+            return self._recv_any_shape(t, srcRank, tag)
         comm, src = self.comm, srcRank
         dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
 
@@ -289,6 +291,24 @@ class VarcommProcessGroup(dist.ProcessGroup):
                         t.copy_(dst)
 
         return VarcommWork(finish, _all_done(works), [t], source=src)
+
+    def _recv_any_shape(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
+        """Receive into a placeholder(): on completion ``t`` holds the message, of the sender's shape and dtype."""
+        comm = self.comm
+        w = comm.irecv(src, tag)
+
+        def finish(timeout: float | None) -> None:
+            got = w.wait(timeout)
+            if isinstance(got, _C.Status):  # a descriptor: the data follows in bound-sized chunks
+                whole = torch.empty(tuple(got.shape), dtype=dtypes.to_torch(got.dtype))
+                flat = _bytes_of(whole)
+                for c in [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, got.nbytes, comm.bound)]:
+                    c.wait(timeout)
+                got = whole
+            # .data: the same tensor object (what the caller holds, its requires_grad) now is the message
+            t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
+
+        return VarcommWork(finish, w.is_completed, [t], source=src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         t = _single(tensors, "recv")
@@ -441,6 +461,23 @@ class VarcommProcessGroup(dist.ProcessGroup):
                 self.comm.close()
             except (VarcommError, RuntimeError, OSError):
                 pass  # the store's host (rank 0) may be gone already: nothing left to tell
+
+
+_ANY_SHAPE = "_varcomm_any_shape"
+
+
+def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False) -> torch.Tensor:
+    """An empty CPU tensor that ``dist.recv``/``dist.irecv`` (and ``batch_isend_irecv``)
+    on a varcomm group fill with a message of any shape: once the receive is
+    complete (``wait()``), this same tensor object holds the message, with the
+    sender's shape and dtype (its ``.data`` is set to it; ``requires_grad`` is
+    kept). No shape message, no size known in advance. ``dtype`` and
+    ``requires_grad`` are the tensor's until then (what autograd or a dtype
+    check sees before the wait); the message's dtype wins. Over varcomm's
+    bound a message arrives in chunks, as for any receive."""
+    t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
+    setattr(t, _ANY_SHAPE, True)
+    return t
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
