@@ -166,7 +166,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedule", choices=list(SCHEDULES), default="1F1B")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--micro-batches", type=int, default=4, help="per step: this many, then +1, +2, again (interleaved: +R, +2R)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="per step: this many, then +1, +2, again (interleaved: +R, +2R)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--max-len", type=int, default=64)

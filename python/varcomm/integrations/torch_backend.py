@@ -17,7 +17,10 @@ the same store, and CUDA tensors run on an NCCL backend (when torch has CUDA and
 NCCL; option ``torch_nccl``, ``VARCOMM_TORCH_NCCL=0``, turns it off): both are registered as the
 group's per-device backends, so torch's own dispatch finds them.
 
-Semantics are torch's: ``dist.recv`` receives into the given tensor, whose
+A ``placeholder()`` tensor is the exception: ``dist.recv``/``irecv`` into it
+take a message of any shape and dtype, which it then holds (how
+``varcomm.integrations.pipelining`` receives microbatches of any length).
+Otherwise semantics are torch's: ``dist.recv`` receives into the given tensor, whose
 size must equal the message's (the same number of bytes and the same dtype;
 a different shape with the same size is accepted, as gloo and NCCL do), and a
 message of another size is refused with an error naming both sizes. The
@@ -50,7 +53,8 @@ from ..options import Options
 
 BACKEND = "varcomm"
 
-__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of", "placeholder"]
+__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of", "placeholder",
+           "recv_into_placeholder"]
 
 
 # ---------------------------------------------------------------------------
@@ -246,7 +250,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
         if t.device.type != "cpu":
             return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
         if getattr(t, _ANY_SHAPE, False):
-            return self._recv_any_shape(t, srcRank, tag)
+            return recv_into_placeholder(self.comm, t, srcRank, tag)
         comm, src = self.comm, srcRank
         dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
 
@@ -291,24 +295,6 @@ class VarcommProcessGroup(dist.ProcessGroup):
                         t.copy_(dst)
 
         return VarcommWork(finish, _all_done(works), [t], source=src)
-
-    def _recv_any_shape(self, t: torch.Tensor, src: int, tag: int) -> dist.Work:
-        """Receive into a placeholder(): on completion ``t`` holds the message, of the sender's shape and dtype."""
-        comm = self.comm
-        w = comm.irecv(src, tag)
-
-        def finish(timeout: float | None) -> None:
-            got = w.wait(timeout)
-            if isinstance(got, _C.Status):  # a descriptor: the data follows in bound-sized chunks
-                whole = torch.empty(tuple(got.shape), dtype=dtypes.to_torch(got.dtype))
-                flat = _bytes_of(whole)
-                for c in [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, got.nbytes, comm.bound)]:
-                    c.wait(timeout)
-                got = whole
-            # .data: the same tensor object (what the caller holds, its requires_grad) now is the message
-            t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
-
-        return VarcommWork(finish, w.is_completed, [t], source=src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         t = _single(tensors, "recv")
@@ -478,6 +464,27 @@ def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False)
     t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
     setattr(t, _ANY_SHAPE, True)
     return t
+
+
+def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: int = 0) -> VarcommWork:
+    """Post a receive from ``src`` on ``comm`` that fills ``t`` (a placeholder())
+    with the message when waited: ``t.data`` becomes the received tensor, of
+    the sender's shape, dtype and device (a GPU tensor sent from GPU memory
+    arrives on this rank's GPU)."""
+    w = comm.irecv(src, tag)
+
+    def finish(timeout: float | None) -> None:
+        got = w.wait(timeout)
+        if isinstance(got, _C.Status):  # a descriptor: the data follows in bound-sized chunks
+            whole = torch.empty(tuple(got.shape), dtype=dtypes.to_torch(got.dtype))
+            flat = _bytes_of(whole)
+            for c in [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, got.nbytes, comm.bound)]:
+                c.wait(timeout)
+            got = whole
+        # .data: the tensor object the caller holds (its requires_grad, its attributes) now is the message
+        t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
+
+    return VarcommWork(finish, w.is_completed, [t], source=src)
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
