@@ -173,5 +173,12 @@ def test_stage_refuses_what_it_cannot_run():
             VarcommPipelineStage(mod, dist.get_rank(), 2, device="meta")
         with pytest.raises(ValueError, match="num_inputs"):
             VarcommPipelineStage(mod, dist.get_rank(), 2, num_inputs=0)
+        stage = VarcommPipelineStage(mod, 0, 2)
+        bound = varcomm.torch.comm_of().bound
+        stage.fwd_cache[0] = ((torch.zeros(bound // 4 + 1),), [])
+        with pytest.raises(ValueError, match=r"over varcomm's receive bound .*VARCOMM_BOUND"):
+            stage.get_fwd_send_ops(0)
+        stage.fwd_cache[0] = ((torch.zeros(bound // 4),), [])
+        assert len(stage.get_fwd_send_ops(0)) == 1  # exactly the bound fits (the op is not run)
     finally:
         dist.destroy_process_group()

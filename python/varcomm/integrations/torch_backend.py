@@ -459,8 +459,10 @@ def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False)
     sender's shape and dtype (its ``.data`` is set to it; ``requires_grad`` is
     kept). No shape message, no size known in advance. ``dtype`` and
     ``requires_grad`` are the tensor's until then (what autograd or a dtype
-    check sees before the wait); the message's dtype wins. Over varcomm's
-    bound a message arrives in chunks, as for any receive."""
+    check sees before the wait); the message's dtype wins. A message over
+    varcomm's bound arrives as a descriptor and chunks, as for any receive of
+    this backend; the chunks are received when this receive is waited, so
+    wait it before posting another receive from the same source."""
     t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
     setattr(t, _ANY_SHAPE, True)
     return t
