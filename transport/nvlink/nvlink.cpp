@@ -251,7 +251,7 @@ class NvlinkTransport : public Transport {
         p.dev = dev_base_;
       } else {
         std::string err;
-        p.host = map_peer_region(p.pid, fd, p.host_size, &err);
+        p.host = map_peer_region(p.pid, p.start, fd, p.host_size, &err);
         if (!p.host)
           throw Error(ErrorKind::PeerFailure, "nvlink: cannot map rank " + std::to_string(peer) + "'s region: " + err,
                       peer);
