@@ -11,6 +11,7 @@ read a rank's memory anyway, is the attacker only where the test says so
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -241,3 +242,37 @@ def test_forged_rdma_write_is_discarded(forge):
         np.testing.assert_array_equal(comm.recv(src=1, tag=99), np.arange(4.0))
         keys = report["keys"] + report["hkeys"]
         assert len(set(keys)) == 4 and min(keys) >= 1 << 16, f"guessable rdma keys {keys}"
+
+
+@world(2, timeout=30)
+def test_ranks_with_different_job_keys_refuse_each_other():
+    """A rank with another key is refused at the first set-up round, with what to do."""
+    with pytest.raises(varcomm.InvalidArgument, match="fails authentication.*same VARCOMM_JOB_KEY on every rank"):
+        varcomm.init(transport="shm", job_key=f"key-of-rank-{os.environ['RANK']}", timeout=15)
+
+
+@world(2, timeout=30)
+def test_a_keyed_rank_refuses_an_unkeyed_one():
+    key = KEY if os.environ["RANK"] == "0" else ""
+    with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_JOB_KEY"):
+        varcomm.init(transport="shm", job_key=key, timeout=15)
+
+
+def _launch(n: int, env: dict[str, str]) -> list[str]:
+    """What each rank of `varcomm-run -n n` saw as its job key (its hash: never printed)."""
+    prog = ("import hashlib, os; k = os.environ.get('VARCOMM_JOB_KEY', ''); "
+            "os.write(1, f'{len(k)} {hashlib.sha256(k.encode()).hexdigest()}\\n'.encode())")  # one write: lines stay whole
+    r = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", str(n), sys.executable, "-c", prog],
+                       env={**env, "PYTHONPATH": str(Path(varcomm.__file__).resolve().parents[1])},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return sorted(r.stdout.split("\n")[:-1])
+
+
+def test_varcomm_run_gives_each_job_its_own_key():
+    env = {k: v for k, v in os.environ.items() if k != "VARCOMM_JOB_KEY"}
+    first, second = _launch(3, env), _launch(3, env)
+    assert len(set(first)) == 1 and first[0].startswith("32 "), first  # one 128-bit key, the same on every rank
+    assert first != second  # a fresh one per job
+    mine = _launch(2, {**env, "VARCOMM_JOB_KEY": KEY})  # a key the user set is kept
+    assert set(mine) == {f"{len(KEY)} {hashlib.sha256(KEY.encode()).hexdigest()}"}

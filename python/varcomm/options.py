@@ -405,6 +405,14 @@ def env_name(cls: type[_Declared], field: str) -> str:
     return cls.specs()[field].env
 
 
+def env_value(cls: type[_Declared], field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """`field` alone as the environment sets it (None when unset): for tools
+    that must not resolve every option (the launcher imports nothing heavy)."""
+    spec = cls.specs()[field]
+    env = os.environ if environ is None else environ
+    return _convert(spec, env[spec.env], spec.env) if env.get(spec.env, "").strip() else None
+
+
 def environment(environ: Mapping[str, str] | None = None,
                 prefixes: tuple[str, ...] = ("VARCOMM_", "FI_")) -> dict[str, str]:
     """The set variables that concern varcomm (its own and libfabric's), for reports."""
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Options", "ToolOptions", "Spec", "parse_bytes", "markdown_table", "environment", "env_name",
+__all__ = ["Options", "ToolOptions", "Spec", "parse_bytes", "markdown_table", "environment", "env_name", "env_value",
            "BUILD_VARIABLES"]
 
 if __name__ == "__main__":

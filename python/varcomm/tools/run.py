@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from ..options import Options, ToolOptions, env_name
+from ..options import Options, ToolOptions, env_name, env_value
 
 __all__ = ["main", "launch", "rank_env", "free_port"]
 
@@ -176,7 +176,7 @@ def launch(
     # is readable by its owner alone): a process outside the job cannot plant
     # set-up records or forge messages. A key the user set is kept.
     key_var = env_name(Options, "job_key")
-    job_key = os.environ.get(key_var, "").strip() or secrets.token_hex(16)
+    job_key = env_value(Options, "job_key") or secrets.token_hex(16)
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
