@@ -260,8 +260,9 @@ def test_a_keyed_rank_refuses_an_unkeyed_one():
 
 def _launch(n: int, env: dict[str, str]) -> list[str]:
     """What each rank of `varcomm-run -n n` saw as its job key (its hash: never printed)."""
+    # One os.write per rank: the ranks share the pipe, and whole lines stay whole.
     prog = ("import hashlib, os; k = os.environ.get('VARCOMM_JOB_KEY', ''); "
-            "os.write(1, f'{len(k)} {hashlib.sha256(k.encode()).hexdigest()}\\n'.encode())")  # one write: lines stay whole
+            "os.write(1, f'{len(k)} {hashlib.sha256(k.encode()).hexdigest()}\\n'.encode())")
     r = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", str(n), sys.executable, "-c", prog],
                        env={**env, "PYTHONPATH": str(Path(varcomm.__file__).resolve().parents[1])},
                        capture_output=True, text=True, timeout=30)

@@ -418,7 +418,8 @@ def environment(environ: Mapping[str, str] | None = None,
     """The set variables that concern varcomm (its own and libfabric's), for reports."""
     env = os.environ if environ is None else environ
     secrets = {s.env: s for s in Options.specs().values() if s.secret}
-    return {k: str(shown(secrets[k], v)) if k in secrets else v for k, v in sorted(env.items()) if k.startswith(prefixes)}
+    return {k: str(shown(secrets[k], v)) if k in secrets else v
+            for k, v in sorted(env.items()) if k.startswith(prefixes)}
 
 
 def known_variables() -> set[str]:
