@@ -249,6 +249,13 @@ def test_ranks_with_different_job_keys_refuse_each_other():
     """A rank with another key is refused at the first set-up round, with what to do."""
     with pytest.raises(varcomm.InvalidArgument, match="fails authentication.*same VARCOMM_JOB_KEY on every rank"):
         varcomm.init(transport="shm", job_key=f"key-of-rank-{os.environ['RANK']}", timeout=15)
+    _keep_store_up()
+
+
+def _keep_store_up() -> None:
+    # Rank 0 serves the store: it stays until rank 1 has read the records it refuses.
+    if os.environ["RANK"] == "0":
+        time.sleep(2)
 
 
 @world(2, timeout=30)
@@ -256,6 +263,7 @@ def test_a_keyed_rank_refuses_an_unkeyed_one():
     key = KEY if os.environ["RANK"] == "0" else ""
     with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_JOB_KEY"):
         varcomm.init(transport="shm", job_key=key, timeout=15)
+    _keep_store_up()
 
 
 def _launch(n: int, env: dict[str, str]) -> list[str]:
