@@ -76,6 +76,7 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   if (pl.world != world_)
     throw Error(ErrorKind::Invalid, peer_str(peer) + " reports world_size " + std::to_string(pl.world) +
                                         ", this rank " + std::to_string(world_));
+  check_fits(peer, *t, pl);
   auto& p = peers_.at(peer);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   p.t = std::move(t);
@@ -92,6 +93,19 @@ void Engine::set_pair_tags(int peer, uint64_t out, uint64_t in) {
 uint64_t Engine::forged_headers() {
   std::lock_guard<std::mutex> g(mu_);
   return forged_;
+}
+
+// Every offset we write at comes from the peer's published layout: a layout
+// that claims more than its region holds is refused here, before any write
+// could land past the mapping (and crash us) or outside its registration.
+void Engine::check_fits(int peer, const Transport& t, const Layout& pl) const {
+  size_t have = t.peer_bytes(peer);
+  if (pl.total() > have)
+    throw Error(ErrorKind::PeerFailure,
+                peer_str(peer) + " published a layout of " + std::to_string(pl.total()) + " bytes (bound " +
+                    std::to_string(pl.bound) + ", slots " + std::to_string(pl.nslots) + ") but its " + t.name() +
+                    " region holds " + std::to_string(have) + ": refused (a forged or corrupt set-up record)",
+                peer);
 }
 
 std::string Engine::transport_describe(int peer) const {
@@ -492,6 +506,7 @@ void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem)
 
 void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
   std::lock_guard<std::mutex> g(mu_);
+  check_fits(peer, *t, peers_.at(peer).layout);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   peers_.at(peer).tdev = std::move(t);
 }

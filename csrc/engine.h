@@ -168,6 +168,7 @@ class Engine {
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);
   void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem);
+  void check_fits(int peer, const Transport& t, const Layout& pl) const;
   uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                       uint32_t ndim, Mem mem, uint64_t hflags);
   // 1: message copied into out; 0: none yet; throws when it does not fit.

@@ -76,24 +76,27 @@ def layout_total(world, nslots, bound):
 def publish(rnd, record):
     store.set(prefix + f"setup/{rnd}/1", record + MARK + b"none")
 
-if mode in ("shm", "lie"):
+if mode in ("shm", "lie", "lie-layout"):
     # Play rank 1: the host key copied from rank 0's round-0 record.
     host_key = get("setup/0/0").split(b"\n")[0]
     publish(0, host_key + b"\n" + os.urandom(16).hex().encode())
     f = fields(get("setup/1/0"))
     world, nslots, bound = int(f[1]), int(f[2]), int(f[3])
     descs = dict(zip(f[6::2], f[7::2]))
-    claimed = bound * 64 if mode == "lie" else bound
+    # "lie": descriptor and control block claim 64x the memfd; "lie-layout":
+    # they are honest, the published layout (what rank 0 writes by) lies.
+    claimed = bound * 64 if mode.startswith("lie") else bound
     real, _, _ = layout_total(world, nslots, bound)
-    total, rings, slot = layout_total(world, nslots, claimed)
+    mapped = claimed if mode == "lie" else bound
+    total, rings, slot = layout_total(world, nslots, mapped)
     fd = os.memfd_create("attacker")
     os.ftruncate(fd, real)
     mem = mmap.mmap(fd, real)
     pid = os.getpid()
     start = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
     # A control block that agrees with the descriptor: magic, rank, world, slots, pid, bound.
-    mem[:32] = struct.pack("<QiiiiQ", 0x316d6d6f63726176, 1, world, nslots, pid, claimed)
-    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{claimed}".encode()
+    mem[:32] = struct.pack("<QiiiiQ", 0x316d6d6f63726176, 1, world, nslots, pid, mapped)
+    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}".encode()
     rec = b"varcomm-peer1 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), f[4]))
     rec += put(str(len(descs)).encode()) + b"".join(put(k) + put(v) for k, v in sorted(descs.items()))
     publish(1, rec)
@@ -181,12 +184,17 @@ def test_planted_record_fails_the_job_key():
     _planted_peer_refused(r"not authenticated.*same VARCOMM_JOB_KEY on every rank", job_key=KEY)
 
 
+@pytest.mark.parametrize("mode, match", [
+    ("lie", r"is not a region of \d+ bytes.*lie"),
+    ("lie-layout", r"published a layout of \d+ bytes .* but its shm region holds \d+: refused"),
+])
 @world(1, timeout=40)
-def test_descriptor_with_a_lying_bound_is_refused():
-    """A same-user peer whose descriptor and control block claim a bound 64x
-    what its memfd holds: refused at connect (before, the first send past the
-    file's end killed the rank with SIGBUS)."""
-    _planted_peer_refused(r"is not a region of \d+ bytes.*lie", mode="lie", as_nobody=False)
+def test_descriptor_with_a_lying_bound_is_refused(mode, match):
+    """A same-user peer that claims a bound 64x what its memfd holds, in its shm
+    descriptor and control block ("lie") or only in its published layout
+    ("lie-layout"): refused at connect (before, the first send past the file's
+    end killed the rank with SIGBUS)."""
+    _planted_peer_refused(match, mode=mode, as_nobody=False)
 
 
 @pytest.fixture(scope="module")

@@ -289,6 +289,8 @@ class NvlinkTransport : public Transport {
     store_release_u64(peers_.at(peer).host + off, value);
   }
 
+  size_t peer_bytes(int peer) const override { return size_t(peers_.at(peer).host_size); }
+
   std::string peer_error(int peer) override {
     auto& p = peers_.at(peer);
     return p.pid == getpid() ? "" : process_exit_error(peer, p.pid, p.start);

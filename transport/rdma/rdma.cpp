@@ -203,6 +203,7 @@ class RdmaTransport final : public Transport {
   void write_u64(int peer, size_t off, uint64_t value) override;
   void progress() override;
   std::string peer_error(int peer) override;
+  size_t peer_bytes(int peer) const override { return size_t(peers_.at(size_t(peer)).size); }
 
  private:
   struct Op {
