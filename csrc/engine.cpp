@@ -76,11 +76,36 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   if (pl.world != world_)
     throw Error(ErrorKind::Invalid, peer_str(peer) + " reports world_size " + std::to_string(pl.world) +
                                         ", this rank " + std::to_string(world_));
+  check_fits(peer, *t, pl);
   auto& p = peers_.at(peer);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   p.t = std::move(t);
   p.layout = pl;
   p.written.assign(pl.nslots, 0);
+}
+
+void Engine::set_pair_tags(int peer, uint64_t out, uint64_t in) {
+  std::lock_guard<std::mutex> g(mu_);
+  peers_.at(peer).auth_out = out;
+  peers_.at(peer).auth_in = in;
+}
+
+uint64_t Engine::forged_headers() {
+  std::lock_guard<std::mutex> g(mu_);
+  return forged_;
+}
+
+// Every offset we write at comes from the peer's published layout: a layout
+// that claims more than its region holds is refused here, before any write
+// could land past the mapping (and crash us) or outside its registration.
+void Engine::check_fits(int peer, const Transport& t, const Layout& pl) const {
+  size_t have = t.peer_bytes(peer);
+  if (pl.total() > have)
+    throw Error(ErrorKind::PeerFailure,
+                peer_str(peer) + " published a layout of " + std::to_string(pl.total()) + " bytes (bound " +
+                    std::to_string(pl.bound) + ", slots " + std::to_string(pl.nslots) + ") but its " + t.name() +
+                    " region holds " + std::to_string(have) + ": refused (a forged or corrupt set-up record)",
+                peer);
 }
 
 std::string Engine::transport_describe(int peer) const {
@@ -275,7 +300,18 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
 // header that would make us read past its slot, build a shape longer than
 // kMaxDims, or lose track of the slot fails the peer instead.
 bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
-  if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq) return true;
+  if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq &&
+      h.auth == peers_[peer].auth_in)
+    return true;
+  if (h.auth != peers_[peer].auth_in) {
+    // Noticed as genuine, then overwritten in place: that message is lost.
+    forged_++;
+    peers_[peer].forged++;
+    fail_peer(peer, "the message from " + peer_str(peer) + " in this rank's slot was overwritten by a write with "
+                        "the wrong pair tag (not from this job: a forged one-sided write, or a rank with another "
+                        "VARCOMM_JOB_KEY); the pair is treated as failed");
+    return false;
+  }
   fail_peer(peer, peer_str(peer) + " wrote a malformed message header into this rank's slot (seq " +
                       std::to_string(h.seq) + " in the slot marked " + std::to_string(seq) + ", " +
                       std::to_string(h.nbytes) + " bytes against a bound of " + std::to_string(layout_.bound) +
@@ -412,6 +448,7 @@ bool Engine::try_write(int peer, Request& r) {
     h.dtype = r.dtype;
     h.ndim = r.ndim;
     h.flags = r.hflags;
+    h.auth = p.auth_out;
     std::copy(r.shape, r.shape + r.ndim, h.shape);
     uint64_t ticket;
     if (r.mem.device) {
@@ -470,6 +507,7 @@ void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem)
 
 void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
   std::lock_guard<std::mutex> g(mu_);
+  check_fits(peer, *t, peers_.at(peer).layout);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   peers_.at(peer).tdev = std::move(t);
 }
@@ -486,6 +524,11 @@ void Engine::progress_recvs(int peer) {
   for (int k = 0; k < layout_.nslots; ++k) {
     uint64_t s = load_acquire(base + layout_.slot_off(peer, k));
     if (s == 0 || s == p.seen[k]) continue;
+    const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, k) + kHeaderOff);
+    if (__builtin_expect(h->auth != p.auth_in, 0)) {
+      discard_forged(peer, k, s);
+      continue;
+    }
     p.seen[k] = s;
     p.early.push_back({s, k, false});
   }
@@ -550,6 +593,23 @@ void Engine::progress_recvs(int peer) {
     }
     it = p.posted.erase(it);
   }
+}
+
+void Engine::discard_forged(int peer, int k, uint64_t ready) {
+  Peer& p = peers_[peer];
+  // Give the ready word back its last genuine value, so the sender's next
+  // write to this slot is noticed (unless one has landed meanwhile).
+  uint64_t want = ready;
+  __atomic_compare_exchange_n(reinterpret_cast<uint64_t*>(region_->base() + layout_.slot_off(peer, k)), &want,
+                              p.seen[k], false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  forged_++;
+  // Reported on the 1st, 2nd, 4th, ... one per peer: visible, not a flood.
+  uint64_t n = ++p.forged;
+  if ((n & (n - 1)) == 0)
+    fprintf(stderr,
+            "varcomm rank %d: discarded a message in %s's slot %d whose pair tag is wrong (a forged one-sided write "
+            "into this rank's region, or a rank with another VARCOMM_JOB_KEY); %llu so far, not delivered\n",
+            rank_, peer_str(peer).c_str(), k, (unsigned long long)n);
 }
 
 void Engine::progress_locked() {

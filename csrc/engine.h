@@ -143,6 +143,12 @@ class Engine {
   // Ids of reported detached requests recycled since the last call.
   void take_recycled(std::vector<uint64_t>& ids);
   void close();
+  // The per-pair tags every header carries (routes.cpp, pair_tag): `out` on
+  // what we write to `peer`, `in` on what it writes to us. Set before traffic.
+  void set_pair_tags(int peer, uint64_t out, uint64_t in);
+  // Headers discarded because their pair tag was wrong (forged or stray
+  // writes into our region), since init.
+  uint64_t forged_headers();
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
   // Collective number n of this communicator (every rank calls collectives
@@ -163,6 +169,7 @@ class Engine {
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);
   void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem);
+  void check_fits(int peer, const Transport& t, const Layout& pl) const;
   uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                       uint32_t ndim, Mem mem, uint64_t hflags);
   // 1: message copied into out; 0: none yet; throws when it does not fit.
@@ -172,6 +179,8 @@ class Engine {
   std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
   // False, with the peer failed, when a header it wrote cannot be trusted.
   bool sane(int peer, const MsgHeader& h, uint64_t seq);
+  // An arrival in slot k whose header has the wrong pair tag: not delivered.
+  void discard_forged(int peer, int k, uint64_t ready);
   // Copy a message out of our slot into dst and give the slot back.
   void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
   Transport& device_transport(int peer);
@@ -201,6 +210,8 @@ class Engine {
     std::string dead;               // why the peer is unusable, empty while fine
     std::chrono::steady_clock::time_point last_check{};
     uint32_t sends_unchecked = 0;
+    uint64_t auth_out = 0, auth_in = 0;  // pair tags (set_pair_tags)
+    uint64_t forged = 0;                 // discarded arrivals with a wrong tag
   };
 
   int rank_, world_;
@@ -218,6 +229,7 @@ class Engine {
   std::mutex mu_;
   bool closed_ = false;
   std::atomic<uint64_t> coll_seq_{0};
+  uint64_t forged_ = 0;
 };
 
 }  // namespace varcomm

@@ -1,5 +1,7 @@
 #include "hostmem.h"
 
+#include <unistd.h>
+
 #include <fstream>
 #include <sstream>
 
@@ -36,6 +38,29 @@ std::string process_exit_error(int peer, int pid, unsigned long long start) {
   if (st.empty() || st == "Z" || st == "X" || now != start)
     return "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") has exited";
   return "";
+}
+
+std::string process_trust_error(int pid, unsigned long long start) {
+  std::string who = "pid " + std::to_string(pid);
+  unsigned long long now = 0;
+  if (proc_state(pid, &now).empty()) return who + " does not exist";
+  if (now != start)
+    return who + " started at " + std::to_string(now) + " where the descriptor says " + std::to_string(start) +
+           " (a recycled pid, or a descriptor that names another process)";
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(f, line);) {
+    if (line.compare(0, 4, "Uid:") != 0) continue;
+    std::istringstream in(line.substr(4));
+    uid_t me = geteuid();
+    long long u;
+    for (int i = 0; i < 4 && in >> u; ++i)
+      if (uid_t(u) != me)
+        return who + " runs as uid " + std::to_string(u) + ", this rank as uid " + std::to_string(me) +
+               ": refused (same-host ranks must run as the same user; a process of another user may have written "
+               "this descriptor into the store)";
+    return "";
+  }
+  return who + ": cannot read its owner from /proc/" + std::to_string(pid) + "/status";
 }
 
 }  // namespace varcomm

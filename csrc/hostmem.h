@@ -28,5 +28,11 @@ inline void store_release_u64(char* at, uint64_t value) {
 unsigned long long process_start(int pid);
 // Empty while process `pid` started at `start` is alive; else why not.
 std::string process_exit_error(int peer, int pid, unsigned long long start);
+// Empty when `pid` is the process that published `start` (the same
+// incarnation, not a recycled pid) and runs as this process's user (real,
+// effective, saved and filesystem uid): only then may we map its memory or let
+// it map ours. Else why not. (root may open another user's /proc/<pid>/fd, so
+// the kernel alone does not stop a root job mapping a stranger's memfd.)
+std::string process_trust_error(int pid, unsigned long long start);
 
 }  // namespace varcomm

@@ -24,6 +24,7 @@ struct Options {
   int cuda_device = -1;          // the GPU this process uses (torch ordinal), -1 none/unknown
   std::string nvlink_flags = "device";  // device | host: where nvlink data-ready flags live
   uint64_t nvlink_kernel_max = 0;       // largest nvlink message sent by the copy-and-flag kernel; 0 off
+  std::string job_key;  // the job's shared secret (VARCOMM_JOB_KEY); "" none: see routes.cpp, authentication
 };
 
 }  // namespace varcomm

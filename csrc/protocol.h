@@ -33,7 +33,10 @@ struct MsgHeader {
   uint32_t ndim;
   int64_t shape[kMaxDims];
   uint64_t flags;  // kDevicePayload | kDescriptor | the sender's array kind (kArrayShift)
-  uint64_t reserved;
+  // The pair's tag (routes.cpp, pair_tag): derived from the job key, so a
+  // write by anyone outside the job is recognised and discarded (engine.cpp,
+  // progress_recvs). Checking it is one compare per arrival.
+  uint64_t auth;
 };
 // The payload is in the receiver's device slot.
 constexpr uint64_t kDevicePayload = 1;

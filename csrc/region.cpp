@@ -2,12 +2,14 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 
 #include "errors.h"
+#include "hostmem.h"
 
 namespace varcomm {
 
@@ -40,11 +42,21 @@ void Region::close_fd() {
   fd_ = -1;
 }
 
-char* map_peer_region(int pid, int fd, size_t size, std::string* error) {
+char* map_peer_region(int pid, unsigned long long start, int fd, size_t size, std::string* error) {
+  *error = process_trust_error(pid, start);
+  if (!error->empty()) return nullptr;
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   int f = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (f < 0) {
     *error = "cannot open " + path + ": " + strerror(errno);
+    return nullptr;
+  }
+  struct stat st {};
+  if (fstat(f, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() || size_t(st.st_size) < size) {
+    *error = path + " is not a region of " + std::to_string(size) + " bytes owned by uid " +
+             std::to_string(geteuid()) + " (it has " + std::to_string((long long)st.st_size) + " bytes, uid " +
+             std::to_string(st.st_uid) + "): the descriptor's size, bound or slots lie, or it names another file";
+    ::close(f);
     return nullptr;
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);

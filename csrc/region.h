@@ -28,8 +28,11 @@ class Region {
   int fd_ = -1;
 };
 
-// Map a peer's region given its pid and fd (same host, same user).
-char* map_peer_region(int pid, int fd, size_t size, std::string* error);
+// Map a peer's region given its pid, start time (hostmem.h process_start) and
+// fd: only when that process runs as our user (process_trust_error) and its
+// memfd is ours and holds at least `size` bytes (else touching the mapping
+// past the file's end would crash us); nullptr with *error why not.
+char* map_peer_region(int pid, unsigned long long start, int fd, size_t size, std::string* error);
 void unmap_region(char* base, size_t size);
 
 // Empty when the region mapped at `base` (`size` bytes) is the one `rank`

@@ -1,8 +1,10 @@
 #include "routes.h"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 
+#include "auth.h"
 #include "errors.h"
 
 namespace varcomm {
@@ -18,6 +20,45 @@ std::string built_names() {
   for (size_t i = 0; i < names.size(); ++i) s += (i ? ", '" : "'") + names[i] + "'";
   return s + "]";
 }
+
+// Authentication. Every set-up record a rank publishes in the store ends in
+// a MAC: HMAC-SHA256 under the job key (Options::job_key) over the record, the
+// round, the publishing rank, the world size and (from round 1 on) the job,
+// i.e. the hash of every rank's round-0 record, each of which carries a fresh
+// random nonce: a record cannot be moved to another rank, round or job. A
+// record whose MAC does not verify is refused, so with a key a process outside
+// the job cannot plant a descriptor. Without a key the MAC is "none" and the
+// job trusts whatever reaches its store, as NCCL and gloo do (README,
+// "Semantics and errors"); the checks that need no secret (shm: the peer's
+// uid and start time, its region's control block and size) still apply.
+//
+// Pair tags. Every message header carries auth = the first 8 bytes of
+// HMAC(key, "pair" | job | src | dst); the receiver discards an arrival whose
+// tag differs (Engine::progress_recvs). With a key, nobody outside the job
+// can produce a valid tag, so a forged one-sided write (rdma) is never
+// delivered. Without a key the tag is derived from the public nonces: it
+// catches stray writes from another job or a stale peer, not an attacker.
+const std::string kMacMark = "\nvarcomm-mac ";
+
+std::string context(const char* what, int round, int rank, int world, const std::string& job) {
+  std::string c = std::string("varcomm-") + what + "1";
+  for (const std::string& part : {std::to_string(round), std::to_string(rank), std::to_string(world), job}) {
+    c += '\0';
+    c += part;
+  }
+  return c + '\0';
+}
+
+uint64_t pair_tag(const std::string& key, const std::string& job, int src, int dst) {
+  std::string mac = hmac_sha256(key, context("pair", 0, src, dst, job));
+  uint64_t t = 0;
+  std::memcpy(&t, mac.data(), sizeof t);
+  return t;
+}
+
+const char* const kKeyHint =
+    "set the same VARCOMM_JOB_KEY on every rank (varcomm-run does it for you; with torchrun, mpirun or srun "
+    "export VARCOMM_JOB_KEY=$(openssl rand -hex 16) before launching: see the README, \"Semantics and errors\")";
 
 }  // namespace
 
@@ -48,18 +89,63 @@ std::string Setup::begin() {
   if (t != "auto" && !find_transport(t))
     invalid("transport '" + t + "' is not built into this varcomm (built: " + built_names() + "); see `varcomm-doctor`");
   round_ = 0;
-  return host_key();
+  job_.clear();
+  // The nonce makes this job's round-0 records, hence job_, unlike any other's.
+  return seal(host_key() + "\n" + to_hex(random_bytes(16)), 0);
 }
 
-std::optional<std::string> Setup::step(const std::vector<std::string>& blobs) {
-  if (int(blobs.size()) != e_.world())
-    invalid("set-up round " + std::to_string(round_) + ": " + std::to_string(blobs.size()) + " records for " +
+std::string Setup::seal(const std::string& record, int round) const {
+  const std::string& key = o_.job_key;
+  std::string mac =
+      key.empty() ? "none" : to_hex(hmac_sha256(key, context("setup", round, e_.rank(), e_.world(), job_) + record));
+  return record + kMacMark + mac;
+}
+
+std::string Setup::unseal(int r, const std::string& sealed, int round) const {
+  size_t at = sealed.rfind(kMacMark);
+  std::string who = "rank " + std::to_string(r) + "'s set-up record";
+  if (at == std::string::npos)
+    invalid("bad set-up record from rank " + std::to_string(r) + " (does every rank run the same varcomm version?)");
+  std::string record = sealed.substr(0, at), mac = sealed.substr(at + kMacMark.size());
+  const std::string& key = o_.job_key;
+  if (key.empty()) {
+    if (mac != "none")
+      invalid("rank " + std::to_string(r) + " was started with a job key (VARCOMM_JOB_KEY) and rank " +
+              std::to_string(e_.rank()) + " without one: " + kKeyHint);
+    return record;
+  }
+  if (mac == "none")
+    invalid(who + " is not authenticated, but this rank has a job key (VARCOMM_JOB_KEY): rank " + std::to_string(r) +
+            " was started without it, or a process outside the job wrote that record into the store; " + kKeyHint);
+  if (!same_secret(mac, to_hex(hmac_sha256(key, context("setup", round, r, e_.world(), job_) + record))))
+    invalid(who + " fails authentication with this rank's job key: rank " + std::to_string(r) +
+            " has another VARCOMM_JOB_KEY, or a process outside the job forged the record in the store; refused; " +
+            kKeyHint);
+  return record;
+}
+
+void Setup::derive_job(const std::vector<std::string>& round0) {
+  std::string all;
+  for (const std::string& b : round0) all += std::to_string(b.size()) + ":" + b;
+  job_ = sha256(all);
+  const std::string& key = o_.job_key;
+  for (int r = 0; r < e_.world(); ++r)
+    e_.set_pair_tags(r, pair_tag(key, job_, e_.rank(), r), pair_tag(key, job_, r, e_.rank()));
+}
+
+std::optional<std::string> Setup::step(const std::vector<std::string>& sealed) {
+  if (int(sealed.size()) != e_.world())
+    invalid("set-up round " + std::to_string(round_) + ": " + std::to_string(sealed.size()) + " records for " +
             std::to_string(e_.world()) + " ranks");
+  std::vector<std::string> blobs;
+  for (int r = 0; r < e_.world(); ++r) blobs.push_back(unseal(r, sealed[size_t(r)], round_));
   switch (round_++) {
     case 0:
-      hosts_ = blobs;
+      hosts_.clear();
+      for (const std::string& b : blobs) hosts_.push_back(b.substr(0, b.rfind('\n')));
+      derive_job(sealed);
       open_transports();
-      return me_.encode();
+      return seal(me_.encode(), 1);
     case 1:
       peers_.clear();
       for (int r = 0; r < e_.world(); ++r) {
@@ -73,7 +159,7 @@ std::optional<std::string> Setup::step(const std::vector<std::string>& blobs) {
                   std::to_string(e_.rank()) + " with transport='" + o_.transport +
                   "': every rank must pass the same transport= (VARCOMM_TRANSPORT)");
       }
-      return connect_peers();
+      return seal(connect_peers(), 2);
     case 2:
       agree_device(blobs);
       return std::nullopt;

@@ -54,6 +54,12 @@ class Setup {
   int device_ordinal() const { return device_ordinal_; }
 
  private:
+  // Authentication (see routes.cpp): a record as published, with its MAC;
+  // and a published record checked and stripped of it, for round `round`.
+  std::string seal(const std::string& record, int round) const;
+  std::string unseal(int rank, const std::string& sealed, int round) const;
+  void derive_job(const std::vector<std::string>& round0);
+
   void open_transports();
   std::string connect_peers();
   void agree_device(const std::vector<std::string>& acks);
@@ -61,6 +67,7 @@ class Setup {
   Engine& e_;
   const Options& o_;
   int round_ = 0;
+  std::string job_;  // SHA-256 of every rank's round-0 record (which carries a fresh nonce): names this job
   std::vector<std::string> hosts_;
   PeerInfo me_;
   std::vector<PeerInfo> peers_;

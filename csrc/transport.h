@@ -24,6 +24,10 @@ class Transport {
   virtual std::string expose(void* base, size_t size) = 0;
   // Import a peer's descriptor so write_*(peer, ...) can reach its region.
   virtual void connect(int peer, const std::string& descriptor) = 0;
+  // Bytes of `peer`'s region that connect() mapped or was told are
+  // registered: the engine holds the peer's published layout to it once, so
+  // no write goes past it (SIZE_MAX: the transport checks each write itself).
+  virtual size_t peer_bytes(int /*peer*/) const { return SIZE_MAX; }
   // Every peer has connected to us: drop set-up state (e.g. close segment fds).
   virtual void connected() {}
 

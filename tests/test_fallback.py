@@ -4,6 +4,8 @@ peer fails requests within seconds; close never hangs on messages in flight."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import hmac
 import os
 import struct
 import time
@@ -37,11 +39,22 @@ def slot_off(sender: int, k: int) -> int:
     return RINGS + (sender * SLOTS + k) * SLOT_BYTES
 
 
+def pair_tag(round0: list[bytes], src: int, dst: int, key: bytes = b"") -> int:
+    """The header tag of pair src -> dst (csrc/routes.cpp pair_tag), from the
+    ranks' round-0 set-up records: these frames play rank 1, so they carry its tag."""
+    job = hashlib.sha256(b"".join(str(len(b)).encode() + b":" + b for b in round0)).digest()
+    msg = b"\0".join([b"varcomm-pair1", b"0", str(src).encode(), str(dst).encode(), job, b""])
+    return int.from_bytes(hmac.new(key, msg, "sha256").digest()[:8], "little")
+
+
+AUTH = {"tag": 0}  # rank 1 -> 0's pair tag in the engine receiver() made last
+
+
 def frame(kind: int, off: int, n: int, seq: int, *, nbytes: int | None = None, hdr_seq: int | None = None,
           ndim: int = 1, flags: int = 0, tag: int = 7) -> bytes:
     shape = [n] + [0] * 7
     hdr = struct.pack("<QQqII8qQQ", seq if hdr_seq is None else hdr_seq, n if nbytes is None else nbytes, tag,
-                      U8, ndim, *shape, flags, 0)
+                      U8, ndim, *shape, flags, AUTH["tag"])
     return struct.pack("<IIQQQ", kind, len(hdr) if kind == WRITE else 0, off, n, seq) + hdr.ljust(128, b"\0")
 
 
@@ -51,6 +64,7 @@ def receiver() -> tuple[object, object]:
     opts = varcomm.Options.resolve(transport="fallback", bound=BOUND, slots=SLOTS).placed(1).core(-1)
     cs = [_C.Comm(r, 2, opts) for r in range(2)]
     outs = [c.setup_begin() for c in cs]
+    AUTH["tag"] = pair_tag(outs, 1, 0)
     while outs[0] is not None:
         outs = [c.setup_step(outs) for c in cs]
     c = cs[0]

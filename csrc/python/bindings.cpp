@@ -94,7 +94,7 @@ struct Buf {
 Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
-      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max"};
+      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "job_key"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -135,6 +135,7 @@ Options options_from_dict(const py::dict& d) {
   get("cuda_device", &o.cuda_device);
   get("nvlink_flags", &o.nvlink_flags);
   get("nvlink_kernel_max", &o.nvlink_kernel_max);
+  get("job_key", &o.job_key);
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
   one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});
@@ -735,6 +736,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("needs_fallback_group", [](Comm& c) { return c.ready().any_fallback(); })
       .def_property_readonly("close_waits_for_peers", [](Comm& c) { return c.ready().close_waits_for_peers(); })
       .def_property_readonly("device_ordinal", [](Comm& c) { return c.ready().device_ordinal(); })
+      .def_property_readonly("forged_headers", [](Comm& c) { return c.engine->forged_headers(); })
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("progress",
            [](Comm& c) {

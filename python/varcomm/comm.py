@@ -192,6 +192,13 @@ class Communicator:
         self._check_peer(peer, "peer")
         return self._c.route_info(peer)
 
+    @property
+    def forged_headers(self) -> int:
+        """Messages discarded since init because their header's pair tag was
+        wrong: one-sided writes into this rank's slots that no rank of this job
+        made (README, "Semantics and errors"). Each is reported on stderr too."""
+        return self._c.forged_headers
+
     def device_transport_for(self, peer: int) -> str | None:
         """"nvlink" when CUDA tensors to and from `peer` travel GPU to GPU, else None."""
         self._check_peer(peer, "peer")

@@ -198,12 +198,18 @@ class Spec:
     doc: str
     default_doc: str  # the default as the README states it
     none_is_value: bool = False  # a None keyword is a value (timeout: wait forever), not "unset"
+    secret: bool = False  # never shown: not in repr, reports or `python -m varcomm.options`
 
 
 def _opt(env: str, kind: Kind, default: Any, doc: str, default_doc: str | None = None,
-         none_is_value: bool = False) -> Any:
-    spec = Spec(env, kind, doc, default_doc if default_doc is not None else f"`{default}`", none_is_value)
-    return dataclasses.field(default=default, metadata={"spec": spec})
+         none_is_value: bool = False, secret: bool = False) -> Any:
+    spec = Spec(env, kind, doc, default_doc if default_doc is not None else f"`{default}`", none_is_value, secret)
+    return dataclasses.field(default=default, metadata={"spec": spec}, repr=not secret)
+
+
+def shown(spec: Spec, value: object) -> object:
+    """`value` as reports may print it: a secret is only said to be set."""
+    return ("<set>" if value else "<unset>") if spec.secret else value
 
 
 T = TypeVar("T", bound="_Declared")
@@ -228,6 +234,7 @@ class CoreOptions(TypedDict):
     cuda_device: int
     nvlink_flags: str
     nvlink_kernel_max: int
+    job_key: str
 
 
 class _Declared:
@@ -334,6 +341,9 @@ class Options(_Declared):
                               "`auto`: one-phase")
     torch_nccl: bool = _opt("VARCOMM_TORCH_NCCL", _BOOL, True,
                             "torch backend: run CUDA tensors' collectives on NCCL", "`1`")
+    job_key: str = _opt("VARCOMM_JOB_KEY", _TEXT, "",
+                        "the job's shared secret: set-up records and message headers are authenticated with it "
+                        "(same on every rank; never printed)", "none; `varcomm-run` sets a random one", secret=True)
 
     def placed(self, local_world_size: int, cores: int | None = None) -> Options:
         """These options with the choices that depend on the host filled in (spin_us)."""
@@ -354,7 +364,7 @@ class Options(_Declared):
             "rdma_strict": self.rdma_strict, "rdma_eager_credits": self.rdma_eager_credits,
             "liveness_addr": self.liveness_addr, "debug": self.debug, "nvlink": self.nvlink,
             "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
-            "nvlink_kernel_max": self.nvlink_kernel_max,
+            "nvlink_kernel_max": self.nvlink_kernel_max, "job_key": self.job_key,
         }
 
 
@@ -387,11 +397,21 @@ def env_name(cls: type[_Declared], field: str) -> str:
     return cls.specs()[field].env
 
 
+def env_value(cls: type[_Declared], field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """`field` alone as the environment sets it (None when unset): for tools
+    that must not resolve every option (the launcher imports nothing heavy)."""
+    spec = cls.specs()[field]
+    env = os.environ if environ is None else environ
+    return _convert(spec, env[spec.env], spec.env) if env.get(spec.env, "").strip() else None
+
+
 def environment(environ: Mapping[str, str] | None = None,
                 prefixes: tuple[str, ...] = ("VARCOMM_", "FI_")) -> dict[str, str]:
     """The set variables that concern varcomm (its own and libfabric's), for reports."""
     env = os.environ if environ is None else environ
-    return {k: v for k, v in sorted(env.items()) if k.startswith(prefixes)}
+    secrets = {s.env: s for s in Options.specs().values() if s.secret}
+    return {k: str(shown(secrets[k], v)) if k in secrets else v
+            for k, v in sorted(env.items()) if k.startswith(prefixes)}
 
 
 def known_variables() -> set[str]:
@@ -420,11 +440,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     opts = Options.resolve()
     for name, spec in Options.specs().items():
-        print(f"{name:20} {getattr(opts, name)!r:24} {spec.env}")
+        print(f"{name:20} {shown(spec, getattr(opts, name))!r:24} {spec.env}")
     return 0
 
 
-__all__ = ["Options", "ToolOptions", "Spec", "parse_bytes", "markdown_table", "environment", "env_name",
+__all__ = ["Options", "ToolOptions", "Spec", "parse_bytes", "markdown_table", "environment", "env_name", "env_value",
            "BUILD_VARIABLES"]
 
 if __name__ == "__main__":

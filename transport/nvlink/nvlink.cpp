@@ -251,7 +251,7 @@ class NvlinkTransport : public Transport {
         p.dev = dev_base_;
       } else {
         std::string err;
-        p.host = map_peer_region(p.pid, fd, p.host_size, &err);
+        p.host = map_peer_region(p.pid, p.start, fd, p.host_size, &err);
         if (!p.host)
           throw Error(ErrorKind::PeerFailure, "nvlink: cannot map rank " + std::to_string(peer) + "'s region: " + err,
                       peer);
@@ -288,6 +288,8 @@ class NvlinkTransport : public Transport {
   void write_u64(int peer, size_t off, uint64_t value) override {
     store_release_u64(peers_.at(peer).host + off, value);
   }
+
+  size_t peer_bytes(int peer) const override { return size_t(peers_.at(peer).host_size); }
 
   std::string peer_error(int peer) override {
     auto& p = peers_.at(peer);

@@ -63,6 +63,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "auth.h"
 #include "errors.h"
 #include "protocol.h"
 #include "registry.h"
@@ -202,6 +203,7 @@ class RdmaTransport final : public Transport {
   void write_u64(int peer, size_t off, uint64_t value) override;
   void progress() override;
   std::string peer_error(int peer) override;
+  size_t peer_bytes(int peer) const override { return size_t(peers_.at(size_t(peer)).size); }
 
  private:
   struct Op {
@@ -447,8 +449,25 @@ void RdmaTransport::quiesce() {
 
 fid_mr* RdmaTransport::reg(void* p, size_t n, uint64_t access) {
   fid_mr* mr = nullptr;
-  // requested_key matters only without FI_MR_PROV_KEY; keys must be unique per domain.
-  FI_CHECK(fi_mr_reg(domain_, p, n, access, 0, next_key_++, 0, &mr, nullptr));
+  // requested_key matters only without FI_MR_PROV_KEY; keys must be unique
+  // per domain. A key that lets peers write (the region, the hello words) is
+  // random, as wide as the provider takes: a sequential one (tcp: 1, 2, ...)
+  // is guessed by anyone who can reach the endpoint. Local-only keys are
+  // never seen remotely.
+  bool remote = access & (FI_REMOTE_WRITE | FI_REMOTE_READ);
+  for (int attempt = 0;; ++attempt) {
+    uint64_t key = next_key_++;
+    if (remote && !(mr_mode_ & FI_MR_PROV_KEY)) {
+      std::string r = random_bytes(sizeof key);
+      std::memcpy(&key, r.data(), sizeof key);
+      size_t bytes = info_->domain_attr->mr_key_size;
+      if (bytes && bytes < sizeof key) key &= (uint64_t(1) << (8 * bytes)) - 1;
+    }
+    int rc = fi_mr_reg(domain_, p, n, access, 0, key, 0, &mr, nullptr);
+    if (rc == -FI_ENOKEY && attempt < 8) continue;  // that key is taken (a random one, or the counter met it)
+    if (rc) fail("fi_mr_reg", rc);
+    break;
+  }
   if (mr_mode_ & FI_MR_ENDPOINT) {
     FI_CHECK(fi_mr_bind(mr, &ep_->fid, 0));
     FI_CHECK(fi_mr_enable(mr));

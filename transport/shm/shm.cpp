@@ -47,7 +47,7 @@ class ShmTransport : public Transport {
       p.base = local_.base();
     } else {
       std::string err;
-      p.base = map_peer_region(p.pid, fd, size, &err);
+      p.base = map_peer_region(p.pid, p.start, fd, size, &err);
       if (!p.base)
         throw Error(ErrorKind::PeerFailure,
                     "cannot map rank " + std::to_string(peer) + "'s region: " + err +
@@ -64,6 +64,8 @@ class ShmTransport : public Transport {
   }
 
   void connected() override { local_.close_fd(); }
+
+  size_t peer_bytes(int peer) const override { return peers_.at(peer).size; }
 
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                          const void* payload, size_t n, uint64_t seq) override {

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from ..options import ToolOptions, env_name
+from ..options import Options, ToolOptions, env_name, env_value
 
 __all__ = ["main", "launch", "rank_env", "free_port"]
 
@@ -171,6 +172,11 @@ def launch(
     # One seed for the whole job, so varcomm.testing.seeded() agrees across ranks.
     given = ToolOptions.resolve().test_seed
     seed = str(given if given is not None else random.SystemRandom().randrange(2**32))
+    # One secret per job, in the ranks' environment only (/proc/<pid>/environ
+    # is readable by its owner alone): a process outside the job cannot plant
+    # set-up records or forge messages. A key the user set is kept.
+    key_var = env_name(Options, "job_key")
+    job_key = env_value(Options, "job_key") or secrets.token_hex(16)
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps: list[threading.Thread] = []
@@ -201,6 +207,7 @@ def launch(
             env = rank_env(r, nprocs, port, master_addr)
             env[env_name(ToolOptions, "launcher")] = "1"
             env[env_name(ToolOptions, "test_seed")] = seed
+            env[key_var] = job_key
             if tag_output:
                 env.setdefault("PYTHONUNBUFFERED", "1")  # pipes are block-buffered otherwise
             pipe = subprocess.PIPE if tag_output else None

@@ -1,0 +1,295 @@
+"""A job that strangers cannot write into (issue 14, "Security").
+
+The attacker is another user of the host (uid 65534 through setpriv; the job
+runs as root, as CI does) who reads the job's TCPStore, where every rank
+publishes its set-up records (keys varcomm/<n>/setup/<round>/<rank>, see
+Communicator._setup), and plants records or one-sided writes of its own. It
+knows the record format (csrc/registry.cpp PeerInfo::encode, transport/shm and
+transport/rdma expose()) but not the job key. A same-user process, which can
+read a rank's memory anyway, is the attacker only where the test says so
+(the lying bound: a bug or a confused peer rather than an adversary).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import varcomm
+from varcomm import bootstrap
+from varcomm.testing import world
+
+HERE = Path(__file__).resolve().parent
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+KEY = "5ec2e7a1b0c4d9f8e7a6b5c4d3e2f1a0"
+
+as_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                             reason="the attacker is another user: needs root and setpriv")
+rdma_built = pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"],
+                                reason="varcomm was built without the rdma transport")
+
+# What the attacker runs: the store client, the record format, the layout
+# (csrc/protocol.h Layout), and the planted shm peer. Standard library and
+# torch only, as any user of the host has.
+ATTACKER = r'''
+import datetime, mmap, os, struct, sys, time
+from torch.distributed import TCPStore
+
+host, port, prefix, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+MARK = b"\nvarcomm-mac "
+
+def get(key):
+    blob = bytes(store.get(prefix + key))
+    at = blob.rfind(MARK)
+    return blob[:at] if at >= 0 else blob
+
+def fields(rec):
+    head = b"varcomm-peer1 "
+    assert rec.startswith(head), rec[:40]
+    out, at = [], len(head)
+    while at < len(rec):
+        colon = rec.index(b":", at)
+        n = int(rec[at:colon])
+        out.append(rec[colon + 1:colon + 1 + n])
+        at = colon + 1 + n
+    return out
+
+def put(v):
+    return str(len(v)).encode() + b":" + v
+
+def layout_total(world, nslots, bound):
+    up = lambda n, a: (n + a - 1) // a * a
+    slot = 256 + up(bound, 256)
+    rings = up(4096 + world * up(nslots * 8, 64), 4096)
+    return rings + world * nslots * slot, rings, slot
+
+def publish(rnd, record):
+    store.set(prefix + f"setup/{rnd}/1", record + MARK + b"none")
+
+if mode in ("shm", "lie", "lie-layout"):
+    # Play rank 1: the host key copied from rank 0's round-0 record.
+    host_key = get("setup/0/0").split(b"\n")[0]
+    publish(0, host_key + b"\n" + os.urandom(16).hex().encode())
+    f = fields(get("setup/1/0"))
+    world, nslots, bound = int(f[1]), int(f[2]), int(f[3])
+    descs = dict(zip(f[6::2], f[7::2]))
+    # "lie": descriptor and control block claim 64x the memfd; "lie-layout":
+    # they are honest, the published layout (what rank 0 writes by) lies.
+    claimed = bound * 64 if mode.startswith("lie") else bound
+    real, _, _ = layout_total(world, nslots, bound)
+    mapped = claimed if mode == "lie" else bound
+    total, rings, slot = layout_total(world, nslots, mapped)
+    fd = os.memfd_create("attacker")
+    os.ftruncate(fd, real)
+    mem = mmap.mmap(fd, real)
+    pid = os.getpid()
+    start = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    # A control block that agrees with the descriptor: magic, rank, world, slots, pid, bound.
+    mem[:32] = struct.pack("<QiiiiQ", 0x316d6d6f63726176, 1, world, nslots, pid, mapped)
+    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}".encode()
+    rec = b"varcomm-peer1 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), f[4]))
+    rec += put(str(len(descs)).encode()) + b"".join(put(k) + put(v) for k, v in sorted(descs.items()))
+    publish(1, rec)
+    get("setup/2/0")
+    publish(2, b"acks:")
+    print("planted", flush=True)
+    # What rank 0 sends to "rank 1" lands in rank 0's ring of our region.
+    until = time.time() + 20
+    while time.time() < until:
+        got = sum(1 for k in range(nslots) if struct.unpack_from("<Q", mem, rings + k * slot)[0])
+        print("captured", got, flush=True)
+        time.sleep(0.2)
+
+elif mode == "rdma":
+    forge = sys.argv[5]
+    recs = [fields(get(f"setup/1/{r}")) for r in (0, 1)]
+    def rdma_desc(f):
+        d = dict(zip(f[6::2], f[7::2]))[b"rdma"].decode()
+        return dict(tok.split("=", 1) for tok in d.split())
+    d0, d1 = rdma_desc(recs[0]), rdma_desc(recs[1])
+    world, nslots, bound = int(recs[0][1]), int(recs[0][2]), int(recs[0][3])
+    _, rings, slot = layout_total(world, nslots, bound)
+    off = rings + (1 * nslots + 0) * slot  # rank 1's first slot in rank 0's region
+    payload = struct.pack("<4d", 666, 666, 666, 666)
+    # MsgHeader: seq, nbytes, tag, dtype (float64), ndim, shape[8], flags, auth (unknown: 0)
+    hdr = struct.pack("<QQqII8qQQ", 1, len(payload), 99, (2 << 16) | (64 << 8) | 1, 1, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    r = __import__("subprocess").run(
+        [forge, d0["prov"], "lo", d0["ep"], d0["addr"], d0["key"], str(off), hdr.hex(), payload.hex()],
+        capture_output=True, text=True, timeout=30)
+    print(__import__("json").dumps({"rc": r.returncode, "out": r.stdout + r.stderr,
+                                    "keys": [int(d0["key"], 16), int(d1["key"], 16)],
+                                    "hkeys": [int(d0["hkey"], 16), int(d1["hkey"], 16)]}), flush=True)
+'''
+
+
+def _attacker(mode: str, *extra: str, as_nobody: bool = True, made: bool = False) -> subprocess.Popen[str]:
+    """The attacker against this process's communicator: the one just `made`,
+    else the one about to be made (bootstrap.make_store names their prefixes)."""
+    prefix = f"varcomm/{bootstrap._instances + (0 if made else 1)}//"  # PrefixStore joins with "/"
+    cmd = [*(NOBODY if as_nobody else []), sys.executable, "-c", ATTACKER, os.environ["MASTER_ADDR"],
+           os.environ["MASTER_PORT"], prefix, mode, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/")
+
+
+def _stop(p: subprocess.Popen[str]) -> str:
+    p.kill()
+    out, _ = p.communicate()
+    return out
+
+
+def _planted_peer_refused(match: str, mode: str = "shm", as_nobody: bool = True, **kw: object) -> None:
+    """Rank 0 of a world of 2 whose rank 1 the attacker plays: init must fail
+    with `match`, so nothing is ever sent to the attacker."""
+    attacker = _attacker(mode, as_nobody=as_nobody)
+    try:
+        with pytest.raises(varcomm.VarcommError, match=match):
+            comm = varcomm.init(rank=0, world_size=2, transport="shm", bound=4096, slots=4, timeout=15,
+                                array="numpy", **kw)
+            # Unchanged code gets here: every message lands in the attacker's memory
+            # (as many as rank 1's slots hold, so none of them blocks).
+            for i in range(4):
+                comm.send(np.full(4, float(i)), dst=1, tag=7)
+            time.sleep(0.5)
+    finally:
+        out = _stop(attacker)
+    print("attacker:", out[-2000:])
+    assert "planted" in out or "Error" not in out, out  # it attacked, not crashed
+    captured = [int(line.split()[1]) for line in out.splitlines() if line.startswith("captured")]
+    assert not captured or max(captured) == 0, out
+
+
+@as_root
+@world(1, timeout=40)
+def test_planted_shm_peer_of_another_user_is_refused():
+    """Without a key: the planted descriptor names a process of uid 65534 (and
+    its memfd, which root could open): refused for its owner, nothing mapped."""
+    _planted_peer_refused(r"runs as uid 65534, this rank as uid 0: refused")
+
+
+@as_root
+@world(1, timeout=40)
+def test_planted_record_fails_the_job_key():
+    """With a key: the attacker cannot authenticate its records; refused at
+    the first round, with what to do."""
+    _planted_peer_refused(r"not authenticated.*same VARCOMM_JOB_KEY on every rank", job_key=KEY)
+
+
+@pytest.mark.parametrize("mode, match", [
+    ("lie", r"is not a region of \d+ bytes.*lie"),
+    ("lie-layout", r"published a layout of \d+ bytes .* but its shm region holds \d+: refused"),
+])
+@world(1, timeout=40)
+def test_descriptor_with_a_lying_bound_is_refused(mode, match):
+    """A same-user peer that claims a bound 64x what its memfd holds, in its shm
+    descriptor and control block ("lie") or only in its published layout
+    ("lie-layout"): refused at connect (before, the first send past the file's
+    end killed the rank with SIGBUS)."""
+    _planted_peer_refused(match, mode=mode, as_nobody=False)
+
+
+@pytest.fixture(scope="module")
+def forge() -> str:
+    """The rdma attacker (tests/attack/rdma_forge.cpp), somewhere uid 65534 may run it."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the rdma attacker")
+    d = tempfile.mkdtemp(prefix="varcomm-forge-")
+    os.chmod(d, 0o755)
+    exe = os.path.join(d, "rdma_forge")
+    r = subprocess.run([cxx, "-std=c++17", "-O1", str(HERE / "attack" / "rdma_forge.cpp"), "-lfabric", "-o", exe],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot build the rdma attacker: {r.stderr[-500:]}")
+    return exe
+
+
+@as_root
+@rdma_built
+@world(2, timeout=50)
+def test_forged_rdma_write_is_discarded(forge):
+    """With a key, over rdma (tcp;ofi_rxm on loopback): the attacker reads rank
+    0's endpoint, region address and key from the store and writes a complete
+    message (header, seq 1, tag 99, payload) into rank 1's first slot with one
+    fi_writedata. Rank 0 must not deliver it, count it, and still receive the
+    genuine message that follows. The region keys are random, not 1, 2, ..."""
+    with varcomm.init(transport="rdma", job_key=KEY, bound=4096, slots=4, timeout=30, array="numpy") as comm:
+        if comm.rank == 1:
+            comm.recv(src=0, tag=1)  # until the attack is over
+            comm.send(np.arange(4.0), dst=0, tag=99)
+            return
+        attacker = _attacker("rdma", forge, made=True)
+        delivered = []
+        # Keep receiving while it attacks: rxm accepts its connection only
+        # while rank 0 drives progress, as a rank blocked in recv does.
+        until = time.monotonic() + 30
+        while attacker.poll() is None and time.monotonic() < until:
+            try:
+                delivered.append(comm.recv(src=1, tag=99, timeout=0.05))
+            except varcomm.TimeoutError:
+                pass
+        out, _ = attacker.communicate(timeout=5)
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["rc"] == 0, report  # the forged write reached rank 0's region
+        try:
+            delivered.append(comm.recv(src=1, tag=99, timeout=1.0))
+        except varcomm.TimeoutError:
+            pass
+        assert delivered == [], f"a forged message was delivered: {delivered}"
+        assert comm.forged_headers == 1
+        comm.send(np.zeros(1), dst=1, tag=1)
+        np.testing.assert_array_equal(comm.recv(src=1, tag=99), np.arange(4.0))
+        keys = report["keys"] + report["hkeys"]
+        assert len(set(keys)) == 4 and min(keys) >= 1 << 16, f"guessable rdma keys {keys}"
+
+
+@world(2, timeout=30)
+def test_ranks_with_different_job_keys_refuse_each_other():
+    """A rank with another key is refused at the first set-up round, with what to do."""
+    with pytest.raises(varcomm.InvalidArgument, match="fails authentication.*same VARCOMM_JOB_KEY on every rank"):
+        varcomm.init(transport="shm", job_key=f"key-of-rank-{os.environ['RANK']}", timeout=15)
+    _keep_store_up()
+
+
+def _keep_store_up() -> None:
+    # Rank 0 serves the store: it stays until rank 1 has read the records it refuses.
+    if os.environ["RANK"] == "0":
+        time.sleep(2)
+
+
+@world(2, timeout=30)
+def test_a_keyed_rank_refuses_an_unkeyed_one():
+    key = KEY if os.environ["RANK"] == "0" else ""
+    with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_JOB_KEY"):
+        varcomm.init(transport="shm", job_key=key, timeout=15)
+    _keep_store_up()
+
+
+def _launch(n: int, env: dict[str, str]) -> list[str]:
+    """What each rank of `varcomm-run -n n` saw as its job key (its hash: never printed)."""
+    # One os.write per rank: the ranks share the pipe, and whole lines stay whole.
+    prog = ("import hashlib, os; k = os.environ.get('VARCOMM_JOB_KEY', ''); "
+            "os.write(1, f'{len(k)} {hashlib.sha256(k.encode()).hexdigest()}\\n'.encode())")
+    r = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", str(n), sys.executable, "-c", prog],
+                       env={**env, "PYTHONPATH": str(Path(varcomm.__file__).resolve().parents[1])},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return sorted(r.stdout.split("\n")[:-1])
+
+
+def test_varcomm_run_gives_each_job_its_own_key():
+    env = {k: v for k, v in os.environ.items() if k != "VARCOMM_JOB_KEY"}
+    first, second = _launch(3, env), _launch(3, env)
+    assert len(set(first)) == 1 and first[0].startswith("32 "), first  # one 128-bit key, the same on every rank
+    assert first != second  # a fresh one per job
+    mine = _launch(2, {**env, "VARCOMM_JOB_KEY": KEY})  # a key the user set is kept
+    assert set(mine) == {f"{len(KEY)} {hashlib.sha256(KEY.encode()).hexdigest()}"}
