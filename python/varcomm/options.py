@@ -304,6 +304,11 @@ class Options(_Declared):
                                                             0.0, forever=True), 600.0,
                                  "default timeout of every wait, seconds; None (`none`) waits forever", "600",
                                  none_is_value=True)
+    init_timeout: float | None = _opt("VARCOMM_INIT_TIMEOUT",
+                                      Seconds("seconds (a number > 0), or none/inf for no limit", 1e-3, forever=True),
+                                      30.0, "how long init waits for every rank to arrive at the rendezvous and for "
+                                      "the store to answer, seconds; then it names the ranks missing", "30",
+                                      none_is_value=True)
     array: str = _opt("VARCOMM_ARRAY", _choice("torch", "numpy"), None,
                       "kind returned by `recv` without `out`", "`torch` if importable, else `numpy`",
                       factory=_default_array)
