@@ -266,3 +266,17 @@ def test_init_timeout_option() -> None:
     assert varcomm.Options.resolve({}, init_timeout=3).init_timeout == 3.0
     with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_INIT_TIMEOUT='0'"):
         varcomm.Options.resolve({"VARCOMM_INIT_TIMEOUT": "0"})
+
+
+def test_torchrun_every_entry_point_and_no_stray_bind_message(tmp_path: Path) -> None:
+    # torchrun's agent hosts the store at MASTER_PORT: varcomm's rank 0 is a
+    # client there too, so torch logs no "server socket ... has failed to bind"
+    prog = tmp_path / "prog.py"
+    prog.write_text(EVERY_ENTRY)  # all three on the agent's port
+    port = free_port()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(port), str(prog), str(port), str(port)],
+                         env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(res.stdout.split("\n")[:-1]) == ["ok 0 2", "ok 1 2"], res.stdout
+    assert "failed to bind" not in res.stderr, res.stderr[-3000:]

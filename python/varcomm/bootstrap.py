@@ -313,8 +313,7 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str) -> None
                "launcher's rank variables, and that no earlier job still runs on this port)")
         store.set(conflict, msg)
         raise InvalidArgument(msg)
-    agreed = store.compare_set("rdzv/world_size", "", str(p.world_size))
-    agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    agreed = store.compare_set("rdzv/world_size", "", str(p.world_size)).decode()
     if agreed != str(p.world_size):
         msg = (f"world_size disagrees between ranks at {where}: rank {p.rank} has {p.world_size}, a rank before "
                f"it has {agreed} (check WORLD_SIZE or the launcher's size variable on every rank)")
