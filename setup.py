@@ -26,16 +26,18 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _pkg_config(name: str) -> tuple[list[str], list[str], str] | None:
+def _pkg_config(name: str) -> tuple[list[str], str, str] | None:
+    """(cflags, libdir, version) of an installed package, or None."""
     if os.environ.get("VARCOMM_NO_RDMA") or not shutil.which("pkg-config"):
         return None
+
+    def query(*args: str) -> str:
+        return subprocess.check_output(["pkg-config", *args, name], text=True, stderr=subprocess.DEVNULL).strip()
+
     try:
-        cflags = subprocess.check_output(["pkg-config", "--cflags", name], text=True, stderr=subprocess.DEVNULL)
-        libs = subprocess.check_output(["pkg-config", "--libs", name], text=True, stderr=subprocess.DEVNULL)
-        ver = subprocess.check_output(["pkg-config", "--modversion", name], text=True, stderr=subprocess.DEVNULL)
+        return shlex.split(query("--cflags")), query("--variable=libdir"), query("--modversion")
     except (subprocess.CalledProcessError, OSError):
         return None
-    return shlex.split(cflags), shlex.split(libs), ver.strip()
 
 
 def _real_nvcc(path: Path) -> Path:
@@ -139,12 +141,14 @@ class NinjaBuildExt(build_ext):
         files = src["core"] + src["shm"] + src["fallback"]
         notes = []
 
+        # The rdma transport loads libfabric at run time (transport/rdma/fabric_lib.h):
+        # its headers are needed to build, the library only where rdma is used.
         fab = _pkg_config("libfabric")
         if fab and src["rdma"]:
-            parts.append(f"rdma (libfabric {fab[2]})")
-            defines.append("-DVARCOMM_HAVE_RDMA")
+            parts.append(f"rdma (libfabric {fab[2]}, loaded at run time)")
+            defines += ["-DVARCOMM_HAVE_RDMA", shlex.quote(f'-DVARCOMM_LIBFABRIC_DIR="{fab[1]}"')]
             cflags += fab[0]
-            ldflags += fab[1]
+            ldflags += ["-ldl"]
             files += src["rdma"]
         else:
             notes.append("rdma: no (libfabric-dev not found by pkg-config)" if not fab else "rdma: no sources")
@@ -191,7 +195,7 @@ class NinjaBuildExt(build_ext):
             f"cxx = {cxx}",
             f"cxxflags = -std=c++17 -fPIC -fvisibility=hidden {opt} -g -Wall -Wextra -Wno-unused-parameter "
             + " ".join(includes + defines + cflags),
-            f"ldflags = -shared {' '.join(ldflags)} -lpthread",
+            f"ldflags = -shared {' '.join(dict.fromkeys(ldflags))} -lpthread",
             "rule cxx",
             "  command = $cxx -MMD -MF $out.d $cxxflags -c $in -o $out",
             "  depfile = $out.d",

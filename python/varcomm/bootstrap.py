@@ -3,9 +3,15 @@ the rendezvous store."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
+import math
 import os
-from collections.abc import Mapping, Sequence
+import re
+import socket
+import threading
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -50,11 +56,22 @@ RANK_VARS = tuple(la.rank for la in LAUNCHERS)
 WORLD_SIZE_VARS = tuple(la.world_size for la in LAUNCHERS if la.world_size)
 LOCAL_RANK_VARS = tuple(la.local_rank for la in LAUNCHERS if la.local_rank)
 LOCAL_WORLD_SIZE_VARS = tuple(la.local_world_size for la in LAUNCHERS if la.local_world_size)
-#: Where to meet: torchrun's address and port; the launch node under SLURM.
-MASTER_ADDR_VARS = ("MASTER_ADDR", "SLURM_LAUNCH_NODE_IPADDR")
+#: Where to meet: torchrun's address and port. Under SLURM without MASTER_ADDR,
+#: the first node of the step (where task 0, the store's host, runs under
+#: srun's block and cyclic distributions), else the node srun ran on.
+MASTER_ADDR_VAR = "MASTER_ADDR"
+SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+SLURM_LAUNCH_ADDR_VAR = "SLURM_LAUNCH_NODE_IPADDR"
 MASTER_PORT_VAR = "MASTER_PORT"
-#: A job id every rank shares, to derive a port from when no MASTER_PORT is set.
+#: A job id every rank shares, to derive a port from when no MASTER_PORT is set
+#: (with SLURM_STEP_ID: two steps of one job running at once meet apart).
 JOB_ID_VARS = ("OMPI_COMM_WORLD_JOBID", "PMIX_NAMESPACE", "SLURM_JOB_ID", "PMI_JOBID")
+STEP_ID_VAR = "SLURM_STEP_ID"
+#: Open MPI's node count: more than one needs a MASTER_ADDR (rank 0's host).
+OMPI_NODES_VAR = "OMPI_MCA_orte_num_nodes"
+#: Set by torchrun when its agent hosts the store at MASTER_ADDR:MASTER_PORT:
+#: every rank is then a client (as torch's own env:// is).
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def env_int(names: Sequence[str], environ: Mapping[str, str] | None = None) -> int | None:
@@ -86,56 +103,269 @@ def _default_port(seed: str) -> int:
     return 20000 + int(hashlib.sha1(seed.encode()).hexdigest(), 16) % 20000
 
 
-def placement(rank: int | None = None, world_size: int | None = None, have_store: bool = False) -> Placement:
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM host list: "gpu[03-05,07],cpu1" -> "gpu03"."""
+    m = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist.strip())
+    if not m:
+        raise InvalidArgument(f"cannot read the SLURM node list {nodelist!r}: set MASTER_ADDR")
+    return m.group(1) + (m.group(2) or "")
+
+
+def _master_addr(env: Mapping[str, str]) -> str:
+    if env.get(MASTER_ADDR_VAR):
+        return env[MASTER_ADDR_VAR]
+    if env.get("SLURM_PROCID"):
+        nodes = next((env[k] for k in SLURM_NODELIST_VARS if env.get(k)), "")
+        if nodes:
+            return first_host(nodes)
+        if env.get(SLURM_LAUNCH_ADDR_VAR):
+            return env[SLURM_LAUNCH_ADDR_VAR]
+    nodes_n = env_int((OMPI_NODES_VAR,), env)
+    if nodes_n is not None and nodes_n > 1:
+        raise InvalidArgument(f"mpirun started ranks on {nodes_n} nodes and MASTER_ADDR is not set: pass rank 0's "
+                              "host, e.g. `mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500 ...`")
+    return "127.0.0.1"  # one host
+
+
+def placement(rank: int | None = None, world_size: int | None = None, have_store: bool = False,
+              environ: Mapping[str, str] | None = None) -> Placement:
     """Read the LAUNCHERS' variables, in that order.
     With a store of the caller's, no rendezvous address is needed."""
-    r = rank if rank is not None else env_int(RANK_VARS)
-    w = world_size if world_size is not None else env_int(WORLD_SIZE_VARS)
+    env = os.environ if environ is None else environ
+    r = rank if rank is not None else env_int(RANK_VARS, env)
+    w = world_size if world_size is not None else env_int(WORLD_SIZE_VARS, env)
     if r is None or w is None:
-        if rank is None and world_size is None and not any(os.environ.get(k) for k in RANK_VARS):
+        if rank is None and world_size is None and not any(env.get(k) for k in RANK_VARS):
             r, w = 0, 1  # a lone process: a world of one
         else:
             raise InvalidArgument("cannot tell rank and world_size: pass varcomm.init(rank=..., world_size=...) "
                                   "or launch with varcomm-run / torchrun / mpirun / srun")
     if not 0 <= r < w:
         raise InvalidArgument(f"rank {r} out of range for world_size {w}")
-    lr = env_int(LOCAL_RANK_VARS)
-    lw = env_int(LOCAL_WORLD_SIZE_VARS)
-    addr = next((os.environ[k] for k in MASTER_ADDR_VARS if os.environ.get(k)), "127.0.0.1")
-    port = env_int((MASTER_PORT_VAR,))
+    lr = env_int(LOCAL_RANK_VARS, env)
+    lw = env_int(LOCAL_WORLD_SIZE_VARS, env)
+    addr = _master_addr(env) if not have_store else env.get(MASTER_ADDR_VAR) or "127.0.0.1"
+    port = env_int((MASTER_PORT_VAR,), env)
     if port is None:
-        job = next((os.environ[k] for k in JOB_ID_VARS if os.environ.get(k)), "")
+        job = next((env[k] for k in JOB_ID_VARS if env.get(k)), "")
         if not job and w > 1 and not have_store:
             raise InvalidArgument("no rendezvous: set MASTER_ADDR and MASTER_PORT, or pass store=")
-        port = _default_port(job)
+        port = _default_port(job + ("." + env[STEP_ID_VAR] if env.get(STEP_ID_VAR) else ""))
     return Placement(r, w, lr if lr is not None else r, lw if lw is not None else w, addr, port)
 
+
+def export_for_torch(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Under a launcher other than torchrun (mpirun, srun), set the variables
+    torch.distributed's env:// reads (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from the launcher's, where
+    unset, so that ``dist.init_process_group("varcomm")`` works unchanged.
+    Returns what it set; sets nothing outside a launched job or when they
+    cannot be read (torch then says what is missing)."""
+    env = os.environ if environ is None else environ
+    if env.get("RANK") or launched(env) is None:
+        return {}
+    try:
+        p = placement(environ=env)
+    except InvalidArgument:
+        return {}
+    values = {"RANK": p.rank, "WORLD_SIZE": p.world_size, "LOCAL_RANK": p.local_rank,
+              "LOCAL_WORLD_SIZE": p.local_world_size, "MASTER_ADDR": p.master_addr, "MASTER_PORT": p.master_port}
+    done = {k: str(v) for k, v in values.items() if not env.get(k)}
+    env.update(done)
+    return done
+
+
+# ---------------------------------------------------------------------------
+# the store and the rendezvous
+
+#: How long a listener at MASTER_ADDR:MASTER_PORT may take to answer a store
+#: client's first request (a TCPStore answers in milliseconds).
+HANDSHAKE_S = 5.0
 
 _instances = 0
 _tcp_stores: dict[tuple[str, int], TCPStore] = {}
 
 
-def make_store(p: Placement, store: Store | None, timeout: float, prefix: str | None = None
-               ) -> tuple[Store, TCPStore | None]:
-    """(store, owner): a prefix store unique to this communicator, and the
-    TCPStore we connected to, if we made it. Without `prefix`, ranks create
-    communicators in the same order, so the n-th one shares a prefix; groups
-    whose ranks made different numbers of communicators pass their own. One
-    TCPStore per address per process: a second communicator reuses it rather
-    than re-binding the port."""
+class _Deadline:
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.at = math.inf if seconds is None else time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def __str__(self) -> str:
+        return "forever" if self.seconds is None else f"{self.seconds:.3g} s"
+
+
+def _where(p: Placement) -> str:
+    return f"{p.master_addr}:{p.master_port}"
+
+
+def _listen(p: Placement) -> int:
+    """A socket listening at MASTER_ADDR's own address (loopback for
+    127.0.0.1), not on every interface as a TCPStore binding by itself does;
+    its fd, for TCPStore(master_listen_fd=)."""
+    try:
+        infos = socket.getaddrinfo(p.master_addr, p.master_port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise InvalidArgument(f"MASTER_ADDR={p.master_addr!r} does not resolve ({e}): set it to rank 0's host") \
+            from None
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # an IPv4 address first: what clients try first
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by the last job
+    try:
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+            # MASTER_ADDR reaches this host through an address it does not
+            # hold (NAT, a load balancer): listen everywhere, as torch does.
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", p.master_port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise InvalidArgument(f"rank 0 cannot host the store at {_where(p)}: {_port_owner(p)}") from None
+        raise InvalidArgument(f"rank 0 cannot listen at {_where(p)}: {e}") from None
+    return sock.detach()
+
+
+def _port_owner(p: Placement) -> str:
+    """Why MASTER_PORT is taken, for rank 0's error."""
+    try:
+        _client(p, None, _Deadline(HANDSHAKE_S))
+    except InvalidArgument as e:
+        if "does not answer like" in str(e):
+            return (f"another program listens on port {p.master_port} (`ss -ltnp 'sport = :{p.master_port}'` "
+                    "names it): choose another MASTER_PORT")
+        return f"port {p.master_port} is in use: choose another MASTER_PORT"
+    return (f"a store already answers there: a second process with rank 0 (check RANK and the launcher's "
+            f"variables), or another job on MASTER_PORT {p.master_port} (choose another)")
+
+
+def _client(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPStore:
+    """A TCPStore client of MASTER_ADDR:MASTER_PORT, once something listens
+    there and answers like a store; InvalidArgument naming what is wrong."""
+    import torch.distributed as dist
+
+    while True:  # until something listens: rank 0 may start after us
+        try:
+            socket.create_connection((p.master_addr, p.master_port), timeout=max(0.05, min(1.0, deadline.left())
+                                                                                    )).close()
+            break
+        except OSError as e:
+            if deadline.left() <= 0:
+                raise InvalidArgument(
+                    f"rank {p.rank}: nothing listens at {_where(p)} after {deadline} (VARCOMM_INIT_TIMEOUT): rank 0, "
+                    f"which hosts the store, never arrived ({e.strerror or e}); are all {p.world_size} ranks started, "
+                    "with the same MASTER_ADDR and MASTER_PORT?") from None
+            time.sleep(0.05)
+    # torch's client waits for a listener's answer without a limit: make it in
+    # a thread and give up after the handshake time.
+    shake = max(0.05, min(HANDSHAKE_S, deadline.left()))
+    made: list[TCPStore | BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(dist.TCPStore(p.master_addr, p.master_port, p.world_size, False,
+                                      timeout=timedelta(seconds=shake), wait_for_workers=False))
+        except BaseException as e:  # handed to the caller
+            made.append(e)
+
+    t = threading.Thread(target=make, name="varcomm-store-connect", daemon=True)
+    t.start()
+    t.join(shake + 1.0)
+    if not made or isinstance(made[0], BaseException):
+        why = f"no answer in {shake:.3g} s" if not made else str(made[0]).splitlines()[0]
+        raise InvalidArgument(
+            f"rank {p.rank}: something listens at {_where(p)} but does not answer like a torch TCPStore ({why}): "
+            f"another program owns MASTER_PORT {p.master_port} (choose another), or MASTER_ADDR names the "
+            "wrong host")
+    store = made[0]
+    store.set_timeout(timedelta(seconds=_store_seconds(timeout)))
+    return store
+
+
+def _store_seconds(timeout: float | None) -> float:
+    return 300.0 if timeout is None else max(timeout, 1.0)
+
+
+def _tcp_store(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPStore:
+    import torch.distributed as dist
+
+    if p.rank == 0 and os.environ.get(AGENT_STORE_VAR) != "True":
+        return dist.TCPStore(p.master_addr, p.master_port, p.world_size, True,
+                             timeout=timedelta(seconds=_store_seconds(timeout)), wait_for_workers=False,
+                             master_listen_fd=_listen(p))
+    return _client(p, timeout, deadline)
+
+
+def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str) -> None:
+    """Every rank of the communicator checks in; a rank that comes twice, or
+    with another world size, fails the whole set-up at once, and after the
+    init timeout the ranks that never came are named."""
+    conflict = "rdzv/conflict"
+    if int(store.add(f"rdzv/rank/{p.rank}", 1)) > 1:
+        msg = (f"rank {p.rank} arrived twice at {where}: two processes have rank {p.rank} (check RANK or the "
+               "launcher's rank variables, and that no earlier job still runs on this port)")
+        store.set(conflict, msg)
+        raise InvalidArgument(msg)
+    agreed = store.compare_set("rdzv/world_size", "", str(p.world_size)).decode()
+    if agreed != str(p.world_size):
+        msg = (f"world_size disagrees between ranks at {where}: rank {p.rank} has {p.world_size}, a rank before "
+               f"it has {agreed} (check WORLD_SIZE or the launcher's size variable on every rank)")
+        store.set(conflict, msg)
+        raise InvalidArgument(msg)
+    store.add("rdzv/arrived", 1)
+    pause = 0.002
+    while int(store.add("rdzv/arrived", 0)) < p.world_size:
+        if store.check([conflict]):
+            raise InvalidArgument(f"rank {p.rank}: set-up failed: " + store.get(conflict).decode())
+        if deadline.left() <= 0:
+            missing = [r for r in range(p.world_size) if not store.check([f"rdzv/rank/{r}"])]
+            names = ", ".join(map(str, missing))
+            raise InvalidArgument(
+                f"rank{'s' if len(missing) > 1 else ''} {names} of {p.world_size} never arrived at {where} after "
+                f"{deadline} (VARCOMM_INIT_TIMEOUT / init_timeout): are they started, with the same MASTER_ADDR, "
+                "MASTER_PORT and WORLD_SIZE, and do they create the same communicators in the same order?")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def make_store(p: Placement, store: Store | None, timeout: float | None, init_timeout: float | None = None,
+               prefix: str | None = None) -> tuple[Store, TCPStore | None]:
+    """(store, owner): a prefix store unique to this communicator, once every
+    rank arrived in it, and the TCPStore we connected to, if we made it.
+    Without `prefix`, ranks create communicators in the same order, so the
+    n-th one shares a prefix; groups whose ranks made different numbers of
+    communicators pass their own. One TCPStore per address per process: a
+    second communicator reuses it rather than re-binding the port.
+    timeout: the store's operations; init_timeout: connecting and arriving
+    (None: no limit), after which the error names what is missing."""
     import torch.distributed as dist
 
     global _instances
     _instances += 1
-    if prefix is not None and store is not None:
-        return dist.PrefixStore(prefix, store), None
+    deadline = _Deadline(init_timeout)
     owner = None
-    if store is None:
-        key = (p.master_addr, p.master_port)
-        owner = _tcp_stores.get(key)
-        if owner is None:
-            owner = dist.TCPStore(p.master_addr, p.master_port, p.world_size, p.rank == 0,
-                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
-            _tcp_stores[key] = owner
-        store = owner
-    return dist.PrefixStore(f"varcomm/{_instances}/", store), owner
+    if prefix is not None and store is not None:
+        s: Store = dist.PrefixStore(prefix, store)
+        where = "the given store"
+    else:
+        if store is None:
+            key = (p.master_addr, p.master_port)
+            owner = _tcp_stores.get(key)
+            if owner is None:
+                owner = _tcp_store(p, timeout, deadline)
+                _tcp_stores[key] = owner
+            store = owner
+            where = _where(p)
+        else:
+            where = "the given store"
+        s = dist.PrefixStore(f"varcomm/{_instances}/", store)
+    if p.world_size > 1:
+        _arrive(s, p, deadline, where)
+    return s, owner

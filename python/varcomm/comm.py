@@ -574,6 +574,10 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
     slots (VARCOMM_SLOTS, 8): messages in flight per sending peer.
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
+    init_timeout (VARCOMM_INIT_TIMEOUT, seconds, default 30): how long init waits
+    for every rank and the store; then it raises InvalidArgument naming the
+    ranks that never arrived (or the rank that came twice, the world size that
+    disagrees, the port a foreign program holds).
     array (VARCOMM_ARRAY, auto): kind returned by recv without out: auto (the sender's) | torch | numpy | cupy.
     rdma_provider, rdma_iface, spin_us, nvlink, a2a_algorithm, ...: see Options.
     An unknown option raises TypeError; a bad value, InvalidArgument.
@@ -592,7 +596,7 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
         _TORCH_WORDS.update(dtypes._TORCH)
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
     options = options.placed(p.local_world_size)
-    s, owner = bootstrap.make_store(p, store, options.timeout or 300, prefix)
+    s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix)
     return Communicator(p, s, owner, options)
 
 

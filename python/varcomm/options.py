@@ -303,6 +303,11 @@ class Options(_Declared):
                                                             0.0, forever=True), 600.0,
                                  "default timeout of every wait, seconds; None (`none`) waits forever", "600",
                                  none_is_value=True)
+    init_timeout: float | None = _opt("VARCOMM_INIT_TIMEOUT",
+                                      Seconds("seconds (a number > 0), or none/inf for no limit", 1e-3, forever=True),
+                                      30.0, "how long init waits for every rank to arrive at the rendezvous and for "
+                                      "the store to answer, seconds; then it names the ranks missing", "30",
+                                      none_is_value=True)
     array: str = _opt("VARCOMM_ARRAY", _choice("auto", "torch", "numpy", "cupy"), "auto",
                       "kind returned by `recv` without `out`; `auto`: the kind the sender sent (numpy, torch, "
                       "cupy), else `torch` if importable, else `numpy`")

@@ -65,6 +65,7 @@
 
 #include "auth.h"
 #include "errors.h"
+#include "fabric_lib.h"
 #include "protocol.h"
 #include "registry.h"
 
@@ -86,7 +87,9 @@ constexpr uint64_t kMrModes = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | 
 const char* const kDefaultProviders[] = {"verbs;ofi_rxm", "efa", "cxi", "tcp;ofi_rxm"};
 
 [[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorKind::Invalid, "rdma: " + msg); }
-[[noreturn]] void fail(const std::string& what, long rc) { invalid(what + ": " + fi_strerror(int(rc < 0 ? -rc : rc))); }
+[[noreturn]] void fail(const std::string& what, long rc) {
+  invalid(what + ": " + fab::api().strerror(int(rc < 0 ? -rc : rc)));
+}
 #define FI_CHECK(call)                    \
   do {                                    \
     long rc_ = long(call);                \
@@ -111,7 +114,7 @@ std::string unhex(const std::string& s) {
 }
 
 fi_info* hints_for(const std::string& prov, const std::string& iface) {
-  fi_info* h = fi_allocinfo();
+  fi_info* h = fab::api().allocinfo();
   h->ep_attr->type = FI_EP_RDM;
   // FI_MSG only so we can post receives if the provider has FI_RX_CQ_DATA.
   h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
@@ -128,10 +131,10 @@ fi_info* hints_for(const std::string& prov, const std::string& iface) {
 fi_info* query(const std::string& prov, const std::string& iface, std::string* why) {
   fi_info* hints = hints_for(prov, iface);
   fi_info* list = nullptr;
-  int rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list);
-  fi_freeinfo(hints);
+  int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list);
+  fab::api().freeinfo(hints);
   if (rc) {
-    if (why) *why = fi_strerror(-rc);
+    if (why) *why = fab::api().strerror(-rc);
     return nullptr;
   }
   // Prefer IPv4 on a real interface: a loopback or link-local fabric cannot reach other hosts.
@@ -146,8 +149,8 @@ fi_info* query(const std::string& prov, const std::string& iface, std::string* w
     if (iface.empty() && strcmp(i->domain_attr->name, "lo") != 0) score += 2;
     if (score > best_score) best = i, best_score = score;
   }
-  fi_info* out = best ? fi_dupinfo(best) : nullptr;
-  fi_freeinfo(list);
+  fi_info* out = best ? fab::api().dupinfo(best) : nullptr;
+  fab::api().freeinfo(list);
   if (!out && why) *why = iface.empty() ? "no domain with >= 4 bytes of remote CQ data" : "no domain named " + iface;
   return out;
 }
@@ -328,7 +331,7 @@ void RdmaTransport::init(std::string provider, std::string iface, const Options&
     reason += ", VARCOMM_RDMA_STRICT=1";
   }
 
-  FI_CHECK(fi_fabric(info_->fabric_attr, &fabric_, nullptr));
+  FI_CHECK(fab::api().fabric(info_->fabric_attr, &fabric_, nullptr));
   FI_CHECK(fi_domain(fabric_, info_, &domain_, nullptr));
   fi_cq_attr cqa{};
   cqa.format = FI_CQ_FORMAT_DATA;
@@ -428,7 +431,7 @@ void RdmaTransport::close_all() {
   if (cq_) fi_close(&cq_->fid);
   if (domain_) fi_close(&domain_->fid);
   if (fabric_) fi_close(&fabric_->fid);
-  if (info_) fi_freeinfo(info_);
+  if (info_) fab::api().freeinfo(info_);
   ep_ = nullptr, region_mr_ = stage_mr_ = hello_mr_ = nullptr, av_ = nullptr, cq_ = nullptr, domain_ = nullptr;
   fabric_ = nullptr, info_ = nullptr, listen_fd_ = -1;
 }
@@ -678,7 +681,7 @@ uint64_t RdmaTransport::write_message(int peer, size_t ready_off, const void* hd
   } else {
     if (op.mr) fi_close(&op.mr->fid), op.mr = nullptr;
     if (rc != -FI_EAGAIN)
-      p.error = "rank " + std::to_string(peer) + " unreachable: fi_writemsg: " + fi_strerror(int(-rc));
+      p.error = "rank " + std::to_string(peer) + " unreachable: fi_writemsg: " + fab::api().strerror(int(-rc));
   }
   flush_all();  // held credits go right behind the message
   return ticket;
@@ -735,7 +738,7 @@ void RdmaTransport::flush_credits(int peer) {
       if (rc == 0) start(idx, peer);
     }
     if (rc == -FI_EAGAIN) return;  // keep order: later credits wait behind this one
-    if (rc) p.error = "rank " + std::to_string(peer) + " unreachable: credit write: " + fi_strerror(int(-rc));
+    if (rc) p.error = "rank " + std::to_string(peer) + " unreachable: credit write: " + fab::api().strerror(int(-rc));
     p.credits.pop_front();
     queued_credits_--;
   }
@@ -789,7 +792,7 @@ void RdmaTransport::read_error() {
   if (Op* op = op_of(err.op_context)) {
     Peer& p = peers_[size_t(op->peer)];
     if (p.error.empty())
-      p.error = "rank " + std::to_string(op->peer) + " unreachable: write failed: " + fi_strerror(err.err) + " (" +
+      p.error = "rank " + std::to_string(op->peer) + " unreachable: write failed: " + fab::api().strerror(err.err) + " (" +
                 what + ")";
     finish(*op);  // the source is ours again; the engine fails the request via peer_error()
     return;
@@ -799,7 +802,7 @@ void RdmaTransport::read_error() {
     return;
   }
   if (debug_)
-    fprintf(stderr, "[varcomm rank %d] rdma cq error: %s (%s)\n", rank_, fi_strerror(err.err), what.c_str());
+    fprintf(stderr, "[varcomm rank %d] rdma cq error: %s (%s)\n", rank_, fab::api().strerror(err.err), what.c_str());
 }
 
 void RdmaTransport::check_sock(int peer) {
@@ -847,6 +850,9 @@ TransportRegistrar rdma_registrar({
     },
     [](const TransportContext& c) -> std::shared_ptr<Transport> {
       const Options& o = c.options;
+      // Loading libfabric and its providers (here, on first use) installs
+      // foreign signal handlers: see fabric_lib.h.
+      fab::KeepSignalHandlers keep;
       if (!c.any_remote && o.rdma_iface.empty()) {
         // Forced on one host (tests, benchmarks): keep the traffic on
         // loopback rather than the host's own network address.
@@ -867,17 +873,23 @@ std::vector<std::string> rdma_default_providers() {
 }
 
 std::string rdma_info(const std::string& provider, const std::string& iface) {
-  uint32_t v = fi_version();
+  fab::KeepSignalHandlers keep;
+  try {
+    fab::api();
+  } catch (const Error& e) {
+    return std::string(e.what()) + "\n";
+  }
+  uint32_t v = fab::api().version();
   std::ostringstream o;
   o << "libfabric " << FI_MAJOR(v) << "." << FI_MINOR(v) << " (built against " << FI_MAJOR_VERSION << "."
     << FI_MINOR_VERSION << ")\n";
   // Every RDM provider/domain, and whether it fits varcomm (RMA + remote CQ data).
-  fi_info* hints = fi_allocinfo();
+  fi_info* hints = fab::api().allocinfo();
   hints->ep_attr->type = FI_EP_RDM;
   hints->mode = ~0ULL;                                        // list providers whatever they ask of us
   hints->domain_attr->mr_mode = int(kMrModes | FI_MR_RAW | FI_MR_HMEM | FI_MR_MMU_NOTIFY | FI_MR_RMA_EVENT);
   fi_info* list = nullptr;
-  if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list) == 0) {
+  if (fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list) == 0) {
     std::map<std::string, std::string> seen;
     for (fi_info* i = list; i; i = i->next) {
       std::string key = std::string(i->fabric_attr->prov_name) + "  domain " + i->domain_attr->name;
@@ -885,18 +897,18 @@ std::string rdma_info(const std::string& provider, const std::string& iface) {
       std::string& s = seen[key];
       if (s.empty() || fits) s = fits ? "rma+cq_data" : "no rma/cq_data";
     }
-    fi_freeinfo(list);
+    fab::api().freeinfo(list);
     for (auto& kv : seen) o << "  " << kv.first << "  (" << kv.second << ")\n";
   } else {
     o << "  no RDM providers found\n";
   }
-  fi_freeinfo(hints);
+  fab::api().freeinfo(hints);
   std::string choice;
   for (const char* p : kDefaultProviders) {
     fi_info* i = query(p, iface, nullptr);
     if (!i) continue;
     choice = std::string(p) + " (domain " + i->domain_attr->name + ")";
-    fi_freeinfo(i);
+    fab::api().freeinfo(i);
     break;
   }
   o << "default provider: " << (choice.empty() ? "none usable" : choice);

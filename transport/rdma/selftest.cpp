@@ -2,7 +2,7 @@
 // ranks, descriptors exchanged over pipes, the protocol's own region layout.
 //
 //   g++ -std=c++17 -O2 -I csrc transport/rdma/selftest.cpp csrc/registry.cpp csrc/region.cpp
-//       transport/rdma/rdma.cpp $(pkg-config --cflags --libs libfabric) -o /tmp/rdma_selftest
+//       transport/rdma/rdma.cpp transport/rdma/fabric_lib.cpp $(pkg-config --cflags libfabric) -ldl -o /tmp/rdma_selftest
 //   /tmp/rdma_selftest [--provider P] [--iface I] [--netns NS0,NS1 [--down "ip -n NS1 link set eth0 down"]]
 //   /tmp/rdma_selftest --bench [--size B]... [--iters N]   ping-pong only, JSON lines like bench/varcomm_bench/fi_pingpong
 //

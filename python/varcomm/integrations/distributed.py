@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, cast, overload
 import torch
 import torch.distributed as _tdist
 
+from .. import bootstrap
 from ..arrays import Array, Splits
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
@@ -93,6 +94,13 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                                       _tdist.get_rank(), _tdist.get_world_size(), opts)
             _own_comm = True
         return
+    if init_method is None and store is None:
+        # Meet as varcomm.init() does: any launcher's variables (mpirun,
+        # srun, torchrun), the store on MASTER_ADDR's own address, and a
+        # rendezvous that names what is missing.
+        p = bootstrap.placement(None if rank < 0 else rank, None if world_size < 0 else world_size)
+        store, _ = bootstrap.make_store(p, None, opts.timeout, opts.init_timeout)
+        rank, world_size = p.rank, p.world_size
     kwargs: dict[str, Any] = {"init_method": init_method, "world_size": world_size, "rank": rank, "store": store,
                               "group_name": group_name, "pg_options": opts, "device_id": device_id}
     if timeout is not None:

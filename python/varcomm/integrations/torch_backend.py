@@ -2,7 +2,7 @@
 
 ``import varcomm.torch`` (or this module) registers it; then::
 
-    dist.init_process_group("varcomm")          # env:// (torchrun, varcomm-run), or init_method=/store=
+    dist.init_process_group("varcomm")          # env:// (torchrun, varcomm-run, mpirun, srun), or init_method=/store=
 
 and ``dist.send/recv/isend/irecv/batch_isend_irecv``, ``dist.all_to_all_single``,
 ``dist.all_to_all`` and ``dist.barrier`` on CPU tensors go through varcomm, in
@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .. import _C, dtypes
+from .. import _C, bootstrap, dtypes
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
@@ -547,9 +547,15 @@ _registered = False
 
 
 def register() -> None:
-    """Register the ``"varcomm"`` backend with torch.distributed (idempotent)."""
+    """Register the ``"varcomm"`` backend with torch.distributed (idempotent).
+
+    Under mpirun or srun it also sets torch's env:// variables (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) from the launcher's, where
+    unset (varcomm.bootstrap.LAUNCHERS): torch reads them in
+    ``init_process_group`` before any backend is asked."""
     global _registered
     if not _registered:
+        bootstrap.export_for_torch()
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
         _registered = True
 
