@@ -211,7 +211,8 @@ def _launcher_names() -> list[str]:
     names: list[str] = []
     for la in bootstrap.LAUNCHERS:
         names += [n for n in (la.rank, la.world_size, la.local_rank, la.local_world_size) if n]
-    names += [*bootstrap.MASTER_ADDR_VARS, bootstrap.MASTER_PORT_VAR, *bootstrap.JOB_ID_VARS]
+    names += [bootstrap.MASTER_ADDR_VAR, *bootstrap.SLURM_NODELIST_VARS, bootstrap.SLURM_LAUNCH_ADDR_VAR,
+              bootstrap.MASTER_PORT_VAR, *bootstrap.JOB_ID_VARS, bootstrap.STEP_ID_VAR]
     return list(dict.fromkeys(names))
 
 
