@@ -77,7 +77,11 @@ def publish(rnd, record):
     store.set(prefix + f"setup/{rnd}/1", record + MARK + b"none")
 
 if mode in ("shm", "lie", "lie-layout"):
-    # Play rank 1: the host key copied from rank 0's round-0 record.
+    # Play rank 1: check in at the rendezvous as rank 1 would (bootstrap._arrive),
+    # then copy the host key from rank 0's round-0 record.
+    store.add(prefix + "rdzv/rank/1", 1)
+    store.compare_set(prefix + "rdzv/world_size", "", "2")
+    store.add(prefix + "rdzv/arrived", 1)
     host_key = get("setup/0/0").split(b"\n")[0]
     publish(0, host_key + b"\n" + os.urandom(16).hex().encode())
     f = fields(get("setup/1/0"))
