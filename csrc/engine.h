@@ -141,6 +141,11 @@ class Engine {
   bool detach(uint64_t id, bool report = false);
   // Ids of reported detached requests recycled since the last call.
   void take_recycled(std::vector<uint64_t>& ids);
+  // Drives every transport once; the peers whose queued or in-flight sends
+  // are not done yet (close() flushes until none, or its deadline).
+  std::vector<int> unflushed();
+  // Every request not complete fails with ClosedError; a recv whose message
+  // arrived keeps it, a completed one stays completed.
   void close();
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }

@@ -212,10 +212,10 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     receiver; a dtype or trailing-shape mismatch raises MessageMismatch naming
     the source rank; more rows than ``out`` holds raises MessageTooLarge.
     """
-    if tag is not None and not isinstance(tag, (int, np.integer)):
+    if tag is not None and (not isinstance(tag, (int, np.integer)) or isinstance(tag, bool)):
         raise InvalidArgument(f"tag {tag!r} out of range [0, {MAX_COLL_TAG}] for a collective")
     n = comm.world_size
-    if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim():
+    if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg()):
         # the common case, without the general checks' overhead
         shape = x.shape
         rows, trailing = shape[0], tuple(shape[1:])
