@@ -678,6 +678,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("dtype_name", &dtype_name, py::arg("word"));
   // A point-to-point tag as every send and receive checks it (batch_isend_irecv validates first).
   m.def("check_tag", &tag_of, py::arg("tag"));
+  // A timeout as every wait checks it: None for none (inf, huge), NaN refused.
+  m.def("check_timeout", &timeout_of, py::arg("timeout"));
   bind_collectives(m);
   bind_fallback_mover(m);
 

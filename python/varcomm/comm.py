@@ -56,6 +56,8 @@ class P2PWork:
         if not self._done:
             try:
                 self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
+            except InvalidArgument:
+                raise  # a bad timeout (NaN), refused before anything was done: still pending
             except BaseException as e:
                 # The core cancelled or failed the request (and forgot it): this
                 # Work is over, and every later wait says why.
