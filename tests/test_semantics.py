@@ -82,7 +82,7 @@ def test_ranks_and_tags_take_numpy_integers_and_refuse_the_rest(transport):
 def test_timeouts_nan_is_refused_inf_and_huge_mean_none(transport):
     with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=math.inf) as comm:
         assert comm._timeout is None
-        r, peer = comm.rank, 1 - comm.rank
+        r = comm.rank
         if r == 0:
             comm.send(torch.tensor([1]), 1)
             with pytest.raises(varcomm.InvalidArgument, match="nan"):
@@ -145,7 +145,7 @@ def test_views_and_byte_orders_are_sent_as_their_values(transport):
             got, _ = comm.all_to_all_v(torch.stack([z.conj(), z.conj()]), [1, 1])
         else:
             for tag in (0, 1, 2):
-                for c, w in zip(cases, want):
+                for w in want:
                     g = comm.recv(0, tag=tag)
                     wt = torch.from_numpy(np.ascontiguousarray(w)) if isinstance(w, np.ndarray) else w
                     assert g.dtype == wt.dtype and g.shape == wt.shape, (tag, g, wt)
@@ -274,7 +274,8 @@ def test_a_batch_failing_after_posting_cancels_its_receives(transport):
             with pytest.raises(varcomm.PeerFailure):
                 comm.recv(2, timeout=20)
             with pytest.raises(varcomm.PeerFailure):
-                comm.batch_isend_irecv([varcomm.P2POp(comm.irecv, None, 1), varcomm.P2POp(comm.isend, torch.ones(1), 2)])
+                comm.batch_isend_irecv([varcomm.P2POp(comm.irecv, None, 1),
+                                        varcomm.P2POp(comm.isend, torch.ones(1), 2)])
             comm.send(torch.tensor([0]), 1)  # rank 1 sends once we are past the batch
             assert comm.recv(1).tolist() == [7]
         else:

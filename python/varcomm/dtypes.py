@@ -121,4 +121,4 @@ def describe(w: int) -> str:
     core's table (csrc/dtypes.h), which names dtypes in every error."""
     from . import _C
 
-    return _C.dtype_name(w)  # type: ignore[no-any-return]
+    return _C.dtype_name(w)
