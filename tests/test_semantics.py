@@ -320,7 +320,8 @@ def test_close_flushes_queued_sends_and_keeps_completed_works(transport):
 @world(2, timeout=90)
 def test_close_stops_flushing_for_a_receiver_that_closed(transport):
     """Sends to a receiver that closed without receiving: close does not wait
-    out its deadline; what was written completed, the rest fail ClosedError."""
+    out its deadline; what was written completed, the rest fail (ClosedError,
+    or PeerFailure once the receiver's process is gone)."""
     slots, n = 2, 8
     with varcomm.init(transport=transport, bound=BOUND, slots=slots, timeout=30) as comm:
         if comm.rank == 0:
@@ -335,7 +336,7 @@ def test_close_stops_flushing_for_a_receiver_that_closed(transport):
                 try:
                     assert w.wait() is None
                     ok += 1
-                except varcomm.ClosedError:
+                except (varcomm.ClosedError, varcomm.PeerFailure):  # PeerFailure: rank 1 has exited already
                     assert not before, "a Work that had completed failed at close"
             assert 1 <= ok <= slots, ok
         else:
