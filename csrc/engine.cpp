@@ -192,13 +192,14 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem) {
 }
 
 uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                          const int64_t* shape, uint32_t ndim, Mem mem) {
+                          const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
   Peer& p = peers_[peer];
   if (!p.sendq.empty()) return 0;
   Request& r = scratch_;
   r.mem = mem;
+  r.hflags = (uint64_t(array) << kArrayShift) & kArrayMask;
   r.tag = tag;
   r.data = data;
   r.nbytes = nbytes;
@@ -220,10 +221,10 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 }
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                       const int64_t* shape, uint32_t ndim, Mem mem) {
+                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
-  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, 0);
+  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask);
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,

@@ -53,7 +53,7 @@ struct Request {
   uint32_t ndim = 0;
   int64_t shape[kMaxDims] = {};
   uint64_t ticket = 0;
-  uint64_t hflags = 0;  // header flags the sender sets (kDescriptor)
+  uint64_t hflags = 0;  // header flags the sender sets (kDescriptor, the array kind)
   Mem mem;
   // recv
   void* out = nullptr;  // nullptr: caller allocates after the match
@@ -88,8 +88,9 @@ class Engine {
   void connected();
 
   // Requests; ids encode (index, generation) so stale ids are rejected.
+  // array: the sender's array kind for the header (protocol.h, kArrayShift).
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                 const int64_t* shape, uint32_t ndim, Mem mem = {});
+                 const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0);
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -104,7 +105,7 @@ class Engine {
   // the id of a request to wait on (written, transport still reading source).
   static constexpr uint64_t kSentDone = 1;
   uint64_t send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                    uint32_t ndim, Mem mem = {});
+                    uint32_t ndim, Mem mem = {}, uint32_t array = 0);
   // Blocks until a message from `peer` with `tag` is copied into out (1), or
   // the deadline passes (0); -1 at once when irecvs from `peer` are posted
   // (FIFO: the caller must queue an irecv behind them).

@@ -32,7 +32,7 @@ struct MsgHeader {
   uint32_t dtype;   // DLPack (code << 16 | bits << 8 | lanes); see python/varcomm/dtypes.py
   uint32_t ndim;
   int64_t shape[kMaxDims];
-  uint64_t flags;  // kDevicePayload | kDescriptor
+  uint64_t flags;  // kDevicePayload | kDescriptor | the sender's array kind (kArrayShift)
   uint64_t reserved;
 };
 // The payload is in the receiver's device slot.
@@ -43,6 +43,11 @@ constexpr uint64_t kDevicePayload = 1;
 // own, so nbytes may exceed the bound. One header type for every "size first"
 // framing.
 constexpr uint64_t kDescriptor = 2;
+// Bits 8-15: the kind of array the sender passed (python/varcomm/arrays.py
+// KINDS: 1 numpy, 2 torch, 3 cupy; 0 unknown), so a receiver may answer in
+// kind (array="auto"). The core carries it and never acts on it.
+constexpr int kArrayShift = 8;
+constexpr uint64_t kArrayMask = 0xFFull << kArrayShift;
 // Payload bytes a message occupies in its slot.
 inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & kDescriptor) ? 0 : h.nbytes; }
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");

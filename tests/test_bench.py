@@ -144,6 +144,18 @@ def test_all_subcommands_two_ranks(tmp_path: Path) -> None:
     text = (tmp_path / "table.txt")
     text.write_text(report.text(doc))
     assert "algbw(GB/s)" in text.read_text() and "#wrong" in text.read_text()
+    # --osu: the same medians as OSU columns (MB/s = bytes/us; bibw counts both directions)
+    blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in report.osu(doc).split("\n\n")[1:] if b.strip()}
+    lat = next(v for k, v in blocks.items() if "(like osu_latency): varcomm (torch" in k)
+    bibw = next(v for k, v in blocks.items() if "(like osu_bibw): varcomm (torch" in k)
+    a2a = next(v for k, v in blocks.items() if "alltoall zipf (like osu_alltoallv): varcomm (torch" in k)
+    assert lat[0].split() == ["#", "Size", "Latency", "(us)"] and bibw[0].split()[-1] == "(MB/s)"
+    r0, r2 = doc["results"][0], doc["results"][2]
+    want = [[str(int(p["size"])), f"{p['methods']['varcomm']['time_us']['median']:.2f}"] for p in r0["points"]]
+    assert [ln.split() for ln in lat[1:]] == want
+    assert [float(ln.split()[1]) for ln in bibw[1:]] == \
+        [round(p["methods"]["varcomm"]["busbw_gbps"]["median"] * 1000, 2) for p in r2["points"]]
+    assert len(a2a) == 1 + len(doc["results"][5]["points"]) and "Avg Latency(us)" in a2a[0]
 
 
 @world(2, timeout=60, requires=("torch",))

@@ -171,7 +171,7 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
                 gpu.put(p, _payload(i, n))
                 works.append(c.isend(1, 0, p, n, U8, (n,), s))
             host = np.frombuffer(_payload(7, 1000), dtype=np.uint8).copy()
-            assert c.send_buffer(1, 1, host, 30.0)  # host memory, received into device memory
+            assert c.send_buffer(1, 1, host, 30.0, 1)  # numpy (kind 1), host -> device memory
             for w in works:
                 c.wait(w, 30.0)
             for i in range(6):  # after the dropped one: its slot must come back
@@ -458,4 +458,39 @@ def test_gpu_small_message_kernel():
                     out = torch.full((BOUND + 16,), 255, dtype=torch.uint8, device="cuda")
                     got = comm.recv(src=0, tag=i, out=out[off % 3:])
                     assert got.shape == (n,) and torch.equal(got, base[off:off + n]), (rep, i, n)
+        comm.barrier()
+
+
+def cupy_missing() -> str | None:
+    """Skip reason without cupy (found, not imported: the pytest process must not touch CUDA)."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("cupy") else "cupy is not installed (pip install 'varcomm[cupy]')"
+
+
+@world(2, timeout=120, requires=(*GPU_REQ, cupy_missing))
+def test_gpu_cupy_in_and_out():
+    import cupy
+
+    with _gpu_comm(bound=BOUND, slots=4) as comm:
+        if comm.rank == 0:
+            comm.send(cupy.arange(10, dtype=cupy.float32), dst=1)  # enters through DLPack, goes GPU to GPU
+            comm.send(cupy.arange(6, dtype=cupy.int64).reshape(2, 3), dst=1)
+            comm.send(np.arange(5, dtype=np.int16), dst=1)
+            comm.isend(cupy.arange(4, dtype=cupy.uint8), dst=1).wait()
+            comm.send(cupy.arange(7, dtype=cupy.int32), dst=1)
+        else:
+            a = comm.recv(src=0)  # array="auto": the sender's kind, cupy
+            assert isinstance(a, cupy.ndarray) and a.dtype == cupy.float32 and a.tolist() == list(range(10))
+            assert a.device.id == torch.cuda.current_device()
+            buf = cupy.full(64, -1, dtype=cupy.int64)
+            b = comm.recv(src=0, out=buf)  # a cupy out: a cupy view of its front
+            assert isinstance(b, cupy.ndarray) and b.shape == (2, 3) and b.data.ptr == buf.data.ptr
+            assert b.ravel().tolist() == list(range(6)) and int(buf[6]) == -1
+            c = comm.recv(src=0, array="cupy")  # host memory in, cupy out
+            assert isinstance(c, cupy.ndarray) and c.dtype == cupy.int16 and c.tolist() == list(range(5))
+            n = comm.recv(src=0, out=np.zeros(16, dtype=np.uint8))  # GPU in, numpy out
+            assert n.tolist() == [0, 1, 2, 3]
+            t = comm.irecv(src=0, array="torch").wait()  # the caller's kind wins
+            assert isinstance(t, torch.Tensor) and t.is_cuda and t.tolist() == list(range(7))
         comm.barrier()

@@ -131,7 +131,7 @@ def test_environment_values(env, field, value):
     ("VARCOMM_TRANSPORT", "ib", "auto, shm, rdma or fallback"),
     ("VARCOMM_TIMEOUT", "soon", "none/inf"),
     ("VARCOMM_TIMEOUT", "-1", "none/inf"),
-    ("VARCOMM_ARRAY", "cupy", "torch or numpy"),
+    ("VARCOMM_ARRAY", "jax", "auto, torch, numpy or cupy"),
     ("VARCOMM_NVLINK", "maybe", "auto, on or off"),
     ("VARCOMM_NVLINK_FLAGS", "pinned", "device or host"),
     ("VARCOMM_A2A_ALGORITHM", "three-phase", "auto, one-phase or two-phase"),

@@ -133,7 +133,7 @@ def test_views_and_byte_orders_are_sent_as_their_values(transport):
     assert all(not c.dtype.isnative for c in cases if isinstance(c, np.ndarray))
     want = [c.resolve_neg().resolve_conj() if isinstance(c, torch.Tensor) else c.astype(c.dtype.newbyteorder("="))
             for c in cases]
-    with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=30) as comm:
+    with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=30, array="torch") as comm:
         if comm.rank == 0:
             for c in cases:
                 comm.send(c, 1)

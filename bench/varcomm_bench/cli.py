@@ -251,6 +251,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", metavar="FILE.png", help="time and bandwidth against size, varcomm and baselines")
     g.add_argument("--md", metavar="FILE", help="the tables and the command as markdown")
     g.add_argument("--save", metavar="DIR", help="write DIR/<subcommand>-<date>.json and .md")
+    g.add_argument("--osu", action="store_true",
+                   help="print OSU micro-benchmark columns (# Size  Latency (us) / Bandwidth (MB/s)) instead of the"
+                        " nccl-tests table")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -400,7 +403,7 @@ def run_job(a: argparse.Namespace) -> int:
            "options": {k: v for k, v in vars(a).items() if k not in ("func",)},
            "labels": dict(LABELS), "results": results}
     doc["wrong_total"] = report.wrong_total(results)
-    print(report.text(doc), flush=True)
+    print(report.osu(doc) if a.osu else report.text(doc), flush=True)
     _write(a, doc)
     if doc["wrong_total"]:
         log(f"FAILED: -c found {doc['wrong_total']} wrong messages/results (see #wrong)")

@@ -162,7 +162,7 @@ class Ctx:
             for r in range(1, self.world):
                 self.ctl.send(mine, r, tag=CTL_TAG + 1)
             return mine
-        return self.ctl.recv(0, tag=CTL_TAG + 1, out=np.empty(k, dtype=np.float64)).copy()  # type: ignore[union-attr]  # out
+        return self.ctl.recv(0, tag=CTL_TAG + 1, out=np.empty(k, dtype=np.float64)).copy()
 
     def sync_all(self) -> None:
         """A fast barrier (gather + release over the control channel)."""

@@ -118,6 +118,47 @@ def text(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# OSU micro-benchmark names and value columns, so `--osu` output pastes next
+# to osu_latency / osu_bw / osu_bibw / osu_alltoallv runs. OSU's bibw counts
+# both directions, which is our busbw for bibw (busbw_factor 2).
+_OSU = {"latency": ("osu_latency", "Latency (us)"), "unibw": ("osu_bw", "Bandwidth (MB/s)"),
+        "bibw": ("osu_bibw", "Bandwidth (MB/s)")}
+
+
+def _rank(m: str) -> tuple[float, str]:
+    """Table order; variants such as varcomm-numpy right after their method."""
+    if m in ORDER:
+        return ORDER.index(m), m
+    head = m.split("-")[0]
+    return (ORDER.index(head) + 0.5 if head in ORDER else len(ORDER)), m
+
+
+def osu(doc: dict[str, Any]) -> str:
+    """The results as OSU-style columns: one block per benchmark and method."""
+    out = [describe(doc), ""]
+    for r in doc["results"]:
+        name, col = _OSU.get(r["test"], ("osu_alltoallv" if r["bench"] == "alltoall" else "", "Avg Latency(us)"))
+        if r["bench"] == "varlen":
+            name, col = "", "Latency (us)"
+        have = {m for p in r["points"] for m in p["methods"]}
+        for m in sorted(have, key=_rank):
+            out.append(f"# varcomm-bench {r['bench']} {r['test']}{' (like ' + name + ')' if name else ''}:"
+                       f" {doc['labels'].get(m, m)}, {r['ranks']} ranks, {r['dtype']} on {r['device']}")
+            out.append(f"# {'Size':<10}{col:>20}")
+            for p in r["points"]:
+                d = p["methods"].get(m)
+                if not d:
+                    continue
+                if col.startswith("Bandwidth"):
+                    key = "busbw_gbps" if r["test"] == "bibw" else "algbw_gbps"
+                    v = f"{d[key]['median'] * 1000:.2f}"
+                else:
+                    v = f"{d['time_us']['median']:.2f}"
+                out.append(f"{int(p['size']):<12}{v:>20}")
+            out.append("")
+    return "\n".join(out)
+
+
 def markdown(doc: dict[str, Any]) -> str:
     return "\n".join([f"# varcomm-bench {doc['subcommand']}, {doc['date']}", "", "```", doc["command"], "```", "",
                       "```", text(doc).rstrip(), "```", ""])

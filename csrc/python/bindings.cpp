@@ -180,6 +180,8 @@ PyStructSequence_Field kStatusFields[] = {
     {"shape", "its shape, a tuple"},
     {"device", "the payload is in device memory"},
     {"descriptor", "a descriptor: nbytes, dtype and shape describe data sent separately"},
+    // By name only (not in the tuple): unpacking code written for 7 fields keeps working.
+    {"array", "the sender's array kind (varcomm.arrays.KINDS: 0 unknown, 1 numpy, 2 torch, 3 cupy)"},
     {nullptr, nullptr}};
 PyStructSequence_Desc kStatusDesc = {"varcomm.Status",
                                      "A received message's header: source, tag, size, dtype, shape, and the "
@@ -220,6 +222,7 @@ py::object make_status(int src, int64_t tag, uint64_t nbytes, uint32_t dtype, co
   PyStructSequence_SetItem(o, 4, t);
   PyStructSequence_SetItem(o, 5, PyBool_FromLong((flags & kDevicePayload) != 0));
   PyStructSequence_SetItem(o, 6, PyBool_FromLong((flags & kDescriptor) != 0));
+  PyStructSequence_SetItem(o, 7, PyLong_FromUnsignedLong(unsigned((flags & kArrayMask) >> kArrayShift)));
   return py::reinterpret_steal<py::object>(o);
 }
 
@@ -367,12 +370,12 @@ Clock::time_point deadline_of(std::optional<double> timeout) {
 
 // owner: what ptr belongs to, kept if the send is given up on in flight.
 void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbytes, uint32_t dtype,
-                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem = {},
-                   py::handle owner = {}) {
+                   const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem, py::handle owner,
+                   uint32_t array) {
   timeout = timeout_of(timeout);  // NaN refused before anything is written
-  uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
+  uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array);
   if (id == Engine::kSentDone) return;
-  if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem);
+  if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array);
   c.wait(id, timeout, owner);
 }
 
@@ -792,34 +795,34 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("isend",
            [](Comm& c, int dst, py::handle tag_obj, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
-              int64_t stream) {
+              int64_t stream, uint32_t array) {
              int64_t tag = tag_of(tag_obj);
              auto s = to_shape(shape);
              return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(),
-                                    uint32_t(s.size()), mem_of(stream));
+                                    uint32_t(s.size()), mem_of(stream), array);
            },
            py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
-           py::arg("stream") = -1)
+           py::arg("stream") = -1, py::arg("array") = 0)
       .def("send",
            [](Comm& c, int dst, py::handle tag_obj, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
-              std::optional<double> timeout, int64_t stream, py::handle keep) {
+              std::optional<double> timeout, int64_t stream, py::handle keep, uint32_t array) {
              int64_t tag = tag_of(tag_obj);
              auto s = to_shape(shape);
              // keep: what ptr points into; a send that times out or is
              // interrupted while the transport still reads it keeps it alive.
              send_blocking(c, dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(), uint32_t(s.size()),
-                           timeout, mem_of(stream), keep);
+                           timeout, mem_of(stream), keep, array);
            },
            py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
-           py::arg("timeout"), py::arg("stream") = -1, py::arg("keep") = py::none())
+           py::arg("timeout"), py::arg("stream") = -1, py::arg("keep") = py::none(), py::arg("array") = 0)
       // Buffer-protocol (numpy) sends; false, with nothing sent, when the
-      // object is not C-contiguous.
+      // object is not C-contiguous. array: the object's kind, for the header.
       .def("send_buffer",
-           [](Comm& c, int dst, py::handle tag_obj, py::handle obj, std::optional<double> timeout) {
+           [](Comm& c, int dst, py::handle tag_obj, py::handle obj, std::optional<double> timeout, uint32_t array) {
              int64_t tag = tag_of(tag_obj);
              Buf b;
              if (!b.get(obj.ptr(), false)) return false;
-             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj);
+             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj, array);
              return true;
            })
       // A descriptor message: the header of `nbytes` of data sent separately, no payload.
@@ -883,12 +886,14 @@ PYBIND11_MODULE(_C, m) {
       // Blocking receive of a new array (recv without out): claims the
       // message, alloc(dtype word, shape) -> (array, data pointer) makes its
       // array, the payload is copied there and the slot freed; one call and no
-      // request. None, with the message left in place, when irecvs from src
-      // are posted (FIFO) or the message is a device payload or a descriptor
-      // (the caller's irecv path handles those). An alloc that raises leaves
-      // the message for the next recv.
+      // request. allocs: a tuple of allocators indexed by the sender's array
+      // kind (its item 0 for a kind past its end), so one table serves a fixed
+      // kind and array="auto". None, with the message left in place, when
+      // irecvs from src are posted (FIFO) or the message is a device payload
+      // or a descriptor (the caller's irecv path handles those). An alloc that
+      // raises leaves the message for the next recv.
       .def("recv_new",
-           [](Comm& c, int src, py::handle tag_obj, std::optional<double> timeout, py::handle alloc) -> py::object {
+           [](Comm& c, int src, py::handle tag_obj, std::optional<double> timeout, py::tuple allocs) -> py::object {
              int64_t tag = tag_of(tag_obj);
              MsgHeader h;
              int slot = -1;
@@ -899,18 +904,22 @@ PYBIND11_MODULE(_C, m) {
              }
              py::tuple shape(h.ndim);
              for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-             py::object arr;
+             py::object arr, then;
              uintptr_t ptr = 0;
+             size_t kind = size_t((h.flags & kArrayMask) >> kArrayShift);
+             py::handle alloc = PyTuple_GET_ITEM(allocs.ptr(), Py_ssize_t(kind < allocs.size() ? kind : 0));
              try {  // anything that refuses the message leaves it for the next recv
                py::tuple made = alloc(h.dtype, shape);
                arr = made[0];
                ptr = made[1].cast<uintptr_t>();
+               // A third item turns the host array into the kind asked for (cupy: a copy on the GPU).
+               if (made.size() > 2) then = made[2];
              } catch (...) {
                c.engine->unclaim(src, h.seq);
                throw;
              }
              c.engine->consume_claimed(src, slot, h, reinterpret_cast<void*>(ptr));
-             return arr;
+             return then ? then(arr) : arr;
            })
       .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
            py::arg("id"), py::arg("timeout") = py::none())

@@ -7,7 +7,7 @@ words are DLPack-packed (code << 16 | bits << 8 | lanes), see varcomm/dtypes.py.
 `options` dicts have exactly the keys of csrc/options.h (varcomm.options.CoreOptions,
 made by Options.core)."""
 from collections.abc import Callable, Sequence
-from typing import ClassVar, TypedDict, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from typing_extensions import Buffer
 
@@ -46,9 +46,12 @@ class Status(tuple[int, int, int, int, tuple[int, ...], bool, bool]):
     def device(self) -> bool: ...  # the payload is in device memory
     @property
     def descriptor(self) -> bool: ...  # a descriptor: nbytes, dtype, shape describe data sent separately
+    @property
+    def array(self) -> int: ...  # the sender's array kind (varcomm.arrays.KINDS); by name only, not in the tuple
     # A C struct sequence (like os.stat_result): also a 7-tuple, compared and hashed as one.
 
 _T = TypeVar("_T")
+Alloc = Callable[[int, tuple[int, ...]], tuple[Any, ...]]
 
 class Comm:
     def __init__(self, rank: int, world: int, options: CoreOptions) -> None: ...
@@ -84,20 +87,22 @@ class Comm:
     def peer_error(self, peer: int, /) -> str: ...
     def progress(self) -> None: ...
     # stream: -1 for host memory, else the CUDA stream (handle) ordering a device buffer.
+    # array: the sender's array kind for the header (varcomm.arrays.KINDS; 0 unknown).
     def send(self, dst: int, tag: int, ptr: int, nbytes: int, dtype: int, shape: Sequence[int],
-             timeout: float | None, stream: int = -1, keep: object = None) -> None: ...
+             timeout: float | None, stream: int = -1, keep: object = None, array: int = 0) -> None: ...
     # False, with nothing sent, when obj is not a C-contiguous buffer.
-    def send_buffer(self, dst: int, tag: int, obj: object, timeout: float | None, /) -> bool: ...
+    def send_buffer(self, dst: int, tag: int, obj: object, timeout: float | None, array: int, /) -> bool: ...
     def isend(self, dst: int, tag: int, ptr: int, nbytes: int, dtype: int, shape: Sequence[int],
-              stream: int = -1) -> int: ...
+              stream: int = -1, array: int = 0) -> int: ...
     def isend_descriptor(self, dst: int, tag: int, nbytes: int, dtype: int, shape: Sequence[int]) -> int: ...
     def irecv(self, src: int, tag: int, out: int, cap: int, dtype: int, stream: int = -1) -> int: ...
     # obj itself when the message has its shape, else the message's Status; None: obj unusable here.
     def recv_buffer(self, src: int, tag: int, obj: _T, timeout: float | None, /) -> _T | Status | None: ...
     # None: irecvs from src are queued first (the caller takes irecv).
-    # Claims, allocates through alloc(dtype word, shape) -> (array, pointer), copies; None: take irecv.
-    def recv_new(self, src: int, tag: int, timeout: float | None,
-                 alloc: Callable[[int, tuple[int, ...]], tuple[Array, int]], /) -> Array | None: ...
+    # Claims, allocates through allocs[sender's array kind] (item 0 past its end):
+    # alloc(dtype word, shape) -> (array, pointer[, then]), copies, returns then(array) or
+    # the array; None: take irecv.
+    def recv_new(self, src: int, tag: int, timeout: float | None, allocs: tuple[Alloc, ...], /) -> Array | None: ...
     # Returns `same` when the message has exactly `shape` (no Status built).
     def recv_into(self, src: int, tag: int, out: int, cap: int, dtype: int, timeout: float | None,
                   stream: int = -1, same: _T | None = None,

@@ -1,8 +1,12 @@
-"""Framework arrays in and out: torch tensors and numpy arrays (cupy through
-DLPack later). The core only ever sees (pointer, bytes, dtype word, shape)."""
+"""Framework arrays in and out. torch tensors and numpy arrays are described
+directly; any other array (cupy, JAX, ...) enters through DLPack (`native`) as
+a zero-copy numpy array or torch tensor. The core only ever sees (pointer,
+bytes, dtype word, shape, stream)."""
 from __future__ import annotations
 
 import ctypes
+import math
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Union, overload
@@ -28,6 +32,79 @@ Splits = Union[Sequence[int], "np.ndarray[Any, Any]", "torch.Tensor"]
 
 def is_torch(x: object) -> TypeIs[torch.Tensor]:
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+#: Array kinds a message names its sender's by (csrc/protocol.h kArrayShift),
+#: so that a receiver with array="auto" answers in kind. 0: not said (descriptors,
+#: collectives, an array of another library).
+KINDS = ("", "numpy", "torch", "cupy")
+NUMPY, TORCH, CUPY = 1, 2, 3
+_KIND_OF_MODULE = {"numpy": NUMPY, "torch": TORCH, "cupy": CUPY}
+# DLPack device types (dlpack.h DLDeviceType) whose memory the host reads.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
+_DL_DEVICES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm",
+               11: "rocm_host", 13: "cuda_managed", 14: "oneapi", 15: "webgpu", 16: "hexagon", 17: "maia"}
+
+
+def kind_of(x: object) -> int:
+    """x's entry in KINDS (0 for a library not listed there)."""
+    if is_torch(x):
+        return TORCH
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    return _KIND_OF_MODULE.get(type(x).__module__.partition(".")[0], 0)
+
+
+def is_native(x: object) -> bool:
+    """A torch tensor or numpy array: described without DLPack."""
+    return isinstance(x, np.ndarray) or is_torch(x)
+
+
+def native(x: Any, what: str) -> Any:
+    """x as a numpy array or torch tensor sharing its memory: x itself when it
+    is one, else through DLPack (`__dlpack__`, `__dlpack_device__`): host memory
+    as numpy (torch for dtypes numpy lacks, e.g. bfloat16), CUDA memory as a
+    torch tensor (torch's DLPack import orders the producer's stream before
+    torch's current one, which every device transfer here is ordered on).
+    `what` names x in errors."""
+    if is_native(x):
+        return x
+    if not (hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__")):
+        raise InvalidArgument(f"{what} must be a torch.Tensor, a numpy.ndarray or an array with __dlpack__ and "
+                              f"__dlpack_device__ (cupy, JAX, ...), not {type(x).__name__}")
+    dev = int(x.__dlpack_device__()[0])
+    name = type(x).__name__
+    why: Exception | None = None  # why numpy could not take host memory
+    if dev in (_DL_CPU, _DL_CUDA_HOST):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, ValueError, RuntimeError) as e:
+            if torch is None:
+                raise InvalidArgument(f"{what} ({name}) cannot be read as a numpy array ({e}); "
+                                      "install torch for dtypes numpy lacks") from None
+            why = e
+    elif dev != _DL_CUDA:
+        raise InvalidArgument(f"{what} ({name}) is in {_DL_DEVICES.get(dev, f'DLPack device type {dev}')} memory: "
+                              "varcomm moves host and CUDA memory; copy it to one of those first")
+    elif torch is None:
+        raise InvalidArgument(f"{what} ({name}) is in CUDA memory: varcomm handles device arrays through torch; "
+                              "install torch with CUDA, or copy the array to the host")
+    try:
+        return torch.from_dlpack(x)
+    except (BufferError, TypeError, ValueError, RuntimeError) as e:
+        raise InvalidArgument(f"{what} ({name}) cannot be imported through DLPack: {why or e}") from None
+
+
+def like(out: Any, nout: Any, got: Any) -> Any:
+    """A receive into `nout` (native(out)) as out's own kind: out itself when
+    the message filled it (`got is nout`), else a view of out's front with the
+    message's shape where out can reshape (cupy), else `got`, the native view
+    (a Status passes through)."""
+    if got is nout:
+        return out
+    if not is_native(got) or not hasattr(out, "reshape"):
+        return got
+    return out.reshape(-1)[:math.prod(got.shape)].reshape(tuple(got.shape))
 
 
 def _strided(x: Any, what: str) -> None:
@@ -187,6 +264,64 @@ def new_numpy(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
     """empty("numpy", ...) for the blocking recv's allocator (the core calls it)."""
     a = np.empty(shape, dtype=dtypes.to_numpy(dtype_word))
     return a, a.ctypes.data
+
+
+def new_cupy(dtype_word: int, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """The blocking recv's allocator for cupy: the message lands in host memory,
+    then to_cupy copies it to the current GPU (the core calls the third item)."""
+    to_cupy(None)  # refuses before the message is claimed when cupy is missing
+    a = np.empty(shape, dtype=dtypes.to_numpy(dtype_word))
+    return a, a.ctypes.data, to_cupy
+
+
+def to_cupy(x: Any) -> Any:
+    """x (numpy: copied to the current GPU; a CUDA torch tensor: shared) as a
+    cupy array; None only checks that cupy imports."""
+    try:
+        import cupy
+    except ImportError:
+        raise InvalidArgument("array='cupy' needs cupy: pip install 'varcomm[cupy]' (cupy-cuda12x)") from None
+    if x is None:
+        return None
+    return cupy.from_dlpack(x) if is_torch(x) else cupy.asarray(x)
+
+
+ALLOCATORS: dict[str, Callable[[int, tuple[int, ...]], tuple[Any, ...]]] = {
+    "numpy": new_numpy, "torch": new_torch, "cupy": new_cupy}
+
+
+def default_kind() -> str:
+    """What a receive answers with when neither the caller nor the sender says: torch when installed."""
+    return "torch" if torch is not None else "numpy"
+
+
+def allocators(array: str) -> tuple[Callable[[int, tuple[int, ...]], tuple[Any, ...]], ...]:
+    """The blocking recv's allocators, indexed by the sender's kind (KINDS; the
+    core takes item 0 for a kind past the end): one for a fixed kind; for
+    "auto" the sender's kind, where this process has it, else default_kind()."""
+    if array != "auto":
+        return (ALLOCATORS[array],)
+    base = ALLOCATORS[default_kind()]
+    return (base, new_numpy, new_torch if torch is not None else base, _new_cupy_or(base))
+
+
+def _new_cupy_or(base: Callable[[int, tuple[int, ...]], tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
+    def new(dtype_word: int, shape: tuple[int, ...]) -> tuple[Any, ...]:
+        # cupy only for a process that uses it: auto never imports cupy (nor needs a GPU) on its own.
+        return (new_cupy if "cupy" in sys.modules else base)(dtype_word, shape)
+
+    return new
+
+
+def receive_kind(array: str, sent: int) -> str:
+    """The kind a receive without out= answers with: `array`, or for "auto"
+    the sender's kind (`sent`, KINDS) where this process has it."""
+    if array != "auto":
+        return array
+    kind = KINDS[sent] if 0 < sent < len(KINDS) else ""
+    if kind == "numpy" or (kind == "torch" and torch is not None) or (kind == "cupy" and "cupy" in sys.modules):
+        return kind
+    return default_kind()
 
 
 def loan(kind: str, ptr: int, nbytes: int, dtype_word: int, shape: Sequence[int],

@@ -142,7 +142,7 @@ class Communicator:
         self.slots: int = options.slots
         self._timeout: float | None = options.timeout
         self._array = options.array
-        self._alloc = arrays.new_torch if options.array == "torch" else arrays.new_numpy  # recv's new arrays
+        self._alloc = arrays.allocators(options.array)  # recv's new arrays, by the sender's array kind
         self._store = store
         self._owner = owner
         self._closed = False
@@ -231,7 +231,8 @@ class Communicator:
             self._check_peer(dst, "dst")
             dst = int(dst)
         kind = type(tensor)
-        if kind is np.ndarray and self._c.send_buffer(dst, tag, tensor, t):
+        # The last argument is the array kind the header names (arrays.NUMPY = 1, TORCH = 2): literals, hot path.
+        if kind is np.ndarray and self._c.send_buffer(dst, tag, tensor, t, 1):
             return
         # Inlined describe_host: hot path. `kind is _Tensor` narrows nothing for
         # mypy and a cast() would be a call, hence the ignores.
@@ -240,20 +241,24 @@ class Communicator:
         if kind is _Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg():  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
             if word is not None:
-                self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t, -1, tensor)  # type: ignore[union-attr]
+                self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t, -1, tensor, 2)  # type: ignore[union-attr]
                 return
+        array = arrays.kind_of(tensor)
+        tensor = arrays.native(tensor, "the array to send")
         ptr, nbytes, word, shape, _keep, stream = arrays.describe_send(tensor)
         if stream >= 0 and self._device_routes[dst] is None:
             ptr, nbytes, word, shape, _keep = arrays.describe_host(_stage(tensor))
             stream = -1
         if stream >= 0:
             _check_capture()
-        self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream, _keep)
+        self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream, _keep, array)
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
         self._check_peer(dst, "dst")
-        return self._isend(tensor, int(dst), tag, self._describe_send(tensor, dst))
+        array = arrays.kind_of(tensor)
+        tensor = arrays.native(tensor, "the array to send")
+        return self._isend(tensor, int(dst), tag, self._describe_send(tensor, dst), array)
 
     def _describe_send(self, tensor: Array, dst: int) -> tuple[int, int, int, tuple[int, ...], Any, int]:
         """arrays.describe_send, staged through host memory where dst has no device route."""
@@ -262,20 +267,23 @@ class Communicator:
             return (*arrays.describe_host(_stage(tensor)), -1)
         return d
 
-    def _isend(self, tensor: Array, dst: int, tag: int, described: tuple[int, int, int, tuple[int, ...], Any, int]
-               ) -> Work:
+    def _isend(self, tensor: Array, dst: int, tag: int, described: tuple[int, int, int, tuple[int, ...], Any, int],
+               array: int) -> Work:
         ptr, nbytes, word, shape, keep, stream = described
         if stream < 0:
-            return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape), None, dst, "send", keep)
+            return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, -1, array), None, dst, "send", keep)
         _check_capture()
-        return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, stream), None, dst, "send", keep,
-                    arrays.torch.cuda.current_stream(tensor.device))
+        return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, stream, array), None, dst, "send",
+                       keep, arrays.torch.cuda.current_stream(tensor.device))
 
-    def recv(self, src: int, tag: int = 0, out: Array | None = None, timeout: float | None = None,
-             copy: bool = True) -> Array | Status:
-        """Receive one message from `src`. With `out` (a bound-sized buffer), the
-        message lands in its prefix and a view with the sender's shape is returned;
-        otherwise a new array of the sender's shape and dtype.
+    def recv(self, src: int, tag: int = 0, out: Any = None, timeout: float | None = None,
+             copy: bool = True, array: str | None = None) -> Any:
+        """Receive one message from `src`. With `out` (a bound-sized buffer: a
+        torch tensor, numpy array, or any DLPack array such as cupy's), the
+        message lands in its prefix and a view of out's kind with the sender's
+        shape is returned; otherwise a new array of the sender's shape and dtype,
+        of kind `array` ("auto": the sender's kind, "torch", "numpy" or "cupy";
+        default: the communicator's `array` option).
 
         copy=False returns a zero-copy view of the receive slot instead: the slot
         goes back to the sender when the view is garbage collected, so do not hold
@@ -288,15 +296,18 @@ class Communicator:
             kind = type(out)
             if kind is np.ndarray:
                 r = self._c.recv_buffer(src, tag, out, t)
-            # Hot path: as in send, `kind is _Tensor` narrows nothing for mypy.
-            elif (kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS  # type: ignore[union-attr]
-                  and not out.is_neg()):  # type: ignore[union-attr]
-                r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t,  # type: ignore[union-attr]
+            # Hot path: as in send, inlined.
+            elif (kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS
+                  and not out.is_neg()):
+                r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t,
                                       -1, out, out.shape)
                 if r is out:
                     return out
-            elif kind is _Tensor and out.is_cuda and self._device_routes[src] is None:  # type: ignore[union-attr]
+            elif kind is _Tensor and out.is_cuda and self._device_routes[src] is None:
                 r = None  # staged through host memory: irecv below
+            elif not arrays.is_native(out):  # a DLPack array: received into a torch or numpy view of it
+                nout = arrays.native(out, "out")
+                return arrays.like(out, nout, self.recv(src, tag, nout, t, copy))
             else:
                 ptr, cap, word, stream = arrays.describe_recv(out)
                 if stream >= 0:
@@ -305,10 +316,11 @@ class Communicator:
             if r is not None:
                 return r if r is out else arrays.prefix_view(out, r.nbytes, r.shape)
         elif copy:
-            a = self._c.recv_new(src, tag, t, self._alloc)  # one core call; None: the irecv path decides
+            # one core call; None: the irecv path decides
+            a = self._c.recv_new(src, tag, t, self._alloc if array is None else _allocators(array))
             if a is not None:
                 return a
-        return self.irecv(src, tag, out, copy=copy).wait(t)  # type: ignore[no-any-return]  # Work.wait: Any
+        return self.irecv(src, tag, out, copy=copy, array=array).wait(t)
 
     def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
         """Send a descriptor: a header describing `nbytes` of data (dtype word,
@@ -318,7 +330,7 @@ class Communicator:
         self._check_peer(dst, "dst")
         return P2PWork(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
 
-    def irecv(self, src: int, tag: int = 0, out: Array | None = None, copy: bool = True) -> Work:
+    def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True, array: str | None = None) -> Work:
         """Post a receive; wait() returns what recv() would. Receives from one
         source match its messages in posting order. A Work dropped without
         wait() still takes its message (and drops it, so later messages stay
@@ -326,6 +338,13 @@ class Communicator:
         self._check_peer(src, "src")
         src = int(src)
         c = self._c
+        if out is not None and not arrays.is_native(out):  # a DLPack array: received into a torch or numpy view
+            nout = arrays.native(out, "out")
+            w = cast(P2PWork, self.irecv(src, tag, nout, copy))
+            inner = w._finish
+            if inner is not None:
+                w._finish = lambda: arrays.like(out, nout, inner())
+            return w
         if out is not None:
             ptr, cap, word, stream = arrays.describe_recv(out)
             if stream >= 0 and self._device_routes[src] is None:
@@ -355,8 +374,8 @@ class Communicator:
             dout.record_stream(cur)
             rid = c.irecv(src, tag, ptr, cap, word, stream)
             return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out, cur)
+        asked = _check_array(array) if array is not None else self._array
         rid = c.irecv(src, tag, 0, 0, 0)
-        kind = self._array
 
         def finish() -> Any:
             st = c.info(rid)
@@ -364,22 +383,30 @@ class Communicator:
                 c.release(rid)
                 return st
             word, shape = st.dtype, st.shape
+            kind = arrays.receive_kind(asked, st.array)
             try:  # everything that can refuse the message, before it is consumed
+                if kind == "cupy":
+                    arrays.to_cupy(None)  # cupy is there
+                    if not copy:
+                        raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the "
+                                              "GPU: receive with copy=True, or as numpy")
                 if not copy:
                     return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))
                 dev = None
-                if kind == "torch" and self._cuda_device is not None and st.device:
+                if kind in ("torch", "cupy") and self._cuda_device is not None and st.device:
                     # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
                     dev = arrays.torch.device("cuda", self._cuda_device)
                     _check_capture()
-                arr, ptr = arrays.empty(kind, word, shape, dev)
+                # cupy: received as numpy (host) or a CUDA torch tensor, then handed to cupy
+                made = kind if kind != "cupy" else ("numpy" if dev is None else "torch")
+                arr, ptr = arrays.empty(made, word, shape, dev)
             except BaseException:
                 # Like a MessageMismatch: the message stays for the next recv
                 # (one with out=, or another array kind).
                 c.cancel(rid)
                 raise
             c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream)
-            return arr
+            return arrays.to_cupy(arr) if kind == "cupy" else arr
 
         return P2PWork(self, rid, finish, src, "recv")
 
@@ -392,7 +419,7 @@ class Communicator:
         from . import _C
 
         ops = list(ops)
-        sends: dict[int, tuple[int, int, int, tuple[int, ...], Any, int]] = {}
+        sends: dict[int, tuple[Any, tuple[int, int, int, tuple[int, ...], Any, int], int]] = {}
         for i, op in enumerate(ops):
             fn = getattr(op.op, "__func__", op.op)
             if fn not in (Communicator.irecv, Communicator.isend):
@@ -403,11 +430,13 @@ class Communicator:
             _C.check_tag(op.tag)
             if fn is Communicator.irecv:
                 if op.tensor is not None:
-                    arrays.describe_recv(op.tensor)
+                    arrays.describe_recv(arrays.native(op.tensor, f"ops[{i}].tensor"))
                 continue
             if op.tensor is None:
                 raise InvalidArgument(f"ops[{i}]: an isend needs a tensor")
-            d = sends[i] = self._describe_send(op.tensor, op.peer)
+            tensor = arrays.native(op.tensor, f"ops[{i}].tensor")
+            d = self._describe_send(tensor, op.peer)
+            sends[i] = (tensor, d, arrays.kind_of(op.tensor))
             if d[1] > self._c.peer_bound(int(op.peer)):
                 raise MessageTooLarge(f"ops[{i}]: message of {d[1]} bytes exceeds the receive bound of "
                                       f"{self._c.peer_bound(int(op.peer))} bytes on rank {op.peer}; raise it with "
@@ -417,8 +446,8 @@ class Communicator:
             for i, op in enumerate(ops):
                 if i not in sends:
                     works[i] = self.irecv(op.peer, op.tag, op.tensor)
-            for i, d in sends.items():
-                works[i] = self._isend(ops[i].tensor, int(ops[i].peer), ops[i].tag, d)  # type: ignore[arg-type]
+            for i, (tensor, d, kind) in sends.items():
+                works[i] = self._isend(tensor, int(ops[i].peer), ops[i].tag, d, kind)
         except BaseException as e:
             for w in works:
                 if isinstance(w, P2PWork):
@@ -584,6 +613,16 @@ def _stage(tensor: Any) -> Any:
     return tensor.detach().to("cpu")
 
 
+def _check_array(array: str) -> str:
+    if array not in ("auto", "torch", "numpy", "cupy"):
+        raise InvalidArgument(f"array={array!r}: use auto, torch, numpy or cupy")
+    return array
+
+
+def _allocators(array: str) -> tuple[Any, ...]:
+    return arrays.allocators(_check_array(array))
+
+
 def _check_capture() -> None:
     if arrays.torch.cuda.is_current_stream_capturing():
         raise InvalidArgument("varcomm send/recv of CUDA tensors cannot be captured in a CUDA graph: sequence "
@@ -614,7 +653,7 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
     slots (VARCOMM_SLOTS, 8): messages in flight per sending peer.
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
-    array (VARCOMM_ARRAY): kind returned by recv without out: torch | numpy.
+    array (VARCOMM_ARRAY, auto): kind returned by recv without out: auto (the sender's) | torch | numpy | cupy.
     rdma_provider, rdma_iface, spin_us, nvlink, a2a_algorithm, ...: see Options.
     An unknown option raises TypeError; a bad value, InvalidArgument.
     """

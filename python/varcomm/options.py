@@ -22,7 +22,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from typing import Any, Callable, ClassVar, TypedDict, TypeVar
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 from .errors import InvalidArgument
 
@@ -207,17 +207,9 @@ class Spec:
 
 
 def _opt(env: str, kind: Kind, default: Any, doc: str, default_doc: str | None = None,
-         none_is_value: bool = False, factory: Callable[[], Any] | None = None) -> Any:
+         none_is_value: bool = False) -> Any:
     spec = Spec(env, kind, doc, default_doc if default_doc is not None else f"`{default}`", none_is_value)
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"spec": spec})
     return dataclasses.field(default=default, metadata={"spec": spec})
-
-
-def _default_array() -> str:
-    from . import arrays
-
-    return "torch" if arrays.torch is not None else "numpy"
 
 
 T = TypeVar("T", bound="_Declared")
@@ -310,9 +302,9 @@ class Options(_Declared):
                                                             0.0, forever=True), 600.0,
                                  "default timeout of every wait, seconds; None (`none`) waits forever", "600",
                                  none_is_value=True)
-    array: str = _opt("VARCOMM_ARRAY", _choice("torch", "numpy"), None,
-                      "kind returned by `recv` without `out`", "`torch` if importable, else `numpy`",
-                      factory=_default_array)
+    array: str = _opt("VARCOMM_ARRAY", _choice("auto", "torch", "numpy", "cupy"), "auto",
+                      "kind returned by `recv` without `out`; `auto`: the kind the sender sent (numpy, torch, "
+                      "cupy), else `torch` if importable, else `numpy`")
     spin_us: int | None = _opt("VARCOMM_SPIN_US", _int(0, auto=True), None,
                                "microseconds a wait busy-polls before it sleeps",
                                "50 if this host's ranks have a core each, else 0")

@@ -3,8 +3,8 @@ see varcomm.integrations.torch_backend. (Inside the package, ``import torch`` st
 PyTorch: imports are absolute.)"""
 from __future__ import annotations
 
-from .integrations.torch_backend import BACKEND, VarcommProcessGroup, VarcommWork, comm_of, register
+from .integrations.torch_backend import BACKEND, VarcommProcessGroup, VarcommWork, comm_of, placeholder, register
 
 register()
 
-__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "comm_of", "register"]
+__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "comm_of", "placeholder", "register"]

@@ -238,9 +238,10 @@ FallbackTransport::Landing FallbackTransport::landing(int peer, const char* fram
   MsgHeader h;
   std::memcpy(&h, f.hdr, sizeof h);
   // A descriptor carries no payload (its nbytes describe data sent apart); a
-  // device payload never travels here (the caller stages it through host memory).
+  // device payload never travels here (the caller stages it through host memory);
+  // the array-kind bits are the sender's to set.
   if (f.hdr_len != sizeof(MsgHeader) || h.seq != f.value || payload_bytes(h) != f.n || h.ndim > uint32_t(kMaxDims) ||
-      (h.flags & ~kDescriptor) != 0)
+      (h.flags & ~(kDescriptor | kArrayMask)) != 0)
     refuse(peer, p, "has a header that does not match it (seq " + std::to_string(h.seq) + " vs " +
                         std::to_string(f.value) + ", nbytes " + std::to_string(h.nbytes) + " vs " +
                         std::to_string(f.n) + ", ndim " + std::to_string(h.ndim) + ", flags " +

@@ -179,7 +179,7 @@ def recv(tensor: Array | None = None, src: int | None = None, group: Group | Non
     dtype), a view of its front with the sender's shape (a descriptor: its Status)."""
     comm, peer = _peer(group, src, group_src, "src")
     if tensor is None or _contiguous(tensor):
-        return comm.recv(peer, tag, out=tensor)
+        return cast("Array | Status", comm.recv(peer, tag, out=tensor))
     # a strided out: torch tensors only, like torch.distributed
     return _copy_into(cast(torch.Tensor, tensor), comm.recv(peer, tag))
 

@@ -17,7 +17,10 @@ the same store, and CUDA tensors run on an NCCL backend (when torch has CUDA and
 NCCL; option ``torch_nccl``, ``VARCOMM_TORCH_NCCL=0``, turns it off): both are registered as the
 group's per-device backends, so torch's own dispatch finds them.
 
-Semantics are torch's: ``dist.recv`` receives into the given tensor, whose
+A ``placeholder()`` tensor is the exception: ``dist.recv``/``irecv`` into it
+take a message of any shape and dtype, which it then holds (how
+``varcomm.integrations.pipelining`` receives microbatches of any length).
+Otherwise semantics are torch's: ``dist.recv`` receives into the given tensor, whose
 size must equal the message's (the same number of bytes and the same dtype;
 a different shape with the same size is accepted, as gloo and NCCL do), and a
 message of another size is refused with an error naming both sizes. The
@@ -49,7 +52,8 @@ from ..options import Options
 
 BACKEND = "varcomm"
 
-__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of"]
+__all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of", "placeholder",
+           "recv_into_placeholder"]
 
 
 # ---------------------------------------------------------------------------
@@ -244,6 +248,8 @@ class VarcommProcessGroup(dist.ProcessGroup):
         t = _single(tensors, "recv")
         if t.device.type != "cpu":
             return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
+        if getattr(t, _ANY_SHAPE, False):
+            return recv_into_placeholder(self.comm, t, srcRank, tag)
         comm, src = self.comm, srcRank
         dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
 
@@ -440,6 +446,46 @@ class VarcommProcessGroup(dist.ProcessGroup):
                 self.comm.close()
             except (VarcommError, RuntimeError, OSError):
                 pass  # the store's host (rank 0) may be gone already: nothing left to tell
+
+
+_ANY_SHAPE = "_varcomm_any_shape"
+
+
+def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False) -> torch.Tensor:
+    """An empty CPU tensor that ``dist.recv``/``dist.irecv`` (and ``batch_isend_irecv``)
+    on a varcomm group fill with a message of any shape: once the receive is
+    complete (``wait()``), this same tensor object holds the message, with the
+    sender's shape and dtype (its ``.data`` is set to it; ``requires_grad`` is
+    kept). No shape message, no size known in advance. ``dtype`` and
+    ``requires_grad`` are the tensor's until then (what autograd or a dtype
+    check sees before the wait); the message's dtype wins. A message over
+    varcomm's bound arrives as a descriptor and chunks, as for any receive of
+    this backend; the chunks are received when this receive is waited, so
+    wait it before posting another receive from the same source."""
+    t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
+    setattr(t, _ANY_SHAPE, True)
+    return t
+
+
+def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: int = 0) -> VarcommWork:
+    """Post a receive from ``src`` on ``comm`` that fills ``t`` (a placeholder())
+    with the message when waited: ``t.data`` becomes the received tensor, of
+    the sender's shape, dtype and device (a GPU tensor sent from GPU memory
+    arrives on this rank's GPU)."""
+    w = comm.irecv(src, tag)
+
+    def finish(timeout: float | None) -> None:
+        got = w.wait(timeout)
+        if isinstance(got, _C.Status):  # a descriptor: the data follows in bound-sized chunks
+            whole = torch.empty(tuple(got.shape), dtype=dtypes.to_torch(got.dtype))
+            flat = _bytes_of(whole)
+            for c in [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, got.nbytes, comm.bound)]:
+                c.wait(timeout)
+            got = whole
+        # .data: the tensor object the caller holds (its requires_grad, its attributes) now is the message
+        t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
+
+    return VarcommWork(finish, w.is_completed, [t], source=src)
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:

@@ -1,25 +1,36 @@
 """`varcomm-doctor`: what this machine offers varcomm, as plain text to paste into a bug report.
 
 Works without the C extension (reports why it is missing) and without torch;
-every probe degrades to "not found" rather than failing.
+every probe degrades to "not found" rather than failing. Secrets (a variable
+or option whose name says key, secret, token, password) are never printed,
+only whether they are set. `--selftest` runs two processes per built
+transport and times one message each way.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import glob
+import importlib.util
+import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .. import bootstrap
 from .. import options as _options
 from ..errors import InvalidArgument
+
+_SECRET = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
 def _run(argv: list[str], timeout: float = 30) -> str | None:
@@ -137,27 +148,235 @@ def _cuda_devices() -> tuple[list[str], int]:
     return [], 0
 
 
+def shown(name: str, value: object) -> str:
+    """value as the report shows it: a secret only says whether it is set."""
+    if _SECRET.search(name):
+        return "(set, not shown)" if value not in (None, "") else "(not set)"
+    return str(value)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # not installed as a distribution
+        return None
+
+
+def _git(root: Path) -> str:
+    """The checkout's commit when varcomm runs from one, else why not."""
+    if not (root / ".git").exists():
+        return "not a git checkout (installed package)"
+    head = _run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], timeout=10)
+    if head is None:
+        return f"{root} is a checkout, but git could not read it"
+    branch = (_run(["git", "-C", str(root), "rev-parse", "--abbrev-ref", "HEAD"], timeout=10) or "?").strip()
+    dirty = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], timeout=10)
+    return f"{head.strip()} ({branch}{', uncommitted changes' if dirty else ''}) in {root}"
+
+
+def _versions(fab: list[str]) -> list[str]:
+    import varcomm
+
+    pkg = Path(varcomm.__file__).resolve().parent
+    dist = _dist_version("varcomm")
+    lines = [f"varcomm {varcomm.__version__}" + (f" (distribution {dist})" if dist and dist != varcomm.__version__
+                                                   else "") + f" at {pkg}",
+             f"git: {_git(pkg.parents[1])}"]
+    try:
+        import torch
+
+        cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ", CPU only"
+        lines.append(f"torch {torch.__version__}{cuda}")
+    except Exception as e:  # torch is optional
+        lines.append(f"torch: not importable ({type(e).__name__})")
+    try:
+        import numpy
+
+        lines.append(f"numpy {numpy.__version__}")
+    except Exception as e:
+        lines.append(f"numpy: not importable ({type(e).__name__})")
+    # Not imported: cupy's import is slow and may touch the GPU.
+    cupy = next((v for v in map(_dist_version, ("cupy-cuda12x", "cupy-cuda11x", "cupy")) if v), None)
+    if cupy or importlib.util.find_spec("cupy") is not None:
+        lines.append(f"cupy {cupy or '(version unknown)'}")
+    else:
+        lines.append("cupy: not installed (optional: pip install 'varcomm[cupy]')")
+    lines.append(next((ln for ln in fab if ln.startswith("libfabric")), "libfabric: unknown"))
+    return lines
+
+
+def _launcher_names() -> list[str]:
+    names: list[str] = []
+    for la in bootstrap.LAUNCHERS:
+        names += [n for n in (la.rank, la.world_size, la.local_rank, la.local_world_size) if n]
+    names += [*bootstrap.MASTER_ADDR_VARS, bootstrap.MASTER_PORT_VAR, *bootstrap.JOB_ID_VARS]
+    return list(dict.fromkeys(names))
+
+
+def _launcher(environ: dict[str, str] | None = None) -> list[str]:
+    """The launcher variables set here, and what bootstrap makes of them."""
+    env = dict(os.environ if environ is None else environ)
+    known = _launcher_names()
+    seen = [k for k in known if env.get(k)]
+    seen += sorted(k for k in env if k.startswith(("OMPI_COMM_WORLD_", "PMI_", "PMIX_")) and k not in seen)
+    slurm = sorted(k for k in env if k.startswith("SLURM_") and k not in seen)
+    lines = [f"{k}={shown(k, env[k])}" for k in seen]
+    if slurm:
+        lines.append(f"(and {len(slurm)} other SLURM_* variables)")
+    if not seen:
+        lines.append("none (a single process: varcomm.init() is world size 1 unless given rank and world_size)")
+    try:
+        p = bootstrap.placement(None, None, have_store=True)
+        lines.append(f"=> rank {p.rank} of {p.world_size}, local rank {p.local_rank} of {p.local_world_size}")
+    except Exception as e:  # a bad launcher variable is what the report is for
+        lines.append(f"=> cannot place this process: {e}")
+    return lines
+
+
+def _effective_options() -> tuple[_options.Options, list[str]]:
+    try:
+        opts = _options.Options.resolve()
+        bad = ""
+    except InvalidArgument as e:
+        opts, bad = _options.Options(), f"bad option: {e} (showing the defaults)"
+    env = _options.environment()
+    lines = [bad] if bad else []
+    for name, spec in _options.Options.specs().items():
+        origin = spec.env if env.get(spec.env, "").strip() else "default"
+        lines.append(f"{name:18} {shown(name, getattr(opts, name))!s:24} ({origin})")
+    return opts, lines
+
+
+# ---------------------------------------------------------------------------
+# --selftest: two processes per transport, one timed message each way
+
+_SELFTEST_BYTES = 8192
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def selftest_child(transport: str) -> int:
+    """One rank of the self-test (run by selftest with RANK/WORLD_SIZE set):
+    rank 0 sends a message, rank 1 sends it back; rank 0 prints a JSON line."""
+    import numpy as np
+
+    import varcomm
+
+    t0 = time.perf_counter()
+    with varcomm.init(transport=transport, bound=1 << 16, slots=2, timeout=30, array="numpy") as comm:
+        setup = time.perf_counter() - t0
+        peer = 1 - comm.rank
+        msg = np.arange(_SELFTEST_BYTES // 8, dtype=np.int64)
+        if comm.rank == 0:
+            t1 = time.perf_counter()
+            comm.send(msg, peer)
+            back = comm.recv(peer)
+            rtt = time.perf_counter() - t1
+            ok = isinstance(back, np.ndarray) and np.array_equal(back, msg)
+            route = comm.describe_transport(peer).split("; GPU tensors")[0]
+            print(json.dumps({"ok": bool(ok), "rtt": rtt, "setup": setup, "route": route,
+                              "error": "" if ok else "the message came back changed"}), flush=True)
+        else:
+            comm.send(comm.recv(peer), peer)
+    return 0
+
+
+def _selftest_env(transport: str, rank: int, port: int) -> dict[str, str]:
+    # This process's environment, less every launcher's variables: the children are a job of their own.
+    env = dict(os.environ)
+    for k in [k for k in env if k in _launcher_names() or k.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_"))]:
+        del env[k]
+    env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VARCOMM_TRANSPORT=transport)
+    if transport == "rdma":
+        env["VARCOMM_FI_PROVIDER"] = "tcp;ofi_rxm"  # present wherever libfabric is; NIC providers need a NIC
+    import varcomm
+
+    root = str(Path(varcomm.__file__).resolve().parents[1])  # this varcomm, installed or not
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def selftest_one(transport: str, timeout: float = 60) -> tuple[bool, str]:
+    """(passed, the report line's text) for one transport."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "varcomm.tools.doctor", "--selftest-child", transport]
+    procs = [subprocess.Popen(argv, env=_selftest_env(transport, r, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs: list[tuple[str, str]] = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return False, f"FAIL  no answer within {timeout:.0f} s (a rank hung)"
+    result = next((json.loads(ln) for ln in outs[0][0].splitlines() if ln.startswith("{")), None)
+    if result is None or any(p.returncode for p in procs):
+        errs = [ln for _, err in outs for ln in err.strip().splitlines() if ln.strip()]
+        return False, f"FAIL  {errs[-1] if errs else 'no result (exit ' + str(procs[0].returncode) + ')'}"
+    if not result["ok"]:
+        return False, f"FAIL  {result['error']}"
+    return True, (f"pass  {result['rtt'] * 1e6:.0f} us for {_SELFTEST_BYTES // 1024} KiB there and back "
+                  f"(set-up {result['setup']:.2f} s; {result['route']})")
+
+
+def selftest(transports: list[str]) -> tuple[bool, list[str]]:
+    lines, ok = [], True
+    for t in ("shm", "rdma", "fallback"):
+        if t not in transports:
+            lines.append(f"{t:9} not built")
+            continue
+        passed, text = selftest_one(t)
+        ok &= passed
+        lines.append(f"{t + (' (tcp;ofi_rxm)' if t == 'rdma' else ''):22} {text}")
+    if "nvlink" in transports:
+        lines.append(f"{'nvlink':22} not checked here (GPU to GPU: bash bench/gpu_check.sh)")
+    return ok, lines
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="varcomm-doctor",
+        description="What this machine offers varcomm: versions, git commit, build, libfabric, RDMA and CUDA "
+                    "devices, launcher variables, effective options and the transport each peer class gets. "
+                    "Plain text, paste-ready for a bug report (secrets are never printed).")
+    p.add_argument("--selftest", action="store_true",
+                   help="also run 2 local processes per built transport (shm, rdma over tcp;ofi_rxm, fallback) "
+                        "and time one message each; exit status 1 when one fails")
+    p.add_argument("--selftest-child", metavar="TRANSPORT", help=argparse.SUPPRESS)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.selftest_child:
+        return selftest_child(args.selftest_child)
     out: list[str] = []
     w = out.append
     w("varcomm doctor")
     w(f"host: {socket.gethostname()}  {platform.platform()}  python {platform.python_version()}  cpus {os.cpu_count()}")
     build, C, why = _build()
-    try:
-        from importlib.metadata import version
-
-        w(f"varcomm: {version('varcomm')}")
-    except Exception:
-        w("varcomm: (not installed as a distribution)")
+    fab, _ = _libfabric(C, build)
     transports = set(build.get("transports", ())) if build else set()
+
+    w("")
+    w("versions:")
+    out += ["  " + ln for ln in _versions(fab)]
     if build is None:
-        w(f"build: {why}")
+        w(f"  build: {why}")
     else:
-        w("build: " + ", ".join(f"{k}={v}" for k, v in sorted(build.items())))
+        w("  build: " + ", ".join(f"{k}={v}" for k, v in sorted(build.items())))
 
     w("")
     w("libfabric:")
-    fab, _ = _libfabric(C, build)
     out += ["  " + ln for ln in fab]
 
     w("")
@@ -170,18 +389,23 @@ def main(argv: list[str] | None = None) -> int:
     gpus, ngpu = _cuda_devices()
     out += ["  " + g for g in gpus] or ["  none (no torch.cuda devices, no nvidia-smi)"]
 
+    w("")
+    w("launcher:")
+    out += ["  " + ln for ln in _launcher()]
+
     env = _options.environment()
     known = _options.known_variables()
     if env:
         w("")
         w("environment:")
-        out += [f"  {k}={v}" + ("" if k in known or not k.startswith("VARCOMM_") or k.startswith("VARCOMM_BENCH_")
-                                else "  (not a varcomm variable: misspelt?)") for k, v in env.items()]
-    try:
-        opts = _options.Options.resolve()
-    except InvalidArgument as e:
-        w(f"  bad option: {e}")
-        opts = _options.Options()
+        out += [f"  {k}={shown(k, v)}" + ("" if k in known or not k.startswith("VARCOMM_")
+                                          or k.startswith("VARCOMM_BENCH_")
+                                          else "  (not a varcomm variable: misspelt?)") for k, v in env.items()]
+
+    w("")
+    w("effective options (varcomm.Options: keyword > VARCOMM_* > default):")
+    opts, lines = _effective_options()
+    out += ["  " + ln for ln in lines]
 
     w("")
     w("transport per peer class:")
@@ -210,8 +434,19 @@ def main(argv: list[str] | None = None) -> int:
         w(f"  other host:              {remote}")
         w(f"  nothing fits:            {fallback}")
         w("  (VARCOMM_TRANSPORT=shm|rdma|fallback forces one; rdma: VARCOMM_FI_PROVIDER, VARCOMM_FI_IFACE)")
+    rc = 0
+    if args.selftest:
+        print("\n".join(out), flush=True)  # the self-test takes seconds: show the rest first
+        out = ["", "selftest (2 local processes per transport, one 8 KiB message there and back):"]
+        if build is None:
+            out.append(f"  not run: {why}")
+            rc = 1
+        else:
+            ok, lines = selftest(sorted(transports))
+            out += ["  " + ln for ln in lines]
+            rc = 0 if ok else 1
     print("\n".join(out))
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""torch.distributed.pipelining with variable shapes: VarcommPipelineStage under
+every schedule class of torch, on packed microbatches whose length T changes
+from microbatch to microbatch, and whose count changes from step to step,
+against the same training in one process (examples/pipelining_varlen.py's
+trainer and reference); and varcomm.torch.placeholder(), the any-shape receive
+it stands on.
+
+Tolerance: float32, rtol 1e-6, atol 1e-7 on the losses, the last step's
+gradients and the trained parameters. The pipeline computes exactly the
+one-process sums, split at stage boundaries; only the order in which a
+schedule accumulates microbatch gradients may differ (LoopedBFS), which moves
+the last bits."""
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import varcomm.torch
+from varcomm.integrations.pipelining import VarcommPipelineStage
+from varcomm.testing import world
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import pipeline_varlen as pv
+import pipelining_varlen as ppv
+
+RTOL, ATOL = 1e-6, 1e-7
+STEPS = 3
+CFG = pv.Config(vocab=48, hidden=32, heads=2, layers=4, max_len=24, max_seqs=3)
+CFG8 = pv.Config(vocab=48, hidden=32, heads=2, layers=8, max_len=24, max_seqs=3)  # 8 stages on 4 ranks
+
+
+def _close(got, want, what):
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _spy_sends(comm) -> list[torch.Tensor]:
+    """Record every tensor sent through a Communicator."""
+    sent: list[torch.Tensor] = []
+    real = comm.isend
+
+    def isend(t, *a, **k):
+        sent.append(t)
+        return real(t, *a, **k)
+
+    comm.isend = isend
+    return sent
+
+
+def _expected_row_counts(name: str, cfg: pv.Config, rank: int, world_size: int, counts: list[int]) -> Counter:
+    """How often each activation/gradient length T leaves this rank: once per microbatch for
+    each stage boundary this rank sends across, forward (activations) and backward (gradients)."""
+    indices = ppv.stage_indices(name, rank, world_size)
+    n = world_size * len(indices)
+    home = {s: r for r in range(world_size) for s in ppv.stage_indices(name, r, world_size)}
+    crossings = sum((s < n - 1 and home[s + 1] != rank) + (s > 0 and home[s - 1] != rank) for s in indices)
+    rows: Counter = Counter()
+    for step, m in enumerate(counts):
+        for mb in pv.make_batches(cfg, step, m, 0):
+            rows[int(mb.cu_seqlens[-1])] += crossings
+    return rows
+
+
+def _schedules_match_one_process(names: tuple[str, ...], cfg: pv.Config) -> None:
+    dist.init_process_group("varcomm")
+    try:
+        rank, n = dist.get_rank(), dist.get_world_size()
+        sent = _spy_sends(varcomm.torch.comm_of())
+        references: dict[tuple[int, ...], dict] = {}
+        for name in names:
+            counts = ppv.micro_counts(name, n, STEPS, 2 * n)
+            assert len(set(counts)) > 1, "the microbatch count should change from step to step"
+            key = tuple(counts)
+            if key not in references:
+                references[key] = ppv.train_reference(cfg, counts)
+            want = references[key]
+            sent.clear()
+            t = ppv.PipelineTrainer(name, cfg, rank, n)
+            losses = [t.step(step, m) for step, m in enumerate(counts)]
+            if t.last:
+                _close(torch.tensor(losses), torch.tensor(want["losses"]), f"{name}: losses")
+            else:
+                assert losses == [None] * STEPS
+            assert t.grads, f"{name}: this rank's stages have no parameters"
+            for pname, g in t.grads.items():
+                _close(g, want["grads"][pname], f"{name}: gradient of {pname} at step {STEPS - 1}")
+            for pname in t.names:
+                _close(dict(t.model.named_parameters())[pname].detach(), want["params"][pname],
+                       f"{name}: {pname} after {STEPS} steps")
+            # Every activation and gradient went through varcomm with its own length, and
+            # nothing else of that kind: no shape messages, no padding.
+            rows = Counter(x.shape[0] for x in sent if x.dim() == 2)
+            assert rows == _expected_row_counts(name, cfg, rank, n, counts), f"{name}: sent {rows}"
+            assert not [x for x in sent if x.dtype == torch.int64], f"{name}: a shape message was sent"
+            assert all(x.shape[-1] == cfg.hidden for x in sent if x.dim() == 2)
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=240)
+def test_every_schedule_on_2_ranks_matches_one_process():
+    _schedules_match_one_process(tuple(ppv.SCHEDULES), CFG)
+
+
+@world(4, timeout=240)
+def test_schedules_on_4_ranks_match_one_process():
+    # a representative subset on 4 ranks (2 cores: every schedule would take minutes):
+    # one stage per rank, looped stages, V-shaped stages with split backward
+    _schedules_match_one_process(("1F1B", "Interleaved1F1B", "DualPipeV"), CFG8)
+
+
+def test_schedule_lists_cover_torch():
+    """Every schedule class the issue names is exercised, each with its own stage layout."""
+    assert set(ppv.SCHEDULES) == {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                  "ZBVZeroBubble", "DualPipeV"}
+    assert ppv.stage_indices("DualPipeV", 1, 4) == [1, 6] and ppv.stage_indices("LoopedBFS", 1, 4) == [1, 5]
+    for step in range(STEPS):
+        sizes = {int(mb.cu_seqlens[-1]) for mb in pv.make_batches(CFG, step, 4, 0)}
+        assert len(sizes) > 1, "microbatches should differ in length"
+
+
+@world(2, timeout=60)
+def test_placeholder_receives_any_shape():
+    os.environ["VARCOMM_BOUND"] = str(64 * 1024)  # small slots: the chunked path (over the bound) is cheap
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        big = torch.arange(40_000, dtype=torch.float64).reshape(100, 400)  # 320 KB: a descriptor and 5 chunks
+        msgs = [torch.arange(6.0).reshape(2, 3), torch.ones(7, 3), torch.tensor([1, 2, 3], dtype=torch.int32),
+                torch.empty(0, 3), big, torch.full((4,), 2.5)]
+        if r == 0:
+            for m in msgs:
+                dist.send(m, dst=1)
+            dist.send(torch.ones(3), dst=1)  # an exact-size recv is unchanged
+            dist.send(torch.ones(5), dst=1)
+        else:
+            ps = [varcomm.torch.placeholder(requires_grad=k == 0) for k in range(len(msgs) - 1)]
+            works = [dist.irecv(p, src=0) for p in ps[:2]]  # posted together, matched in posting order
+            for w in works:
+                w.wait()
+            for p in ps[2:]:
+                dist.recv(p, src=0)
+            for p, m in zip(ps, msgs):
+                assert p.shape == m.shape and p.dtype == m.dtype and torch.equal(p.detach(), m), (p, m)
+            assert ps[0].requires_grad and ps[0].is_leaf and not ps[1].requires_grad
+            p = varcomm.torch.placeholder()
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, p, 0)])[0].wait()
+            assert p.tolist() == [2.5] * 4
+            x = torch.zeros(3)
+            dist.recv(x, src=0)
+            assert x.tolist() == [1.0] * 3
+            with pytest.raises(RuntimeError, match="larger"):
+                dist.recv(torch.zeros(3), src=0)  # a plain tensor still takes exactly its size
+            dist.recv(varcomm.torch.placeholder(), src=0)  # the refused message was kept
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_stage_refuses_what_it_cannot_run():
+    dist.init_process_group("varcomm")
+    try:
+        gloo = dist.new_group(backend="gloo")
+        mod = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="not on the varcomm backend"):
+            VarcommPipelineStage(mod, dist.get_rank(), 2, group=gloo)
+        with pytest.raises(ValueError, match="only CPU"):
+            VarcommPipelineStage(mod, dist.get_rank(), 2, device="meta")
+        with pytest.raises(ValueError, match="num_inputs"):
+            VarcommPipelineStage(mod, dist.get_rank(), 2, num_inputs=0)
+        stage = VarcommPipelineStage(mod, 0, 2)
+        bound = varcomm.torch.comm_of().bound
+        stage.fwd_cache[0] = ((torch.zeros(bound // 4 + 1),), [])
+        with pytest.raises(ValueError, match=r"over varcomm's receive bound .*VARCOMM_BOUND"):
+            stage.get_fwd_send_ops(0)
+        stage.fwd_cache[0] = ((torch.zeros(bound // 4),), [])
+        assert len(stage.get_fwd_send_ops(0)) == 1  # exactly the bound fits (the op is not run)
+    finally:
+        dist.destroy_process_group()
