@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "dtypes.h"
+
 namespace varcomm {
 
 namespace {
@@ -351,7 +353,7 @@ void AllToAll::timeout(double seconds) {
   throw Error(ErrorKind::Timeout, msg, peer);
 }
 
-std::optional<Error> AllToAll::error(const std::function<std::string(uint32_t)>& dtype_name) const {
+std::optional<Error> AllToAll::error() const {
   const std::string op = op_name(plan_.op), me = rank_str(rank_);
   if (!too_large_.empty()) {
     auto [d, why] = too_large_[0];

@@ -13,7 +13,6 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -93,8 +92,8 @@ class AllToAll {
   void place(int src, void* out, Mem mem, const std::string& why);
   // Copies (one-phase) or moves the payloads (two-phase); false at the deadline.
   bool wait_done(std::chrono::steady_clock::time_point deadline);
-  // The collective's error, if any, worded with `dtype_name` (called only here).
-  std::optional<Error> error(const std::function<std::string(uint32_t)>& dtype_name) const;
+  // The collective's error, if any.
+  std::optional<Error> error() const;
   // The deadline passed: cancel what has not started, detach the rest, throw
   // TimeoutError naming a peer that did not answer.
   [[noreturn]] void timeout(double seconds);

@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include "dtypes.h"
+
 #include <sched.h>
 #include <unistd.h>
 #include <time.h>
@@ -60,10 +62,44 @@ Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(wo
 
 Engine::~Engine() { close(); }
 
+std::vector<int> Engine::unflushed() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<int> peers;
+  if (closed_) return peers;
+  progress_locked();
+  for (int q = 0; q < world_; ++q) {
+    if (peers_[q].sendq.empty()) continue;
+    check_peer(q, false);  // a dead peer's sends fail here instead
+    if (!peers_[q].sendq.empty()) peers.push_back(q);
+  }
+  return peers;
+}
+
 void Engine::close() {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return;
   closed_ = true;
+  // What has not completed fails now, as close() documents; a recv whose
+  // message arrived keeps it (it is in our region, which stays mapped).
+  auto fail_all = [&](std::deque<uint64_t>& q, const char* why) {
+    for (uint64_t id : q) {
+      Request& r = reqs_[uint32_t(id)];
+      if (r.detached) {
+        recycle(id);
+        continue;
+      }
+      r.state = ReqState::Failed;
+      r.err = ErrorKind::Closed;
+      r.error = why;
+    }
+    q.clear();
+  };
+  for (auto& p : peers_) {
+    fail_all(p.sendq, "communicator closed before this send completed (a send still queued was never written; "
+                      "one in flight may or may not have arrived)");
+    fail_all(p.posted, "communicator closed before a message arrived for this recv");
+  }
+  sending_ = 0;
   transports_.clear();
   for (auto& p : peers_) {
     p.t.reset();
@@ -276,12 +312,12 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   const char* kept = "; the message was kept for the next recv";
   if (out_dtype && out_dtype != h.dtype) {
     *kind = ErrorKind::Mismatch;
-    return head + "message dtype code " + std::to_string(h.dtype) + " does not match out's dtype code " +
-           std::to_string(out_dtype) + kept;
+    return head + "message dtype " + dtype_name(h.dtype) + " does not match out's dtype " + dtype_name(out_dtype) +
+           " (pass an out of the message's dtype, or none)" + kept;
   }
   if (h.nbytes > out_cap) {
     *kind = ErrorKind::TooLarge;
-    std::string what = (h.flags & kDescriptor) ? " (a descriptor: the data, dtype code " + std::to_string(h.dtype) +
+    std::string what = (h.flags & kDescriptor) ? " (a descriptor: the data, dtype " + dtype_name(h.dtype) +
                                                      ", travels in separate messages)"
                                                : "";
     return head + "message of " + std::to_string(h.nbytes) + " bytes" + what + " does not fit out (" +
@@ -358,6 +394,7 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
   int result = 0;
   bool got = spin(
       [&](bool slow) {
+        if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
         Peer& p = peers_[peer];
         if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
         if (!p.posted.empty()) {
@@ -408,7 +445,6 @@ bool Engine::spin(F&& done, Clock::time_point deadline) {
   for (uint32_t i = 0;; ++i) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
       if (done(slow)) return true;
     }
     if (deadline == Clock::time_point::min()) return false;  // a single try
@@ -514,8 +550,9 @@ void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
 
 void Engine::free_slot(int peer, int slot, uint64_t seq) {
   Peer& p = peers_[peer];
-  // The slot is in our region; the credit that frees it lives in the sender's.
-  if (p.dead.empty()) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), seq);
+  // The slot is in our region; the credit that frees it lives in the sender's
+  // (gone once closed: a message received after close() frees nothing).
+  if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), seq);
 }
 
 void Engine::progress_recvs(int peer) {
@@ -704,7 +741,11 @@ bool Engine::test(uint64_t id) {
 bool Engine::wait(uint64_t id, Clock::time_point deadline) {
   return spin(
       [&](bool slow) {
+        // A request that completed before close() stays completed; close()
+        // failed every other one (ClosedError), so it is terminal too.
         Request& r = get(id);
+        if (closed_ && r.state != ReqState::Done && r.state != ReqState::Matched && r.state != ReqState::Failed)
+          throw Error(ErrorKind::Closed, "communicator is closed");
         if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted)
           progress_locked();
         if (r.state == ReqState::Done || r.state == ReqState::Matched) {
@@ -759,6 +800,8 @@ void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to copy");
+  if (closed_ && (r.hdr.flags & kDevicePayload))
+    throw Error(ErrorKind::Closed, "communicator closed before this device message was copied out");
   Peer& p = peers_[r.peer];
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
     if (a->seq == r.hdr.seq) {
@@ -820,9 +863,12 @@ bool Engine::cancel(uint64_t id, bool report) {
     // Matched but unread: put the message back for the next receive.
     for (auto& a : p.ready)
       if (a.seq == r.hdr.seq) a.claimed = false;
+  } else if (r.state != ReqState::InFlight) {
+    // Done or failed already: nothing to give up, but nobody will read it.
+    recycle(id);
+    return false;
   } else {
     // In flight: the transport still reads the source; finish in the background.
-    if (r.state != ReqState::InFlight) return false;
     r.detached = true;
     if (closed_) return false;  // the transports are gone: nothing reads the source any more
     r.reported = report;

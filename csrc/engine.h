@@ -142,6 +142,11 @@ class Engine {
   bool detach(uint64_t id, bool report = false);
   // Ids of reported detached requests recycled since the last call.
   void take_recycled(std::vector<uint64_t>& ids);
+  // Drives every transport once; the peers whose queued or in-flight sends
+  // are not done yet (close() flushes until none, or its deadline).
+  std::vector<int> unflushed();
+  // Every request not complete fails with ClosedError; a recv whose message
+  // arrived keeps it, a completed one stays completed.
   void close();
   // The per-pair tags every header carries (routes.cpp, pair_tag): `out` on
   // what we write to `peer`, `in` on what it writes to us. Set before traffic.

@@ -70,7 +70,7 @@ def test_send_recv_exact_sizes_and_refusals():
                 dist.recv(torch.zeros(4), src=0)
             assert dist.recv(torch.zeros(4, dtype=torch.int32), src=0) == 0  # the kept int32 message
             with pytest.raises(RuntimeError, match=r"larger.*800000 bytes \(a descriptor: the data, "
-                                                   r"dtype torch.float64, travels in separate"):
+                                                   r"dtype float64, travels in separate"):
                 dist.recv(torch.zeros(10, dtype=torch.float64), src=0)
             # drop the refused message (its descriptor was kept, as every refused message is) and its chunks
             for _ in range(len(big) * 8 // (64 * 1024) + 2):

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <set>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "collectives.h"
+#include "dtypes.h"
 #include "engine.h"
 #include "fallback.h"
 #include "options.h"
@@ -42,6 +44,18 @@ const char* error_class(ErrorKind k) {
   }
 }
 
+// Past this a timeout is "none": a deadline so far away would overflow the clock.
+constexpr double kForeverS = 1e9;  // ~31 years
+
+// A timeout as Python passes it: seconds, or None. inf and anything past
+// kForeverS mean no timeout; NaN is refused before anything is done.
+std::optional<double> timeout_of(std::optional<double> t) {
+  if (!t) return t;
+  if (std::isnan(*t)) throw Error(ErrorKind::Invalid, "timeout nan: pass seconds (>= 0), or None (or inf) for no limit");
+  if (*t > kForeverS) return std::nullopt;
+  return t;
+}
+
 // Buffer-protocol format -> DLPack dtype word.
 uint32_t dtype_of_format(const std::string& f, ssize_t itemsize) {
   auto w = [](uint32_t code, uint32_t bits) { return (code << 16) | (bits << 8) | 1u; };
@@ -59,6 +73,16 @@ uint32_t dtype_of_format(const std::string& f, ssize_t itemsize) {
   }
 }
 
+// '>' or '!' on a little-endian host, '<' on a big-endian one (struct-module format).
+bool foreign_byte_order(const char* format) {
+  char c = format ? format[0] : 0;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  return c == '>' || c == '!';
+#else
+  return c == '<';
+#endif
+}
+
 // A borrowed C-contiguous buffer. Raw CPython API: the ping-pong path cannot
 // afford py::buffer_info's vector copies.
 struct Buf {
@@ -68,7 +92,8 @@ struct Buf {
   uint64_t nbytes = 0;
   int64_t shape[kMaxDims] = {};
   uint32_t ndim = 0;
-  // false when the object is not C-contiguous (the caller copies it first).
+  // false when the object is not C-contiguous or not in our byte order (the
+  // caller converts it first).
   bool get(PyObject* o, bool writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(o, &v, flags) != 0) {
@@ -76,6 +101,8 @@ struct Buf {
       return false;
     }
     ok = true;
+    // A foreign byte order is converted on the general path (or refused for an out).
+    if (foreign_byte_order(v.format) && v.itemsize > 1) return false;
     if (v.ndim > kMaxDims)
       throw Error(ErrorKind::Invalid, "arrays of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
     ndim = uint32_t(v.ndim);
@@ -163,16 +190,11 @@ PyStructSequence_Desc kStatusDesc = {"varcomm.Status",
                                      kStatusFields, 7};
 PyTypeObject* status_type = nullptr;
 
-// repr names the dtype (varcomm.dtypes.describe), not its DLPack word.
+// repr names the dtype (csrc/dtypes.h), not its DLPack word.
 PyObject* status_repr(PyObject* self) {
   try {
     auto item = [&](int i) { return py::reinterpret_borrow<py::object>(PyStructSequence_GetItem(self, i)); };
-    std::string dt;
-    try {
-      dt = py::str(py::module_::import("varcomm.dtypes").attr("describe")(item(3)));
-    } catch (const py::error_already_set&) {
-      dt = py::str(item(3));
-    }
+    std::string dt = dtype_name(uint32_t(PyLong_AsUnsignedLong(item(3).ptr())));
     std::string r = "varcomm.Status(src=" + std::string(py::str(item(0))) + ", tag=" + std::string(py::str(item(1))) +
                     ", nbytes=" + std::string(py::str(item(2))) + ", dtype=" + dt +
                     ", shape=" + std::string(py::repr(item(4))) + ", device=" + std::string(py::str(item(5))) +
@@ -268,6 +290,7 @@ struct Comm {
   // (may be null): what a send's source belongs to; when the wait gives up on
   // a send the transport still reads, it is kept until the engine is done.
   void wait(uint64_t id, std::optional<double> timeout, py::handle owner = {}) {
+    timeout = timeout_of(timeout);
     if (engine->wait(id, Clock::time_point::min())) {  // done already: keep the GIL
       drop_kept();
       return;
@@ -309,6 +332,28 @@ inline void check_tag(int64_t tag) {
                                     "tags must be below 2**40 (" + std::to_string(kCollTagBase) + ")");
 }
 
+// A point-to-point tag as Python passes it: an int or a numpy integer (any
+// __index__), never a bool, a float or a str; every route refuses the same way.
+int64_t tag_of(py::handle o) {
+  PyObject* p = o.ptr();
+  if (PyLong_CheckExact(p)) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(p, &overflow);
+    if (!overflow) {
+      check_tag(v);
+      return v;
+    }
+  } else if (!PyBool_Check(p) && !PyFloat_Check(p) && PyIndex_Check(p)) {
+    auto i = py::reinterpret_steal<py::object>(PyNumber_Index(p));
+    if (!i) throw py::error_already_set();
+    if (PyLong_CheckExact(i.ptr())) return tag_of(i);
+  }
+  throw Error(ErrorKind::Invalid, "tag " + std::string(py::repr(o)) + " (" +
+                                      std::string(py::str(py::type::of(o).attr("__name__"))) +
+                                      "): a point-to-point tag is an int in [-2**63, 2**40)");
+}
+
+
 // Python passes stream = -1 for host memory, else the CUDA stream handle
 // (torch.cuda.current_stream().cuda_stream) that orders a device buffer.
 Mem mem_of(int64_t stream) {
@@ -319,6 +364,7 @@ Mem mem_of(int64_t stream) {
 }
 
 Clock::time_point deadline_of(std::optional<double> timeout) {
+  timeout = timeout_of(timeout);
   return timeout ? Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*timeout))
                  : Clock::time_point::max();
 }
@@ -327,6 +373,7 @@ Clock::time_point deadline_of(std::optional<double> timeout) {
 void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbytes, uint32_t dtype,
                    const int64_t* shape, uint32_t ndim, std::optional<double> timeout, Mem mem, py::handle owner,
                    uint32_t array) {
+  timeout = timeout_of(timeout);  // NaN refused before anything is written
   uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array);
   if (id == Engine::kSentDone) return;
   if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array);
@@ -337,6 +384,7 @@ void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbyt
 // posted (FIFO: the caller must queue behind them).
 bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
                    std::optional<double> timeout, Mem mem = {}, int* claim = nullptr) {
+  timeout = timeout_of(timeout);  // NaN refused before anything is consumed
   int r = c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem, claim);
   if (r != 0) return r > 0;
   auto deadline = deadline_of(timeout);
@@ -398,10 +446,6 @@ struct AllToAllHandle {
     keep_in_flight();
   }
 };
-
-std::string dtype_name(uint32_t w) {
-  return py::module_::import("varcomm.dtypes").attr("describe")(w).cast<std::string>();
-}
 
 // step(deadline) without the GIL, in slices, until it returns true.
 template <class F>
@@ -481,7 +525,7 @@ py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::obje
     a.place(reinterpret_cast<void*>(alloc(rows).cast<uintptr_t>()), a.total_bytes(), Mem{});
   }
   a2a_drive(a, [&](Clock::time_point d) { return a.wait_done(d); }, deadline, timeout);
-  if (auto e = a.error(dtype_name)) throw *e;
+  if (auto e = a.error()) throw *e;
   if (a.op() == A2AOp::List) return py::none();
   return py::cast(a.recv_rows());
 }
@@ -635,6 +679,11 @@ PYBIND11_MODULE(_C, m) {
   build["transports"] = have;
   build["max_dims"] = kMaxDims;
   m.attr("build_info") = build;
+  m.def("dtype_name", &dtype_name, py::arg("word"));
+  // A point-to-point tag as every send and receive checks it (batch_isend_irecv validates first).
+  m.def("check_tag", &tag_of, py::arg("tag"));
+  // A timeout as every wait checks it: None for none (inf, huge), NaN refused.
+  m.def("check_timeout", &timeout_of, py::arg("timeout"));
   bind_collectives(m);
   bind_fallback_mover(m);
 
@@ -747,9 +796,9 @@ PYBIND11_MODULE(_C, m) {
              c.drop_kept();
            })
       .def("isend",
-           [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
+           [](Comm& c, int dst, py::handle tag_obj, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               int64_t stream, uint32_t array) {
-             check_tag(tag);
+             int64_t tag = tag_of(tag_obj);
              auto s = to_shape(shape);
              return c.engine->isend(dst, tag, reinterpret_cast<const void*>(ptr), nbytes, dtype, s.data(),
                                     uint32_t(s.size()), mem_of(stream), array);
@@ -757,9 +806,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
            py::arg("stream") = -1, py::arg("array") = 0)
       .def("send",
-           [](Comm& c, int dst, int64_t tag, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
+           [](Comm& c, int dst, py::handle tag_obj, uintptr_t ptr, uint64_t nbytes, uint32_t dtype, const py::sequence& shape,
               std::optional<double> timeout, int64_t stream, py::handle keep, uint32_t array) {
-             check_tag(tag);
+             int64_t tag = tag_of(tag_obj);
              auto s = to_shape(shape);
              // keep: what ptr points into; a send that times out or is
              // interrupted while the transport still reads it keeps it alive.
@@ -771,8 +820,8 @@ PYBIND11_MODULE(_C, m) {
       // Buffer-protocol (numpy) sends; false, with nothing sent, when the
       // object is not C-contiguous. array: the object's kind, for the header.
       .def("send_buffer",
-           [](Comm& c, int dst, int64_t tag, py::handle obj, std::optional<double> timeout, uint32_t array) {
-             check_tag(tag);
+           [](Comm& c, int dst, py::handle tag_obj, py::handle obj, std::optional<double> timeout, uint32_t array) {
+             int64_t tag = tag_of(tag_obj);
              Buf b;
              if (!b.get(obj.ptr(), false)) return false;
              send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj, array);
@@ -780,15 +829,15 @@ PYBIND11_MODULE(_C, m) {
            })
       // A descriptor message: the header of `nbytes` of data sent separately, no payload.
       .def("isend_descriptor",
-           [](Comm& c, int dst, int64_t tag, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
-             check_tag(tag);
+           [](Comm& c, int dst, py::handle tag_obj, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
+             int64_t tag = tag_of(tag_obj);
              auto s = to_shape(shape);
              return c.engine->isend_descriptor(dst, tag, nbytes, dtype, s.data(), uint32_t(s.size()));
            },
            py::arg("dst"), py::arg("tag"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"))
       .def("irecv",
-           [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
-             check_tag(tag);
+           [](Comm& c, int src, py::handle tag_obj, uintptr_t out, uint64_t cap, uint32_t dtype, int64_t stream) {
+             int64_t tag = tag_of(tag_obj);
              return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("stream") = -1)
@@ -796,8 +845,8 @@ PYBIND11_MODULE(_C, m) {
       // message has its shape, else the message's Status; None when the
       // object is unusable here (the caller takes the general path).
       .def("recv_buffer",
-           [](Comm& c, int src, int64_t tag, py::handle obj, std::optional<double> timeout) -> py::object {
-             check_tag(tag);
+           [](Comm& c, int src, py::handle tag_obj, py::handle obj, std::optional<double> timeout) -> py::object {
+             int64_t tag = tag_of(tag_obj);
              Buf b;
              if (!b.get(obj.ptr(), true)) return py::none();
              MsgHeader h;
@@ -820,9 +869,9 @@ PYBIND11_MODULE(_C, m) {
       // or `same` itself when the message has exactly `shape` (a tuple: the
       // out tensor's own, so the common case builds no Status).
       .def("recv_into",
-           [](Comm& c, int src, int64_t tag, uintptr_t out, uint64_t cap, uint32_t dtype,
+           [](Comm& c, int src, py::handle tag_obj, uintptr_t out, uint64_t cap, uint32_t dtype,
               std::optional<double> timeout, int64_t stream, py::handle same, py::handle shape) -> py::object {
-             check_tag(tag);
+             int64_t tag = tag_of(tag_obj);
              MsgHeader h;
              if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
                return py::none();
@@ -846,8 +895,8 @@ PYBIND11_MODULE(_C, m) {
       // or a descriptor (the caller's irecv path handles those). An alloc that
       // raises leaves the message for the next recv.
       .def("recv_new",
-           [](Comm& c, int src, int64_t tag, std::optional<double> timeout, py::tuple allocs) -> py::object {
-             check_tag(tag);
+           [](Comm& c, int src, py::handle tag_obj, std::optional<double> timeout, py::tuple allocs) -> py::object {
+             int64_t tag = tag_of(tag_obj);
              MsgHeader h;
              int slot = -1;
              if (!recv_blocking(c, src, tag, nullptr, 0, 0, &h, timeout, {}, &slot)) return py::none();
@@ -885,7 +934,19 @@ PYBIND11_MODULE(_C, m) {
            py::arg("id"), py::arg("dst"), py::arg("stream") = -1)
       .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })
       .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })
-      .def("cancel", [](Comm& c, uint64_t id) { c.engine->cancel(id); })
+      // keep: what the request's buffer belongs to, held if a send is in flight.
+      .def("cancel", [](Comm& c, uint64_t id, py::handle keep) { c.give_up(id, keep.is_none() ? py::handle() : keep); },
+           py::arg("id"), py::arg("keep") = py::none())
+      .def("peer_bound", [](Comm& c, int peer) {
+             c.check_peer(peer);
+             return c.engine->peer_bound(peer);
+           })
+      // close(): the peers that queued sends still wait for (none: flushed).
+      .def("unflushed",
+           [](Comm& c) {
+             py::gil_scoped_release nogil;
+             return c.engine->unflushed();
+           })
       // keep: what the dropped request's memory belongs to; held until the
       // engine is done with it (or closes).
       .def("detach", [](Comm& c, uint64_t id, py::object keep) { c.detach(id, std::move(keep)); },

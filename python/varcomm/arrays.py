@@ -107,17 +107,41 @@ def like(out: Any, nout: Any, got: Any) -> Any:
     return out.reshape(-1)[:math.prod(got.shape)].reshape(tuple(got.shape))
 
 
-def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
-    """(pointer, nbytes, dtype word, shape, keepalive) of a host array.
+def _strided(x: Any, what: str) -> None:
+    if x.layout != torch.strided:
+        raise InvalidArgument(f"{what} is a {x.layout} tensor: varcomm moves dense (strided) tensors; send "
+                              "x.to_dense(), or its indices and values as separate messages")
 
-    Non-contiguous inputs are copied (the copy is the keepalive)."""
+
+def values(x: Any) -> Any:
+    """A torch tensor whose bytes are its values: a conjugate or negative view
+    (x.conj(), x.conj().imag) is materialized (one copy), since its raw bytes
+    are not what it holds. Numpy arrays in a foreign byte order are converted
+    to native order for the same reason."""
     if is_torch(x):
+        if x.is_conj():
+            x = x.resolve_conj()
+        return x.resolve_neg() if x.is_neg() else x
+    if not x.dtype.isnative:
+        return x.astype(x.dtype.newbyteorder("="))
+    return x
+
+
+def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
+    """(pointer, nbytes, dtype word, shape, keepalive) of a host array: its values.
+
+    Non-contiguous inputs, conjugate or negative views and foreign byte orders
+    are copied (the copy is the keepalive)."""
+    if is_torch(x):
+        _strided(x, "tensor")
         if not x.is_cpu:  # is_cpu, not device.type: the ping-pong path cannot afford a device object
             raise InvalidArgument(f"tensor on {x.device}: this build has no GPU transport; move it to CPU")
+        x = values(x)
         if not x.is_contiguous():
             x = x.contiguous()
         return x.data_ptr(), x.nbytes, dtypes.from_torch(x.dtype), x.shape, x
     if isinstance(x, np.ndarray):
+        x = values(x)
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         return x.ctypes.data, x.nbytes, dtypes.from_numpy(x.dtype), x.shape, x
@@ -125,13 +149,17 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
 
 
 def host_array(x: Any, what: str) -> Any:
-    """`x` as a contiguous CPU torch tensor or numpy array (copied if strided);
+    """`x` as a contiguous CPU torch tensor or numpy array of its values
+    (copied if strided, a conjugate or negative view, or byte-swapped);
     `what` names it in errors."""
     if is_torch(x):
+        _strided(x, what)
         if not x.is_cpu:
             raise InvalidArgument(f"{what} on {x.device}: this build has no GPU transport")
+        x = values(x)
         return x if x.is_contiguous() else x.contiguous()
     if isinstance(x, np.ndarray):
+        x = values(x)
         return x if x.flags.c_contiguous else np.ascontiguousarray(x)
     raise InvalidArgument(f"{what} must be a torch.Tensor or numpy.ndarray, not {type(x).__name__}")
 
@@ -140,6 +168,8 @@ def describe_send(x: Any) -> tuple[int, int, int, tuple[int, ...], Any, int]:
     """describe_host plus the CUDA stream that orders the send: -1 for host
     memory, else the handle of the tensor's device's current stream."""
     if is_torch(x) and x.is_cuda:
+        _strided(x, "tensor")
+        x = values(x)
         if not x.is_contiguous():
             x = x.contiguous()
         s = torch.cuda.current_stream(x.device)
@@ -153,6 +183,7 @@ def describe_send(x: Any) -> tuple[int, int, int, tuple[int, ...], Any, int]:
 def describe_recv(out: Any) -> tuple[int, int, int, int]:
     """describe_out plus the CUDA stream that orders the receive (-1: host memory)."""
     if is_torch(out) and out.is_cuda:
+        _check_out_bits(out)
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix")
         return (out.data_ptr(), out.nbytes, dtypes.from_torch(out.dtype),
@@ -163,9 +194,18 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
 _EMPTY_OUT = ctypes.addressof(ctypes.c_char(0))
 
 
+def _check_out_bits(out: Any) -> None:
+    """An out whose bytes are not its values cannot take a message's bytes."""
+    _strided(out, "out")
+    if out.is_conj() or out.is_neg():
+        raise InvalidArgument(f"out is a {'conjugate' if out.is_conj() else 'negative'} view: the message's bytes "
+                              "would read back changed; receive into a plain tensor (e.g. torch.empty_like(out))")
+
+
 def describe_out(out: Any) -> tuple[int, int, int]:
     """(pointer, capacity bytes, dtype word) of a bound-sized receive buffer."""
     if is_torch(out):
+        _check_out_bits(out)
         if not out.is_cpu:
             raise InvalidArgument(f"out on {out.device}: this build has no GPU transport")
         if not out.is_contiguous():
@@ -176,6 +216,9 @@ def describe_out(out: Any) -> tuple[int, int, int]:
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("out must be a writeable C-contiguous numpy array")
+        if not out.dtype.isnative:
+            raise InvalidArgument(f"out has dtype {out.dtype.str}, not in this machine's byte order: messages carry "
+                                  f"native values; receive into {out.dtype.newbyteorder('=').str} and byte-swap")
         return out.ctypes.data or _EMPTY_OUT, out.nbytes, dtypes.from_numpy(out.dtype)
     raise InvalidArgument(f"out must be a torch.Tensor or numpy.ndarray, not {type(out).__name__}")
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, cast, over
 import numpy as np
 
 from . import arrays, bootstrap
-from .errors import InvalidArgument, VarcommError
+from .errors import InvalidArgument, MessageTooLarge, VarcommError
 from .errors import TimeoutError as _Timeout
 from .options import Options
 from .work import Work
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
 _TORCH_WORDS: dict[torch.dtype, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
+_CLOSE_FLUSH_S = 10.0  # close() writes queued sends for at most this long
 
 
 class P2PWork:
@@ -55,6 +56,8 @@ class P2PWork:
         if not self._done:
             try:
                 self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
+            except InvalidArgument:
+                raise  # a bad timeout (NaN), refused before anything was done: still pending
             except BaseException as e:
                 # The core cancelled or failed the request (and forgot it): this
                 # Work is over, and every later wait says why.
@@ -91,6 +94,18 @@ class P2PWork:
 
     def result(self) -> Any:
         return self.wait()
+
+    def _cancel(self, why: BaseException) -> None:
+        """Give up on it (batch_isend_irecv rolling back): a receive not matched
+        leaves its message for the next one, a queued send is never written;
+        one in flight finishes, its buffer kept. Later waits raise `why`."""
+        if self._done:
+            return
+        try:
+            self._comm._c.cancel(self._id, self._keep)
+        except VarcommError:
+            pass  # failed or closed already: nothing is left to give up
+        self._done, self._error, self._keep, self._finish = True, why, None, None
 
     def __del__(self) -> None:
         # Dropped without wait(): the transfer still finishes (into or out of
@@ -205,6 +220,8 @@ class Communicator:
         return self._c.device_transport_for(peer)
 
     def _check_peer(self, peer: int, what: str) -> None:
+        if isinstance(peer, bool):  # an int to Python, but never meant as a rank
+            raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not a bool ({peer!r})")
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
             raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.world_size})")
         if self._closed:
@@ -226,7 +243,9 @@ class Communicator:
             return
         # Inlined describe_host: hot path. `kind is _Tensor` narrows nothing for
         # mypy and a cast() would be a call, hence the ignores.
-        if kind is _Tensor and tensor.is_cpu and tensor.is_contiguous():  # type: ignore[union-attr]
+        # Complex dtypes are not in _TORCH_WORDS (a conjugate view's bits are not
+        # its values): they, and negative views, take describe_send.
+        if kind is _Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg():  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
             if word is not None:
                 self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t, -1, tensor, 2)  # type: ignore[union-attr]
@@ -246,10 +265,18 @@ class Communicator:
         self._check_peer(dst, "dst")
         array = arrays.kind_of(tensor)
         tensor = arrays.native(tensor, "the array to send")
-        ptr, nbytes, word, shape, keep, stream = arrays.describe_send(tensor)
-        if stream >= 0 and self._device_routes[dst] is None:
-            ptr, nbytes, word, shape, keep = arrays.describe_host(_stage(tensor))
-            stream = -1
+        return self._isend(tensor, int(dst), tag, self._describe_send(tensor, dst), array)
+
+    def _describe_send(self, tensor: Array, dst: int) -> tuple[int, int, int, tuple[int, ...], Any, int]:
+        """arrays.describe_send, staged through host memory where dst has no device route."""
+        d = arrays.describe_send(tensor)
+        if d[5] >= 0 and self._device_routes[dst] is None:
+            return (*arrays.describe_host(_stage(tensor)), -1)
+        return d
+
+    def _isend(self, tensor: Array, dst: int, tag: int, described: tuple[int, int, int, tuple[int, ...], Any, int],
+               array: int) -> Work:
+        ptr, nbytes, word, shape, keep, stream = described
         if stream < 0:
             return P2PWork(self, self._c.isend(dst, tag, ptr, nbytes, word, shape, -1, array), None, dst, "send", keep)
         _check_capture()
@@ -269,12 +296,16 @@ class Communicator:
         goes back to the sender when the view is garbage collected, so do not hold
         more than `slots` of them per peer."""
         t = self._timeout if timeout is None else timeout
-        if out is not None and type(src) is int and 0 <= src < self.world_size:
+        if not (type(src) is int and 0 <= src < self.world_size):
+            self._check_peer(src, "src")
+            src = int(src)
+        if out is not None:
             kind = type(out)
             if kind is np.ndarray:
                 r = self._c.recv_buffer(src, tag, out, t)
             # Hot path: as in send, inlined.
-            elif kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS:
+            elif (kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS
+                  and not out.is_neg()):
                 r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t,
                                       -1, out, out.shape)
                 if r is out:
@@ -291,7 +322,7 @@ class Communicator:
                 r = self._c.recv_into(src, tag, ptr, cap, word, t, stream)
             if r is not None:
                 return r if r is out else arrays.prefix_view(out, r.nbytes, r.shape)
-        elif copy and type(src) is int and 0 <= src < self.world_size:
+        elif copy:
             # one core call; None: the irecv path decides
             a = self._c.recv_new(src, tag, t, self._alloc if array is None else _allocators(array))
             if a is not None:
@@ -312,6 +343,7 @@ class Communicator:
         wait() still takes its message (and drops it, so later messages stay
         in order); with out=, the message still lands in out."""
         self._check_peer(src, "src")
+        src = int(src)
         c = self._c
         if out is not None and not arrays.is_native(out):  # a DLPack array: received into a torch or numpy view
             nout = arrays.native(out, "out")
@@ -387,22 +419,47 @@ class Communicator:
 
     def batch_isend_irecv(self, ops: Iterable[P2POp]) -> list[Work]:
         """Issue every op at once (receives first); rings and all-pairs patterns
-        cannot deadlock because nothing here blocks."""
+        cannot deadlock because nothing here blocks. Every op is checked before
+        any is posted, so a bad op posts nothing; if posting still fails (a
+        peer died, the communicator closed), what was posted is cancelled:
+        unmatched receives leave their messages for later receives."""
+        from . import _C
+
         ops = list(ops)
+        sends: dict[int, tuple[Any, tuple[int, int, int, tuple[int, ...], Any, int], int]] = {}
+        for i, op in enumerate(ops):
+            fn = getattr(op.op, "__func__", op.op)
+            if fn not in (Communicator.irecv, Communicator.isend):
+                raise InvalidArgument(f"ops[{i}]: P2POp.op must be comm.isend or comm.irecv")
+            if getattr(op.op, "__self__", self) is not self:
+                raise InvalidArgument(f"ops[{i}]: P2POp.op belongs to another communicator")
+            self._check_peer(op.peer, f"ops[{i}].peer")
+            _C.check_tag(op.tag)
+            if fn is Communicator.irecv:
+                if op.tensor is not None:
+                    arrays.describe_recv(arrays.native(op.tensor, f"ops[{i}].tensor"))
+                continue
+            if op.tensor is None:
+                raise InvalidArgument(f"ops[{i}]: an isend needs a tensor")
+            tensor = arrays.native(op.tensor, f"ops[{i}].tensor")
+            d = self._describe_send(tensor, op.peer)
+            sends[i] = (tensor, d, arrays.kind_of(op.tensor))
+            if d[1] > self._c.peer_bound(int(op.peer)):
+                raise MessageTooLarge(f"ops[{i}]: message of {d[1]} bytes exceeds the receive bound of "
+                                      f"{self._c.peer_bound(int(op.peer))} bytes on rank {op.peer}; raise it with "
+                                      "varcomm.init(bound=...) or VARCOMM_BOUND on the receiver (nothing was posted)")
         works: list[Work | None] = [None] * len(ops)
-        for pass_recv in (True, False):
+        try:
             for i, op in enumerate(ops):
-                fn = getattr(op.op, "__func__", op.op)
-                is_recv = fn is Communicator.irecv
-                if fn not in (Communicator.irecv, Communicator.isend):
-                    raise InvalidArgument("P2POp.op must be comm.isend or comm.irecv")
-                if getattr(op.op, "__self__", self) is not self:
-                    raise InvalidArgument("P2POp.op belongs to another communicator")
-                if is_recv != pass_recv:
-                    continue
-                works[i] = (self.irecv(op.peer, op.tag, op.tensor) if is_recv
-                            # a None tensor reaches describe_send, which refuses it
-                            else self.isend(op.tensor, op.peer, op.tag))  # type: ignore[arg-type]
+                if i not in sends:
+                    works[i] = self.irecv(op.peer, op.tag, op.tensor)
+            for i, (tensor, d, kind) in sends.items():
+                works[i] = self._isend(tensor, int(ops[i].peer), ops[i].tag, d, kind)
+        except BaseException as e:
+            for w in works:
+                if isinstance(w, P2PWork):
+                    w._cancel(e)
+            raise
         return [w for w in works if w is not None]
 
     # ---- all-to-all (varcomm/collectives/alltoall.py) ---------------------------------------
@@ -462,6 +519,10 @@ class Communicator:
 
     def barrier(self) -> None:
         """Every rank reaches this point (through the store; not on the data path)."""
+        if self._closed:
+            from .errors import ClosedError
+
+            raise ClosedError("communicator is closed")
         n = getattr(self, "_barriers", 0) + 1
         self._barriers = n
         self._store.add(f"barrier/{n}", 1)
@@ -470,14 +531,22 @@ class Communicator:
     # ---- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the job. Peers may still be writing into this rank's region,
-        so close waits for them to close too (or die): up to 30 s on the rank
-        that hosts the rendezvous store, 10 s where a network route exists."""
+        """Leave the job.
+
+        Queued sends are flushed first: close keeps writing them while their
+        receivers free slots, for up to 10 s, and stops waiting for a receiver
+        that closed or died. Then every Work that completed stays completed
+        (wait() returns its result) and every other one fails with ClosedError;
+        later calls raise ClosedError. Peers may still be writing into this
+        rank's region, so close then waits for them to close too (or die): up
+        to 30 s on the rank that hosts the rendezvous store, 10 s where a
+        network route exists."""
         if self._closed:
             return
         self._closed = True
         try:
             self._store.set(f"left/{self.rank}", "1")
+            self._flush(time.monotonic() + _CLOSE_FLUSH_S)
             # Every rank waits for the others (or their deaths) before tearing its
             # transports down: peers may still be writing into our region, and rank
             # 0 hosts the store. Progress meanwhile so their writes complete.
@@ -501,6 +570,23 @@ class Communicator:
             if self._fallback is not None:
                 self._fallback.close()
             self._c.close()
+
+    def _flush(self, deadline: float) -> None:
+        """Drive queued sends until written, `deadline`, or every receiver left
+        has closed (it receives nothing more) or died (the core fails those)."""
+        checked = 0.0
+        while pending := self._c.unflushed():
+            now = time.monotonic()
+            if now > deadline:
+                return
+            if now - checked > 0.05:  # the store is a round trip: not every pass
+                checked = now
+                try:
+                    if all(self._store.check([f"left/{p}"]) for p in pending):
+                        return
+                except Exception:  # the store's owner left: so did its peers
+                    return
+            time.sleep(0.0005)
 
     def __enter__(self) -> Communicator:
         return self
@@ -593,7 +679,8 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
         from . import dtypes
 
         dtypes.from_torch(arrays.torch.float32)
-        _TORCH_WORDS.update(dtypes._TORCH)
+        # Not complex ones: a conjugate view's bytes are not its values (arrays.values).
+        _TORCH_WORDS.update({dt: w for dt, w in dtypes._TORCH.items() if not dt.is_complex})
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
     options = options.placed(p.local_world_size)
     s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix)

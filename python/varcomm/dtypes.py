@@ -111,18 +111,14 @@ def to_numpy(w: int) -> np.dtype[Any]:
     except KeyError:
         from .errors import InvalidArgument
 
-        raise InvalidArgument(f"received dtype {describe(w)} has no numpy equivalent; receive into torch "
-                              "(array='torch') or pass out=") from None
+        raise InvalidArgument(f"received dtype {describe(w)} has no numpy equivalent; receive it as a torch "
+                              "tensor: varcomm.init(array='torch'), or a torch out= of that dtype (the message "
+                              "was kept for the next recv)") from None
 
 
 def describe(w: int) -> str:
-    if not _TORCH:
-        try:
-            _torch_table()
-        except ImportError:
-            pass
-    if w in _FROM_TORCH:
-        return str(_FROM_TORCH[w]).replace("torch.", "")
-    if w in _FROM_NUMPY:
-        return str(_FROM_NUMPY[w])
-    return f"code {w >> 16}, {(w >> 8) & 0xFF} bits x {w & 0xFF}"
+    """The dtype word's name (torch's spelling: "bfloat16", "float8_e4m3fn"); the
+    core's table (csrc/dtypes.h), which names dtypes in every error."""
+    from . import _C
+
+    return _C.dtype_name(w)

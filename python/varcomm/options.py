@@ -98,6 +98,12 @@ class Int(Kind):
         return n
 
 
+#: A timeout longer than this (inf included) is no timeout: the core's own
+#: rule for per-call timeouts (kForeverS, csrc/python/bindings.cpp), here for
+#: the options (this module is also read by setup.py, before the core exists).
+FOREVER_S = 1e9  # ~31 years
+
+
 @dataclasses.dataclass(frozen=True)
 class Seconds(Kind):
     minimum: float = 0.0
@@ -116,7 +122,7 @@ class Seconds(Kind):
             return None
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             raise _Bad
-        if math.isinf(value) and value > 0 and self.forever:
+        if value > FOREVER_S and self.forever:  # inf, or a deadline past the clock's range
             return None
         if not self.minimum <= value < math.inf:
             raise _Bad

@@ -114,6 +114,12 @@ def _splits(splits: Any, n: int, total: int | None, what: str) -> list[int]:
     return out
 
 
+def _check_timeout(timeout: float | None) -> None:
+    """NaN is refused before the collective starts (the core's rule)."""
+    if timeout is not None:
+        _C.check_timeout(timeout)
+
+
 def _check_out(out: Any, what: str) -> None:
     if not (arrays.is_torch(out) or isinstance(out, np.ndarray)):
         raise InvalidArgument(f"{what} must be a torch.Tensor or numpy.ndarray, not {type(out).__name__}")
@@ -134,6 +140,7 @@ class AllToAllWork:
         self._error: BaseException | None = None
 
     def wait(self, timeout: float | None = None) -> Any:
+        _check_timeout(timeout)  # before the collective is taken: a NaN leaves it pending
         if self._finish is not None:
             f, self._finish = self._finish, None
             try:
@@ -212,10 +219,11 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     receiver; a dtype or trailing-shape mismatch raises MessageMismatch naming
     the source rank; more rows than ``out`` holds raises MessageTooLarge.
     """
-    if tag is not None and not isinstance(tag, (int, np.integer)):
+    _check_timeout(timeout)
+    if tag is not None and (not isinstance(tag, (int, np.integer)) or isinstance(tag, bool)):
         raise InvalidArgument(f"tag {tag!r} out of range [0, {MAX_COLL_TAG}] for a collective")
     n = comm.world_size
-    if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim():
+    if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg()):
         # the common case, without the general checks' overhead
         shape = x.shape
         rows, trailing = shape[0], tuple(shape[1:])
@@ -281,6 +289,7 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
     Returns None (a work when ``async_op``), like torch. Each message's header
     is checked against ``output_split_sizes``: a disagreement raises
     MessageMismatch naming the source rank (nothing is written)."""
+    _check_timeout(timeout)
     inp = arrays.host_array(input, "input")
     rows, trailing, rb, ptr, word = _rows_of(inp, "input")
     _check_out(output, "output")
@@ -323,6 +332,7 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
     headers; the filled list is returned (by ``wait()`` when ``async_op``).
     A given output must match the arriving dtype and shape exactly, else
     MessageMismatch naming the source rank."""
+    _check_timeout(timeout)
     n, r = comm.world_size, comm.rank
     if len(input_tensor_list) != n:
         raise InvalidArgument(f"input_tensor_list has {len(input_tensor_list)} entries; the world has {n} ranks")

@@ -37,7 +37,6 @@ one take the default group's. The wait timeout is the group's ``timeout``.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Callable
@@ -268,9 +267,9 @@ class VarcommProcessGroup(dist.ProcessGroup):
                 try:
                     got = works[0].wait(timeout)
                 except MessageTooLarge as e:
-                    raise refuse(f"the message is larger ({_dtype_names(str(e))})") from e
+                    raise refuse(f"the message is larger ({e})") from e
                 except MessageMismatch as e:
-                    raise refuse(f"the message has another dtype ({_dtype_names(str(e))})") from e
+                    raise refuse(f"the message has another dtype ({e})") from e
                 if got.numel() != t.numel():
                     raise refuse(f"the message has shape {tuple(got.shape)}, {got.nbytes} bytes")
                 if dst is not t:
@@ -520,17 +519,6 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat uint8 tensor (shares it)."""
     flat = t.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def _dtype_names(msg: str) -> str:
-    """The engine names dtypes by code: name them as torch does."""
-    def name(m: re.Match[str]) -> str:
-        try:
-            return f"{m.group(1)} {dtypes.to_torch(int(m.group(2)))}"
-        except Exception:
-            return m.group(0)
-
-    return re.sub(r"(dtype) code (\d+)", name, msg)
 
 
 # ---------------------------------------------------------------------------
