@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 import varcomm.torch  # noqa: F401 - registers the backend
-from varcomm.integrations.torch_backend import VarcommProcessGroup, comm_of
+from varcomm.integrations.torch_backend import VarcommProcessGroup, _chunk_tag, comm_of, placeholder
 from varcomm.testing import world
 
 SMALL_BOUND = str(64 * 1024)  # small receive slots, so the chunked path (messages over the bound) is cheap to test
@@ -73,12 +73,41 @@ def test_send_recv_exact_sizes_and_refusals():
                                                    r"dtype float64, travels in separate"):
                 dist.recv(torch.zeros(10, dtype=torch.float64), src=0)
             # drop the refused message (its descriptor was kept, as every refused message is) and its chunks
-            for _ in range(len(big) * 8 // (64 * 1024) + 2):
-                pg.comm.recv(0)
+            pg.comm.recv(0)
+            for _ in range(len(big) * 8 // (64 * 1024) + 1):
+                pg.comm.recv(0, tag=_chunk_tag(0))
             z = torch.zeros(4, 2)[:, 0]
             dist.recv(z, src=0)
             assert z.tolist() == [1.0] * 4
         assert calls and all(c in ("isend", "irecv") for c in calls), "p2p did not go through varcomm"
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_chunked_receives_waited_out_of_order_get_their_own_messages():
+    """Receives posted together from one source and tag, messages over the bound
+    among them, waited last first: each gets its own message (the chunks used to
+    go to whichever receive was posted next)."""
+    os.environ["VARCOMM_BOUND"] = SMALL_BOUND
+    dist.init_process_group("varcomm")
+    try:
+        msgs = [torch.arange(40_000, dtype=torch.float64), torch.arange(30_000, dtype=torch.float64) + 0.5,
+                torch.full((16_384,), 7.0, dtype=torch.float32), torch.arange(50_000, dtype=torch.float32) - 3]
+        if dist.get_rank() == 0:
+            works = [dist.isend(m, dst=1) for m in msgs + msgs]
+            for w in works:
+                w.wait()
+        else:
+            outs = [torch.empty_like(m) for m in msgs]
+            works = [dist.irecv(o, src=0) for o in outs]  # 2 chunked, one exactly the bound, 1 chunked
+            holders = [placeholder() for _ in msgs]
+            pworks = [dist.irecv(h, src=0) for h in holders]
+            for w in reversed(works + pworks):
+                w.wait()
+            for m, o, h in zip(msgs, outs, holders):
+                assert torch.equal(o, m), (o[:4], m[:4])
+                assert torch.equal(h, m), (h.shape, m.shape)
     finally:
         dist.destroy_process_group()
 

@@ -37,6 +37,7 @@ one take the default group's. The wait timeout is the group's ``timeout``.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Callable
@@ -177,6 +178,50 @@ def _want_nccl(options: Options) -> bool:
 # the process group
 
 
+# A message over the bound is a descriptor on its tag, then bound-sized chunks
+# on a tag of their own, which no receive posted later on the message's tag can
+# take. The chunk receives are posted when the receive is waited, so a receive
+# that may be chunked first finishes every earlier one from the same source and
+# tag: chunk receives are then posted in the order the messages were sent.
+_CHUNK_TAGS = -(1 << 62)
+_chunked: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, int], list[VarcommWork]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _chunk_tag(tag: int) -> int:
+    return _CHUNK_TAGS - tag
+
+
+def _check_tag(tag: int) -> None:
+    if tag <= _CHUNK_TAGS:
+        raise RuntimeError(f"varcomm backend: tag {tag} is in the range that carries chunks (<= -2**62); "
+                           "use a tag >= 0")
+
+
+def _in_order(comm: Communicator, src: int, tag: int, finish: Callable[[float | None], None],
+              poll: Callable[[], bool], result: Sequence[torch.Tensor]) -> VarcommWork:
+    """A Work running `finish` once the receives from (src, tag) made this way
+    before it have finished (their errors stay theirs)."""
+    queue = _chunked.setdefault(comm, {}).setdefault((src, tag), [])
+
+    def run(timeout: float | None) -> None:
+        try:
+            while queue and queue[0] is not work:
+                earlier = queue[0]
+                try:
+                    earlier.wait(timeout)  # it leaves the queue however it ends
+                except Exception:  # its error is raised again by its own wait
+                    pass
+            finish(timeout)
+        finally:
+            if work in queue:
+                queue.remove(work)
+
+    work = VarcommWork(run, poll, result, source=src)
+    queue.append(work)
+    return work
+
+
 class VarcommProcessGroup(dist.ProcessGroup):
     """One torch.distributed group on varcomm: point-to-point, all-to-all and
     barrier through ``self.comm`` (a varcomm Communicator over the group's
@@ -228,6 +273,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> dist.Work:
         t = _single(tensors, "send")
+        _check_tag(tag)
         if t.device.type != "cpu":
             return self._device_backend(t, "send").send(tensors, dstRank, tag)
         comm = self.comm
@@ -236,7 +282,8 @@ class VarcommProcessGroup(dist.ProcessGroup):
         else:  # a descriptor of the whole message, then bound-sized chunks
             flat = _bytes_of(t.contiguous())
             works = [comm.isend_descriptor(dstRank, t.nbytes, dtypes.from_torch(t.dtype), tuple(t.shape), tag)]
-            works += [comm.isend(flat[o:o + comm.bound], dstRank, tag) for o in range(0, t.nbytes, comm.bound)]
+            works += [comm.isend(flat[o:o + comm.bound], dstRank, _chunk_tag(tag))
+                      for o in range(0, t.nbytes, comm.bound)]
 
         def finish(timeout: float | None) -> None:
             for w in works:
@@ -246,6 +293,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> dist.Work:
         t = _single(tensors, "recv")
+        _check_tag(tag)
         if t.device.type != "cpu":
             return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
         if getattr(t, _ANY_SHAPE, False):
@@ -286,12 +334,15 @@ class VarcommProcessGroup(dist.ProcessGroup):
                     raise refuse(f"the message is a {head.nbytes}-byte {dtypes.describe(head.dtype)} tensor of "
                                  f"shape {head.shape}, sent in chunks")
                 flat = _bytes_of(dst)
-                chunks = [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, t.nbytes, comm.bound)]
+                chunks = [comm.irecv(src, _chunk_tag(tag), out=flat[o:o + comm.bound])
+                          for o in range(0, t.nbytes, comm.bound)]
                 for w in chunks:
                     w.wait(timeout)
                 if dst is not t:
                     with torch.no_grad():
                         t.copy_(dst)
+
+            return _in_order(comm, src, tag, finish, _all_done(works), [t])
 
         return VarcommWork(finish, _all_done(works), [t], source=src)
 
@@ -460,8 +511,8 @@ def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False)
     ``requires_grad`` are the tensor's until then (what autograd or a dtype
     check sees before the wait); the message's dtype wins. A message over
     varcomm's bound arrives as a descriptor and chunks, as for any receive of
-    this backend; the chunks are received when this receive is waited, so
-    wait it before posting another receive from the same source."""
+    this backend (the chunks on their own tag, received in message order
+    whichever receive is waited first)."""
     t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
     setattr(t, _ANY_SHAPE, True)
     return t
@@ -472,6 +523,7 @@ def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: in
     with the message when waited: ``t.data`` becomes the received tensor, of
     the sender's shape, dtype and device (a GPU tensor sent from GPU memory
     arrives on this rank's GPU)."""
+    _check_tag(tag)
     w = comm.irecv(src, tag)
 
     def finish(timeout: float | None) -> None:
@@ -479,13 +531,14 @@ def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: in
         if isinstance(got, _C.Status):  # a descriptor: the data follows in bound-sized chunks
             whole = torch.empty(tuple(got.shape), dtype=dtypes.to_torch(got.dtype))
             flat = _bytes_of(whole)
-            for c in [comm.irecv(src, tag, out=flat[o:o + comm.bound]) for o in range(0, got.nbytes, comm.bound)]:
+            for c in [comm.irecv(src, _chunk_tag(tag), out=flat[o:o + comm.bound])
+                      for o in range(0, got.nbytes, comm.bound)]:
                 c.wait(timeout)
             got = whole
         # .data: the tensor object the caller holds (its requires_grad, its attributes) now is the message
         t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
 
-    return VarcommWork(finish, w.is_completed, [t], source=src)
+    return _in_order(comm, src, tag, finish, w.is_completed, [t])
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
