@@ -1,7 +1,9 @@
 """The "varcomm" backend of torch.distributed, and varcomm.distributed."""
 from __future__ import annotations
 
+import datetime
 import os
+import time
 
 import pytest
 import torch
@@ -9,9 +11,10 @@ import torch._dynamo  # functional collectives import it on first use: once here
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
-import varcomm.torch  # noqa: F401 - registers the backend
+import varcomm
+import varcomm.torch  # registers the backend
 from varcomm.integrations.torch_backend import VarcommProcessGroup, _chunk_tag, comm_of, placeholder
-from varcomm.testing import world
+from varcomm.testing import rank, world
 
 SMALL_BOUND = str(64 * 1024)  # small receive slots, so the chunked path (messages over the bound) is cheap to test
 
@@ -108,6 +111,50 @@ def test_chunked_receives_waited_out_of_order_get_their_own_messages():
             for m, o, h in zip(msgs, outs, holders):
                 assert torch.equal(o, m), (o[:4], m[:4])
                 assert torch.equal(h, m), (h.shape, m.shape)
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=90)
+def test_chunked_refusal_timeout_and_bounds_leave_the_channel_right():
+    """Messages over the bound: a refused one takes its chunks with it; a wait
+    that times out mid-message resumes (nothing cancelled, nothing shifted), and
+    an earlier receive's chunks are not failed by a later receive's timeout; a
+    receiver with a larger bound than the sender's gets the right bytes."""
+    r = rank()
+    os.environ["VARCOMM_BOUND"] = SMALL_BOUND if r == 0 else str(2 * 64 * 1024)  # rank 1 takes 128 KiB slots
+    dist.init_process_group("varcomm")
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        a = torch.full((3 * 16_384,), 1.0)  # 192 KiB: chunked to rank 1 (bound 128 KiB)
+        b = torch.arange(70_000, dtype=torch.float32)  # 280 KB
+        if r == 0:
+            dist.send(a, dst=1)  # refused by rank 1 (wrong size), then
+            dist.send(b, dst=1)  # received right
+            pg.comm.recv(1, tag=9)  # rank 1 is waiting with a timeout: now send
+            time.sleep(0.3)
+            dist.send(b, dst=1)
+            dist.send(a, dst=1, tag=4)
+            dist.send(b, dst=1, tag=4)
+            dist.recv(torch.empty(0), src=1, tag=5)
+        else:
+            assert pg.comm.peer_bound(0) == 64 * 1024
+            with pytest.raises(RuntimeError, match="196608-byte float32.*it was dropped"):
+                dist.recv(torch.empty(70_000), src=0)
+            got = torch.empty(70_000)
+            dist.recv(got, src=0)
+            assert torch.equal(got, b)
+            got2 = torch.empty(70_000)
+            w = dist.irecv(got2, src=0)
+            pg.comm.send(torch.ones(1), 0, tag=9)
+            with pytest.raises(varcomm.TimeoutError, match="stays posted"):
+                w.wait(timeout=datetime.timedelta(seconds=0.05))
+            assert w.wait() and torch.equal(got2, b)  # resumed: every chunk in its place
+            ga, gb = torch.empty_like(a), torch.empty_like(b)
+            wa, wb = dist.irecv(ga, src=0, tag=4), dist.irecv(gb, src=0, tag=4)
+            wb.wait()  # first finishes wa (its chunks come first), no timeout forced on it
+            assert wa.wait() and torch.equal(ga, a) and torch.equal(gb, b)
+            dist.send(torch.empty(0), dst=0, tag=5)
     finally:
         dist.destroy_process_group()
 

@@ -191,6 +191,12 @@ class Communicator:
 
     # ---- introspection --------------------------------------------------------
 
+    def peer_bound(self, peer: int) -> int:
+        """The bound of `peer`'s receive slots: the largest message it takes from us
+        (ranks may choose different bounds)."""
+        self._check_peer(peer, "peer")
+        return self._c.peer_bound(int(peer))
+
     def transport_for(self, peer: int) -> str:
         """"shm", "rdma" or "fallback": what carries messages to and from `peer`."""
         self._check_peer(peer, "peer")

@@ -37,6 +37,7 @@ one take the default group's. The wait timeout is the group's ``timeout``.
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -49,6 +50,7 @@ from .. import _C, bootstrap, dtypes
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
+from ..errors import TimeoutError as VarcommTimeout
 from ..options import Options
 
 BACKEND = "varcomm"
@@ -89,6 +91,10 @@ class VarcommWork(dist.Work):
             f, self._finish = self._finish, None
             try:
                 f(_seconds(timeout))
+            except _NotYet as e:
+                self._finish = f  # nothing was cancelled: a later wait resumes
+                raise VarcommTimeout(f"{e} (after {_seconds(timeout)} s); the receive stays posted: wait again "
+                                     "to finish it") from None
             except BaseException as e:
                 self._error = e
         if self._error is not None:
@@ -99,10 +105,14 @@ class VarcommWork(dist.Work):
         if self._finish is None:
             return True
         if self._poll is not None and self._poll():
+            f, self._finish = self._finish, None
             try:
-                self.wait()
-            except BaseException:
-                pass  # kept in _error; is_success() and wait() tell
+                f(0.0)
+            except _NotYet:
+                self._finish = f
+                return False
+            except BaseException as e:
+                self._error = e  # is_success() and wait() tell
             return True
         return False
 
@@ -178,14 +188,21 @@ def _want_nccl(options: Options) -> bool:
 # the process group
 
 
-# A message over the bound is a descriptor on its tag, then bound-sized chunks
-# on a tag of their own, which no receive posted later on the message's tag can
-# take. The chunk receives are posted when the receive is waited, so a receive
-# that may be chunked first finishes every earlier one from the same source and
-# tag: chunk receives are then posted in the order the messages were sent.
+# A message over the receiver's bound is a descriptor on its tag, then chunks
+# of that bound on a tag of their own, which no receive posted later on the
+# message's tag can take. The chunk receives are posted when the receive is
+# waited, so a receive that may be chunked first finishes every earlier one
+# from the same source and tag: chunk receives are then posted in the order the
+# messages were sent. Nothing in it is ever cancelled (a cancelled chunk would
+# shift every later one): past its deadline a wait raises with the receive
+# still posted, and the next wait resumes it.
 _CHUNK_TAGS = -(1 << 62)
 _chunked: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, int], list[VarcommWork]]] = \
     weakref.WeakKeyDictionary()
+
+
+class _NotYet(Exception):
+    """A resumable wait's deadline passed; its state is kept."""
 
 
 def _chunk_tag(tag: int) -> int:
@@ -193,31 +210,90 @@ def _chunk_tag(tag: int) -> int:
 
 
 def _check_tag(tag: int) -> None:
-    if tag <= _CHUNK_TAGS:
-        raise RuntimeError(f"varcomm backend: tag {tag} is in the range that carries chunks (<= -2**62); "
-                           "use a tag >= 0")
+    if not 0 <= tag < 1 << 40:
+        raise RuntimeError(f"varcomm backend: tag {tag} is out of range: use a tag in [0, 2**40) (negative tags "
+                           "carry the chunks of large messages)")
+
+
+def _deadline(comm: Communicator, timeout: float | None) -> float | None:
+    t = comm._timeout if timeout is None else timeout
+    return None if t is None else time.monotonic() + t
+
+
+def _until_done(works: Sequence[Any], deadline: float | None, what: str) -> None:
+    """Wait for `works` without cancelling any: past `deadline`, _NotYet(what)."""
+    pause = 2e-5
+    for w in works:
+        while not w.is_completed():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _NotYet(what)
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+class _ChunkedRecv:
+    """One receive that may arrive as a descriptor and chunks: the message's
+    header work, then its chunk works once the header is checked. `check(head)`
+    returns where the chunks go (a byte view), or raises for a refused message
+    after its chunks were taken (into scratch), so none is left for another."""
+
+    def __init__(self, comm: Communicator, src: int, tag: int):
+        self.comm, self.src, self.tag = comm, src, tag
+        self.head_work = comm.irecv(src, tag)
+        self.head: Any = None
+        self.chunks: list[Any] | None = None
+        self.refusal: BaseException | None = None
+
+    def run(self, deadline: float | None, check: Callable[[Any], torch.Tensor | None]) -> Any:
+        what = f"recv from rank {self.src} (tag {self.tag})"
+        if self.chunks is None:
+            _until_done([self.head_work], deadline, f"{what}: nothing arrived")
+            self.head = self.head_work.wait()
+            if not (isinstance(self.head, _C.Status) and self.head.descriptor):
+                self.chunks = []
+            else:
+                try:
+                    flat = check(self.head)
+                except Exception as e:
+                    self.refusal, flat = e, None
+                b, n = self.comm.bound, self.head.nbytes
+                self.chunks = [self.comm.irecv(self.src, _chunk_tag(self.tag),
+                                               out=None if flat is None else flat[o:o + b]) for o in range(0, n, b)]
+        _until_done(self.chunks, deadline, f"{what}: its chunks did not all arrive")
+        for w in self.chunks:
+            w.wait()
+        if self.refusal is not None:
+            raise self.refusal
+        return self.head
 
 
 def _in_order(comm: Communicator, src: int, tag: int, finish: Callable[[float | None], None],
-              poll: Callable[[], bool], result: Sequence[torch.Tensor]) -> VarcommWork:
+              result: Sequence[torch.Tensor]) -> VarcommWork:
     """A Work running `finish` once the receives from (src, tag) made this way
     before it have finished (their errors stay theirs)."""
     queue = _chunked.setdefault(comm, {}).setdefault((src, tag), [])
 
     def run(timeout: float | None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while queue and queue[0] is not work:
+            earlier = queue[0]
+            try:
+                earlier.wait(None if end is None else max(end - time.monotonic(), 0.0))
+            except Exception:  # its error is raised again by its own wait
+                pass
+            if queue and queue[0] is earlier:
+                raise _NotYet(f"recv from rank {src} (tag {tag}): an earlier receive from it with this tag is "
+                              "still waiting for its message")
         try:
-            while queue and queue[0] is not work:
-                earlier = queue[0]
-                try:
-                    earlier.wait(timeout)  # it leaves the queue however it ends
-                except Exception:  # its error is raised again by its own wait
-                    pass
-            finish(timeout)
-        finally:
-            if work in queue:
-                queue.remove(work)
+            finish(None if end is None else max(end - time.monotonic(), 0.0))
+        except _NotYet:
+            raise
+        except BaseException:
+            queue.remove(work)
+            raise
+        queue.remove(work)
 
-    work = VarcommWork(run, poll, result, source=src)
+    work = VarcommWork(run, lambda: True, result, source=src)
     queue.append(work)
     return work
 
@@ -277,13 +353,13 @@ class VarcommProcessGroup(dist.ProcessGroup):
         if t.device.type != "cpu":
             return self._device_backend(t, "send").send(tensors, dstRank, tag)
         comm = self.comm
-        if t.nbytes <= comm.bound:
+        b = comm.peer_bound(dstRank)  # the receiver's: it slices the chunks by its own bound
+        if t.nbytes <= b:
             works = [comm.isend(t, dstRank, tag)]
         else:  # a descriptor of the whole message, then bound-sized chunks
             flat = _bytes_of(t.contiguous())
             works = [comm.isend_descriptor(dstRank, t.nbytes, dtypes.from_torch(t.dtype), tuple(t.shape), tag)]
-            works += [comm.isend(flat[o:o + comm.bound], dstRank, _chunk_tag(tag))
-                      for o in range(0, t.nbytes, comm.bound)]
+            works += [comm.isend(flat[o:o + b], dstRank, _chunk_tag(tag)) for o in range(0, t.nbytes, b)]
 
         def finish(timeout: float | None) -> None:
             for w in works:
@@ -324,25 +400,23 @@ class VarcommProcessGroup(dist.ProcessGroup):
                     with torch.no_grad():
                         t.copy_(dst)
         else:
-            works = [comm.irecv(src, tag)]  # the descriptor; the chunks are received once it is checked
+            rx = _ChunkedRecv(comm, src, tag)  # the descriptor; the chunks are received once it is checked
 
-            def finish(timeout: float | None) -> None:
-                head = works[0].wait(timeout)
-                if not (isinstance(head, _C.Status) and head.descriptor):
-                    raise refuse(f"the message has shape {tuple(head.shape)}, {head.nbytes} bytes")
+            def check(head: Any) -> torch.Tensor:
                 if head.nbytes != t.nbytes or head.dtype != dtypes.from_torch(t.dtype):
                     raise refuse(f"the message is a {head.nbytes}-byte {dtypes.describe(head.dtype)} tensor of "
-                                 f"shape {head.shape}, sent in chunks")
-                flat = _bytes_of(dst)
-                chunks = [comm.irecv(src, _chunk_tag(tag), out=flat[o:o + comm.bound])
-                          for o in range(0, t.nbytes, comm.bound)]
-                for w in chunks:
-                    w.wait(timeout)
+                                 f"shape {head.shape}, sent in chunks; it was dropped")
+                return _bytes_of(dst)
+
+            def finish(timeout: float | None) -> None:
+                head = rx.run(_deadline(comm, timeout), check)
+                if not (isinstance(head, _C.Status) and head.descriptor):
+                    raise refuse(f"the message has shape {tuple(head.shape)}, {head.nbytes} bytes; it was dropped")
                 if dst is not t:
                     with torch.no_grad():
                         t.copy_(dst)
 
-            return _in_order(comm, src, tag, finish, _all_done(works), [t])
+            return _in_order(comm, src, tag, finish, [t])
 
         return VarcommWork(finish, _all_done(works), [t], source=src)
 
@@ -524,21 +598,21 @@ def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: in
     the sender's shape, dtype and device (a GPU tensor sent from GPU memory
     arrives on this rank's GPU)."""
     _check_tag(tag)
-    w = comm.irecv(src, tag)
+    rx = _ChunkedRecv(comm, src, tag)
+    whole: list[torch.Tensor] = []
+
+    def check(head: Any) -> torch.Tensor:  # a descriptor: the data follows in chunks
+        whole.append(torch.empty(tuple(head.shape), dtype=dtypes.to_torch(head.dtype)))
+        return _bytes_of(whole[0])
 
     def finish(timeout: float | None) -> None:
-        got = w.wait(timeout)
-        if isinstance(got, _C.Status):  # a descriptor: the data follows in bound-sized chunks
-            whole = torch.empty(tuple(got.shape), dtype=dtypes.to_torch(got.dtype))
-            flat = _bytes_of(whole)
-            for c in [comm.irecv(src, _chunk_tag(tag), out=flat[o:o + comm.bound])
-                      for o in range(0, got.nbytes, comm.bound)]:
-                c.wait(timeout)
-            got = whole
+        got = rx.run(_deadline(comm, timeout), check)
+        if whole:
+            got = whole[0]
         # .data: the tensor object the caller holds (its requires_grad, its attributes) now is the message
         t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
 
-    return _in_order(comm, src, tag, finish, w.is_completed, [t])
+    return _in_order(comm, src, tag, finish, [t])
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
