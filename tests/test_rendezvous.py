@@ -7,6 +7,7 @@ disagrees and a listener that is not a store; the store listens on
 MASTER_ADDR's address only."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import shutil
@@ -259,6 +260,20 @@ def test_store_listens_on_master_addr_only() -> None:
     assert listening_addresses(port) == {"127.0.0.1"}
     client = bootstrap._tcp_store(Placement(1, 2, 1, 2, "127.0.0.1", port), 30, bootstrap._Deadline(5))
     assert client.get("k") == b"v"
+
+
+def test_store_named_by_a_host_name_that_maps_to_loopback_listens_everywhere() -> None:
+    # /etc/hosts often maps `hostname` to 127.0.x.1, yet other nodes use that
+    # name for this host: binding loopback would leave them unable to connect.
+    name = socket.gethostname()
+    if not ipaddress.ip_address(socket.gethostbyname(name)).is_loopback:
+        pytest.skip(f"{name} does not resolve to loopback here")
+    port = free_port()
+    store = bootstrap._tcp_store(Placement(0, 1, 0, 1, name, port), 30, bootstrap._Deadline(5))
+    store.set("k", "v")
+    assert listening_addresses(port) <= {"0.0.0.0", "v6:" + "0" * 32}, listening_addresses(port)
+    assert bootstrap._says_loopback("localhost") and bootstrap._says_loopback("::1")
+    assert not bootstrap._says_loopback(name)
 
 
 def test_init_timeout_option() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import ipaddress
 import math
 import os
 import re
@@ -202,6 +203,15 @@ def _where(p: Placement) -> str:
     return f"{p.master_addr}:{p.master_port}"
 
 
+def _says_loopback(addr: str) -> bool:
+    if addr.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _listen(p: Placement) -> int:
     """A socket listening at MASTER_ADDR's own address (loopback for
     127.0.0.1), not on every interface as a TCPStore binding by itself does;
@@ -213,6 +223,12 @@ def _listen(p: Placement) -> int:
             from None
     infos.sort(key=lambda i: i[0] != socket.AF_INET)  # an IPv4 address first: what clients try first
     family, _, _, _, sockaddr = infos[0]
+    anywhere = ("::" if family == socket.AF_INET6 else "0.0.0.0", p.master_port)
+    # A host name that /etc/hosts maps to loopback (Debian's 127.0.1.1 for
+    # `hostname`) still names this host to the others: only an explicit
+    # loopback address or "localhost" keeps the store on loopback.
+    if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback and not _says_loopback(p.master_addr):
+        sockaddr = anywhere
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by the last job
     try:
@@ -223,7 +239,7 @@ def _listen(p: Placement) -> int:
                 raise
             # MASTER_ADDR reaches this host through an address it does not
             # hold (NAT, a load balancer): listen everywhere, as torch does.
-            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", p.master_port))
+            sock.bind(anywhere)
         sock.listen(socket.SOMAXCONN)
     except OSError as e:
         sock.close()
