@@ -297,3 +297,11 @@ def test_torchrun_every_entry_point_and_no_stray_bind_message(tmp_path: Path) ->
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert sorted(re.findall(r"ok \d \d", res.stdout)) == ["ok 0 2", "ok 1 2"], res.stdout
     assert "failed to bind" not in res.stderr, res.stderr[-3000:]
+
+
+def test_rank_out_of_range_names_where_it_came_from() -> None:
+    with pytest.raises(varcomm.InvalidArgument, match=r"rank 2 out of range for world_size 2, from the launcher's "
+                                                      r"variables \(RANK, WORLD_SIZE\)"):
+        bootstrap.placement(environ={"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(varcomm.InvalidArgument, match=r"from init\(rank=, world_size=\)"):
+        bootstrap.placement(rank=3, world_size=2, environ={})

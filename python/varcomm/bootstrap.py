@@ -142,7 +142,10 @@ def placement(rank: int | None = None, world_size: int | None = None, have_store
             raise InvalidArgument("cannot tell rank and world_size: pass varcomm.init(rank=..., world_size=...) "
                                   "or launch with varcomm-run / torchrun / mpirun / srun")
     if not 0 <= r < w:
-        raise InvalidArgument(f"rank {r} out of range for world_size {w}")
+        where = "init(rank=, world_size=)" if rank is not None or world_size is not None else \
+            "the launcher's variables (" + ", ".join(k for k in (*RANK_VARS, *WORLD_SIZE_VARS) if env.get(k)) + ")"
+        raise InvalidArgument(f"rank {r} out of range for world_size {w}, from {where}: ranks are 0 .. world_size-1 "
+                              "(the other ranks will report this rank missing)")
     lr = env_int(LOCAL_RANK_VARS, env)
     lw = env_int(LOCAL_WORLD_SIZE_VARS, env)
     addr = _master_addr(env) if not have_store else env.get(MASTER_ADDR_VAR) or "127.0.0.1"
