@@ -35,8 +35,9 @@ std::string built_names() {
 // Pair tags. Every message header carries auth = the first 8 bytes of
 // HMAC(key, "pair" | job | src | dst); the receiver discards an arrival whose
 // tag differs (Engine::progress_recvs). With a key, nobody outside the job
-// can produce a valid tag, so a forged one-sided write (rdma) is never
-// delivered. Without a key the tag is derived from the public nonces: it
+// can compute a valid tag, so a forged one-sided write (rdma) is never
+// delivered; the tag is fixed per pair and sent in clear, so this does not
+// hold against someone who can read the job's traffic and copy it. Without a key the tag is derived from the public nonces: it
 // catches stray writes from another job or a stale peer, not an attacker.
 const std::string kMacMark = "\nvarcomm-mac ";
 
