@@ -269,8 +269,14 @@ class Communicator:
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
         self._check_peer(dst, "dst")
-        array = arrays.kind_of(tensor)
-        tensor = arrays.native(tensor, "the array to send")
+        kind = type(tensor)  # exact types first: the common cases without two isinstance walks
+        if kind is _Tensor:
+            array = arrays.TORCH
+        elif kind is np.ndarray:
+            array = arrays.NUMPY
+        else:
+            array = arrays.kind_of(tensor)
+            tensor = arrays.native(tensor, "the array to send")
         return self._isend(tensor, int(dst), tag, self._describe_send(tensor, dst), array)
 
     def _describe_send(self, tensor: Array, dst: int) -> tuple[int, int, int, tuple[int, ...], Any, int]:
