@@ -161,8 +161,8 @@ def run_ranks(ranks: list[tuple[int, int]], port: int, init_timeout: float = 2.0
 def test_missing_ranks_are_named() -> None:
     port = free_port()
     outs = run_ranks([(0, 4), (2, 4)], port, init_timeout=1.0)
-    for out in outs:
-        assert out.startswith(f"ranks 1, 3 of 4 never arrived at 127.0.0.1:{port} after 1 s"), outs
+    for out in outs:  # its own timeout, or the first one's, which it left in the store
+        assert f"ranks 1, 3 of 4 never arrived at 127.0.0.1:{port} after 1 s" in out, outs
 
 
 def test_no_rank_0_is_named() -> None:

@@ -336,8 +336,10 @@ def test_close_stops_flushing_for_a_receiver_that_closed(transport):
                 try:
                     assert w.wait() is None
                     ok += 1
-                except (varcomm.ClosedError, varcomm.PeerFailure):  # PeerFailure: rank 1 has exited already
+                except varcomm.ClosedError:
                     assert not before, "a Work that had completed failed at close"
+                except varcomm.PeerFailure:  # rank 1 has exited already: it may have failed before close
+                    pass
             assert 1 <= ok <= slots, ok
         else:
             comm.barrier()

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from .errors import InvalidArgument
 
@@ -185,6 +185,8 @@ def export_for_torch(environ: MutableMapping[str, str] | None = None) -> dict[st
 #: How long a listener at MASTER_ADDR:MASTER_PORT may take to answer a store
 #: client's first request (a TCPStore answers in milliseconds).
 HANDSHAKE_S = 5.0
+#: How long a failing rank that hosts the store keeps it up so the others can read why.
+_LINGER_S = 0.5
 
 _instances = 0
 _tcp_stores: dict[tuple[str, int], TCPStore] = {}
@@ -322,36 +324,51 @@ def _tcp_store(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPS
     return _client(p, timeout, deadline)
 
 
-def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str) -> None:
+def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting: bool = False) -> None:
     """Every rank of the communicator checks in; a rank that comes twice, or
     with another world size, fails the whole set-up at once, and after the
-    init timeout the ranks that never came are named."""
+    init timeout the ranks that never came are named. Whoever fails first
+    leaves why in the store for the others (`hosting`: we are the store, so
+    we stay a moment for them to read it)."""
     conflict = "rdzv/conflict"
-    if int(store.add(f"rdzv/rank/{p.rank}", 1)) > 1:
-        msg = (f"rank {p.rank} arrived twice at {where}: two processes have rank {p.rank} (check RANK or the "
-               "launcher's rank variables, and that no earlier job still runs on this port)")
-        store.set(conflict, msg)
+
+    def fail(msg: str) -> NoReturn:
+        try:
+            store.set(conflict, msg)
+            if hosting:
+                time.sleep(_LINGER_S)
+        except RuntimeError:
+            pass
         raise InvalidArgument(msg)
-    agreed = store.compare_set("rdzv/world_size", "", str(p.world_size)).decode()
-    if agreed != str(p.world_size):
-        msg = (f"world_size disagrees between ranks at {where}: rank {p.rank} has {p.world_size}, a rank before "
-               f"it has {agreed} (check WORLD_SIZE or the launcher's size variable on every rank)")
-        store.set(conflict, msg)
-        raise InvalidArgument(msg)
-    store.add("rdzv/arrived", 1)
-    pause = 0.002
-    while int(store.add("rdzv/arrived", 0)) < p.world_size:
-        if store.check([conflict]):
-            raise InvalidArgument(f"rank {p.rank}: set-up failed: " + store.get(conflict).decode())
-        if deadline.left() <= 0:
-            missing = [r for r in range(p.world_size) if not store.check([f"rdzv/rank/{r}"])]
-            names = ", ".join(map(str, missing))
-            raise InvalidArgument(
-                f"rank{'s' if len(missing) > 1 else ''} {names} of {p.world_size} never arrived at {where} after "
-                f"{deadline} (VARCOMM_INIT_TIMEOUT / init_timeout): are they started, with the same MASTER_ADDR, "
-                "MASTER_PORT and WORLD_SIZE, and do they create the same communicators in the same order?")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+
+    try:
+        if int(store.add(f"rdzv/rank/{p.rank}", 1)) > 1:
+            fail(f"rank {p.rank} arrived twice at {where}: two processes have rank {p.rank} (check RANK or the "
+                 "launcher's rank variables, and that no earlier job still runs on this port)")
+        agreed = store.compare_set("rdzv/world_size", "", str(p.world_size)).decode()
+        if agreed != str(p.world_size):
+            fail(f"world_size disagrees between ranks at {where}: rank {p.rank} has {p.world_size}, a rank before "
+                 f"it has {agreed} (check WORLD_SIZE or the launcher's size variable on every rank)")
+        store.add("rdzv/arrived", 1)
+        pause = 0.002
+        while int(store.add("rdzv/arrived", 0)) < p.world_size:
+            if store.check([conflict]):
+                raise InvalidArgument(f"rank {p.rank}: set-up failed: " + store.get(conflict).decode())
+            if deadline.left() <= 0:
+                missing = [r for r in range(p.world_size) if not store.check([f"rdzv/rank/{r}"])]
+                names = ", ".join(map(str, missing))
+                fail(f"rank{'s' if len(missing) > 1 else ''} {names} of {p.world_size} never arrived at {where} "
+                     f"after {deadline} (VARCOMM_INIT_TIMEOUT / init_timeout): are they started, with the same "
+                     "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and do they create the same communicators in the "
+                     "same order?")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    except InvalidArgument:
+        raise
+    except RuntimeError as e:  # torch's store errors: the rank hosting it is gone
+        raise InvalidArgument(f"rank {p.rank}: the store at {where} stopped answering during the rendezvous "
+                              f"({str(e).splitlines()[0]}): rank 0, which hosts it, gave up or exited; its error "
+                              "says why") from None
 
 
 def make_store(p: Placement, store: Store | None, timeout: float | None, init_timeout: float | None = None,
@@ -386,5 +403,5 @@ def make_store(p: Placement, store: Store | None, timeout: float | None, init_ti
             where = "the given store"
         s = dist.PrefixStore(f"varcomm/{_instances}/", store)
     if p.world_size > 1:
-        _arrive(s, p, deadline, where)
+        _arrive(s, p, deadline, where, hosting=owner is not None and p.rank == 0)
     return s, owner
