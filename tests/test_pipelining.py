@@ -108,10 +108,8 @@ def test_every_schedule_on_2_ranks_matches_one_process():
 
 
 @world(4, timeout=240)
-def test_schedules_on_4_ranks_match_one_process():
-    # a representative subset on 4 ranks (2 cores: every schedule would take minutes):
-    # one stage per rank, looped stages, V-shaped stages with split backward
-    _schedules_match_one_process(("1F1B", "Interleaved1F1B", "DualPipeV"), CFG8)
+def test_every_schedule_on_4_ranks_matches_one_process():
+    _schedules_match_one_process(tuple(ppv.SCHEDULES), CFG8)
 
 
 def test_schedule_lists_cover_torch():
