@@ -81,23 +81,11 @@ void Engine::close() {
   closed_ = true;
   // What has not completed fails now, as close() documents; a recv whose
   // message arrived keeps it (it is in our region, which stays mapped).
-  auto fail_all = [&](std::deque<uint64_t>& q, const char* why) {
-    for (uint64_t id : q) {
-      Request& r = reqs_[uint32_t(id)];
-      if (r.detached) {
-        recycle(id);
-        continue;
-      }
-      r.state = ReqState::Failed;
-      r.err = ErrorKind::Closed;
-      r.error = why;
-    }
-    q.clear();
-  };
   for (auto& p : peers_) {
-    fail_all(p.sendq, "communicator closed before this send completed (a send still queued was never written; "
-                      "one in flight may or may not have arrived)");
-    fail_all(p.posted, "communicator closed before a message arrived for this recv");
+    fail_queue(p.sendq, ErrorKind::Closed,
+               "communicator closed before this send completed (a send still queued was never written; "
+               "one in flight may or may not have arrived)");
+    fail_queue(p.posted, ErrorKind::Closed, "communicator closed before a message arrived for this recv");
   }
   sending_ = 0;
   transports_.clear();
@@ -686,22 +674,25 @@ void Engine::check_peer(int peer, bool force) {
 void Engine::fail_peer(int peer, const std::string& why) {
   Peer& p = peers_[peer];
   if (p.dead.empty()) p.dead = "peer failure: " + why;
-  auto fail_all = [&](std::deque<uint64_t>& q, const char* op) {
-    for (uint64_t id : q) {
-      Request& r = reqs_[uint32_t(id)];
-      if (r.detached) {
-        recycle(id);
-        continue;
-      }
-      r.state = ReqState::Failed;
-      r.err = ErrorKind::PeerFailure;
-      r.error = op + peer_str(peer) + " failed: " + p.dead;
-    }
-    q.clear();
-  };
   sending_ -= p.sendq.size();
-  fail_all(p.sendq, "send to ");
-  fail_all(p.posted, "recv from ");
+  fail_queue(p.sendq, ErrorKind::PeerFailure, "send to " + peer_str(peer) + " failed: " + p.dead);
+  fail_queue(p.posted, ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead);
+}
+
+// Every request in `q` fails with `why`; detached ones (nobody will read the
+// error) are recycled instead.
+void Engine::fail_queue(std::deque<uint64_t>& q, ErrorKind kind, const std::string& why) {
+  for (uint64_t id : q) {
+    Request& r = reqs_[uint32_t(id)];
+    if (r.detached) {
+      recycle(id);
+      continue;
+    }
+    r.state = ReqState::Failed;
+    r.err = kind;
+    r.error = why;
+  }
+  q.clear();
 }
 
 void Engine::throw_if_failed(Request& r, uint64_t id) {

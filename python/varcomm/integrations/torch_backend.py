@@ -315,6 +315,8 @@ class VarcommProcessGroup(dist.ProcessGroup):
         self.options = options if options is not None else Options.resolve()
         self.comm = _communicator(store, rank, size, dataclasses.replace(
             self.options, timeout=timeout.total_seconds() if timeout else None))
+        # Each receiver's bound, fixed at set-up: sends chunk by it (it slices by its own).
+        self._peer_bounds = [self.comm.peer_bound(q) for q in range(size)]
         self._closed = False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         _name_backend(self._gloo, self.global_ranks, group_id)
@@ -353,7 +355,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
         if t.device.type != "cpu":
             return self._device_backend(t, "send").send(tensors, dstRank, tag)
         comm = self.comm
-        b = comm.peer_bound(dstRank)  # the receiver's: it slices the chunks by its own bound
+        b = self._peer_bounds[dstRank]
         if t.nbytes <= b:
             works = [comm.isend(t, dstRank, tag)]
         else:  # a descriptor of the whole message, then bound-sized chunks
