@@ -43,7 +43,7 @@ A2AChunk chunk_of(const MsgInfo& m) {
 }  // namespace
 
 A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector<int64_t>& splits, uint32_t dtype,
-                  const std::vector<int64_t>& trailing, Mem mem) {
+                  const std::vector<int64_t>& trailing, Mem mem, const void* x_host) {
   if (trailing.size() + 1 > size_t(kMaxDims))
     throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
   A2APlan p;
@@ -53,6 +53,7 @@ A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector
   p.row_bytes = row_bytes;
   p.send.resize(splits.size());
   const char* at = static_cast<const char*>(x);
+  const char* host = static_cast<const char*>(x_host);
   for (size_t d = 0; d < splits.size(); ++d) {
     A2AChunk& c = p.send[d];
     c.data = at;
@@ -62,6 +63,7 @@ A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector
     c.shape[0] = splits[d];
     std::copy(trailing.begin(), trailing.end(), c.shape + 1);
     c.mem = mem;
+    if (host) c.host = host + (at - static_cast<const char*>(x));
     at += c.nbytes;
   }
   return p;
@@ -104,7 +106,9 @@ void AllToAll::start() {
       const A2AChunk& c = plan_.send[d];
       if (!two) {
         try {
-          sends_.push_back(e_.isend(d, tag_, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem));
+          Mem m;
+          const void* src = source(d, &m);
+          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m));
           continue;
         } catch (const Error& x) {
           if (x.kind != ErrorKind::TooLarge) throw;
@@ -255,11 +259,22 @@ void AllToAll::local_copy() {
   const A2AChunk& c = plan_.send[rank_];
   void* d = dest(rank_);
   if (!d || !c.nbytes) return;
-  // Device memory (the next step): this copy belongs on the chunk's stream,
-  // through the device transport; every message above already carries its Mem.
-  if (c.mem.device || dest_mem(rank_).device)
-    throw Error(ErrorKind::Invalid, "all-to-all of device memory is not supported yet: pass host tensors");
+  const Mem dm = dest_mem(rank_);
+  // On the stream, like every other chunk's copy into the output.
+  if (c.mem.device || dm.device) return e_.copy_local(d, c.data, c.nbytes, c.mem.device ? c.mem : dm);
   std::memcpy(d, c.data, c.nbytes);
+}
+
+// A device chunk to a receiver with no device route goes from its host copy.
+const void* AllToAll::source(int d, Mem* mem) const {
+  const A2AChunk& c = plan_.send[d];
+  *mem = c.mem;
+  if (!c.mem.device || e_.device_route(d)) return c.data;
+  if (c.nbytes && !c.host)
+    throw Error(ErrorKind::Invalid, std::string(op_name(plan_.op)) + ": " + rank_str(d) + " has no device route from " +
+                                        rank_str(rank_) + " and the chunk for it has no host copy to stage");
+  *mem = Mem{};
+  return c.host;
 }
 
 void AllToAll::post_payloads() {
@@ -277,7 +292,9 @@ void AllToAll::post_payloads() {
     int d = (r + k) % n;
     const A2AChunk& c = plan_.send[d];
     try {
-      sends_.push_back(e_.isend(d, tag_ + 1, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem));
+      Mem m;
+      const void* src = source(d, &m);
+      sends_.push_back(e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m));
     } catch (const Error& x) {
       if (x.kind != ErrorKind::TooLarge) throw;
       too_large_.push_back({d, x.what()});  // d saw the count: it expects nothing

@@ -9,7 +9,14 @@
 // its receiver's bound is replaced by a descriptor of it (no payload), so the
 // receiver raises instead of hanging; because every pair still exchanged its
 // messages, the communicator stays usable. Errors are raised only once every
-// pair's messages were consumed. A rank's chunk to itself is a local copy.
+// pair's messages were consumed. A rank's chunk to itself is a local copy (on
+// the chunk's stream for device memory).
+//
+// Device memory: every chunk and output carries its Mem (device, stream). A
+// device chunk goes GPU to GPU where the pair has a device route (its header
+// still travels through host memory at once, so receivers place their output
+// without waiting on the GPU), else from its host copy (A2AChunk::host); a
+// staged message lands in a device output through Engine::consume.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -38,6 +45,10 @@ struct A2AChunk {
   uint32_t ndim = 0;
   int64_t shape[kMaxDims] = {};
   Mem mem;
+  // A send chunk in device memory: a host copy of it, sent instead to a
+  // receiver with no device route (null: none was made; then every receiver
+  // of a non-empty chunk must have one).
+  const void* host = nullptr;
 };
 
 // Where what arrives lands.
@@ -64,9 +75,10 @@ struct A2APlan {
   std::vector<A2AChunk> outs;  // [world]; data is the destination, nbytes its capacity
 };
 
-// A plan of the row form (V, Single): x's rows split by `splits`.
+// A plan of the row form (V, Single): x's rows split by `splits`; x_host: a
+// host copy of a device x (or null), for receivers with no device route.
 A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector<int64_t>& splits, uint32_t dtype,
-                  const std::vector<int64_t>& trailing, Mem mem);
+                  const std::vector<int64_t>& trailing, Mem mem, const void* x_host = nullptr);
 
 class AllToAll {
  public:
@@ -111,6 +123,7 @@ class AllToAll {
   void check(int src);
   void post_payloads();
   void local_copy();
+  const void* source(int dst, Mem* mem) const;
   void* dest(int src) const;
   Mem dest_mem(int src) const;
   template <class F>

@@ -518,9 +518,26 @@ Transport& Engine::device_transport(int peer) {
   return *p.tdev;
 }
 
+void Engine::copy_local(void* dst, const void* src, uint64_t n, Mem mem) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  device_transport(rank_).copy_async(dst, src, n, mem.stream, false);
+}
+
 void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem) {
+  Peer& p = peers_[peer];
+  if (mem.device && !(h.flags & kDevicePayload) && !p.tdev && peers_[rank_].tdev) {
+    // A host message from a peer with no device route (staged by its sender),
+    // into device memory: through our own device transport, then the slot is
+    // ours to free from the CPU, so the copy must have run first (the staged
+    // path blocks the host; a device route never does).
+    if (uint64_t n = payload_bytes(h))
+      peers_[rank_].tdev->copy_async(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n,
+                                     mem.stream, true);
+    free_slot(peer, slot, h.seq);
+    return;
+  }
   if ((h.flags & kDevicePayload) || mem.device) {
-    Peer& p = peers_[peer];
     device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
                                                h.seq, p.layout.credit_off(rank_, slot), mem.stream);
     return;

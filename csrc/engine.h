@@ -154,6 +154,15 @@ class Engine {
   // Headers discarded because their pair tag was wrong (forged or stray
   // writes into our region), since init.
   uint64_t forged_headers();
+  // Whether device-memory messages to and from `peer` travel GPU to GPU (a
+  // device transport connects the pair); else they are staged through host memory.
+  bool device_route(int peer) {
+    std::lock_guard<std::mutex> g(mu_);
+    return bool(peers_.at(peer).tdev);
+  }
+  // A copy from src to dst (device or host memory) on mem.stream, through
+  // this rank's own device transport: an all-to-all's chunk to itself.
+  void copy_local(void* dst, const void* src, uint64_t n, Mem mem);
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
   // Collective number n of this communicator (every rank calls collectives

@@ -71,6 +71,13 @@ class Transport {
                                    size_t credit_off, uintptr_t stream) {
     throw std::logic_error(name() + " transport cannot read device memory");
   }
+  // A local copy of n bytes between device and/or host memory (unified
+  // addresses) on `stream`, after its earlier work: an all-to-all's chunk to
+  // itself, or a staged message moved from a host slot into device memory.
+  // With `wait`, returns only once the copy ran (src may then be reused).
+  virtual void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) {
+    throw std::logic_error(name() + " transport cannot copy device memory");
+  }
 };
 
 }  // namespace varcomm

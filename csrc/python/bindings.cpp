@@ -427,6 +427,7 @@ struct AllToAllHandle {
   py::object comm;  // keeps the Comm, and so the Engine, alive
   py::object keep;  // what the plan's pointers belong to (inputs, outputs)
   std::unique_ptr<AllToAll> a;
+  Mem mem;  // where outputs allocated from the headers live (alloc's memory)
 
   AllToAllHandle() = default;
   AllToAllHandle(AllToAllHandle&&) = default;
@@ -467,8 +468,11 @@ void a2a_drive(AllToAll& a, F&& step, Clock::time_point deadline, std::optional<
 }
 
 void fill_chunk(A2AChunk& c, const py::handle& t) {
-  // (ptr, nbytes, dtype word, shape)
+  // (ptr, nbytes, dtype word, shape[, stream[, host copy's ptr]]): stream -1 or
+  // absent for host memory (mem_of), host copy 0 or absent for none.
   auto tup = py::reinterpret_borrow<py::tuple>(t);
+  if (tup.size() > 4) c.mem = mem_of(tup[4].cast<int64_t>());
+  if (tup.size() > 5) c.host = reinterpret_cast<const void*>(tup[5].cast<uintptr_t>());
   c.data = reinterpret_cast<const void*>(tup[0].cast<uintptr_t>());
   c.nbytes = tup[1].cast<uint64_t>();
   c.dtype = tup[2].cast<uint32_t>();
@@ -479,11 +483,12 @@ void fill_chunk(A2AChunk& c, const py::handle& t) {
   std::copy(shape.begin(), shape.end(), c.shape);
 }
 
-AllToAllHandle make_a2a(py::object comm, A2APlan plan, py::object keep) {
+AllToAllHandle make_a2a(py::object comm, A2APlan plan, py::object keep, Mem mem) {
   Comm& c = comm.cast<Comm&>();
   AllToAllHandle h;
   h.comm = comm;
   h.keep = std::move(keep);
+  h.mem = mem;
   h.a = std::make_unique<AllToAll>(*c.engine, std::move(plan));
   h.a->start();  // a throw leaves its in-flight sends to h's destructor
   return h;
@@ -513,16 +518,16 @@ py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::obje
       py::tuple shape(g.ndim);
       for (uint32_t i = 0; i < g.ndim; ++i) shape[i] = g.shape[i];
       try {
-        a.place(s, reinterpret_cast<void*>(alloc(s, g.dtype, shape).cast<uintptr_t>()), Mem{}, "");
+        a.place(s, reinterpret_cast<void*>(alloc(s, g.dtype, shape).cast<uintptr_t>()), h.mem, "");
       } catch (py::error_already_set&) {
-        a.place(s, nullptr, Mem{}, "rank " + std::to_string(s) + " sent dtype " + dtype_name(g.dtype) + ", which rank " +
+        a.place(s, nullptr, h.mem, "rank " + std::to_string(s) + " sent dtype " + dtype_name(g.dtype) + ", which rank " +
                                        std::to_string(h.comm.cast<Comm&>().engine->rank()) + " cannot represent");
       }
     }
   } else if (a.needs_out()) {
     int64_t rows = 0;
     for (int64_t v : a.recv_rows()) rows += v;
-    a.place(reinterpret_cast<void*>(alloc(rows).cast<uintptr_t>()), a.total_bytes(), Mem{});
+    a.place(reinterpret_cast<void*>(alloc(rows).cast<uintptr_t>()), a.total_bytes(), h.mem);
   }
   a2a_drive(a, [&](Clock::time_point d) { return a.wait_done(d); }, deadline, timeout);
   if (auto e = a.error()) throw *e;
@@ -538,24 +543,34 @@ void bind_collectives(py::module_& m) {
   // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
   // expected rows per source). keep: the objects x (and out) belong to; a send
   // still in flight when the collective is given up on keeps them alive.
+  // stream: -1 when x and out are host memory, else the CUDA stream both are
+  // ordered on (x and out in device memory); x_host: a host copy of a device
+  // x for receivers with no device route (0: none).
   m.def("all_to_all_rows",
         [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
            const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
-           uint64_t cap, std::optional<std::vector<int64_t>> expect, py::object keep) {
-          A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, Mem{});
+           uint64_t cap, std::optional<std::vector<int64_t>> expect, py::object keep, int64_t stream,
+           uintptr_t x_host) {
+          Mem mem = mem_of(stream);
+          A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, mem,
+                                reinterpret_cast<const void*>(x_host));
           p.strategy = A2AStrategy(strategy);
           p.user_tag = tag;
           p.out = reinterpret_cast<void*>(out);
           p.out_cap = cap;
+          p.out_mem = mem;
           if (expect) p.expect_rows = *expect;
-          return make_a2a(comm, std::move(p), std::move(keep));
+          return make_a2a(comm, std::move(p), std::move(keep), mem);
         },
         py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
         py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
-        py::arg("expect") = py::none(), py::arg("keep") = py::none());
-  // sends[d], outs[s]: (ptr, nbytes, dtype word, shape); an out of None is allocated.
+        py::arg("expect") = py::none(), py::arg("keep") = py::none(), py::arg("stream") = -1,
+        py::arg("x_host") = 0);
+  // sends[d], outs[s]: (ptr, nbytes, dtype word, shape[, stream[, host copy]]) (fill_chunk); an
+  // out of None is allocated, in host memory for stream -1, else in device memory ordered on stream.
   m.def("all_to_all_list",
-        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs, py::object keep) {
+        [](py::object comm, int strategy, const py::sequence& sends, const py::sequence& outs, py::object keep,
+           int64_t stream) {
           A2APlan p;
           p.op = A2AOp::List;
           p.strategy = A2AStrategy(strategy);
@@ -564,9 +579,10 @@ void bind_collectives(py::module_& m) {
           for (size_t i = 0; i < p.send.size(); ++i) fill_chunk(p.send[i], sends[i]);
           for (size_t i = 0; i < p.outs.size(); ++i)
             if (!outs[i].is_none()) fill_chunk(p.outs[i], outs[i]);
-          return make_a2a(comm, std::move(p), std::move(keep));
+          return make_a2a(comm, std::move(p), std::move(keep), mem_of(stream));
         },
-        py::arg("comm"), py::arg("strategy"), py::arg("sends"), py::arg("outs"), py::arg("keep") = py::none());
+        py::arg("comm"), py::arg("strategy"), py::arg("sends"), py::arg("outs"), py::arg("keep") = py::none(),
+        py::arg("stream") = -1);
 }
 
 }  // namespace

@@ -132,12 +132,16 @@ class AllToAll:
     # List form: returns None, alloc(src, dtype word, shape) -> pointer per output to allocate.
     def run(self, timeout: float | None, alloc: Callable[..., int] | None = None) -> list[int] | None: ...
 
+# stream: -1 for host x and out, else the CUDA stream both (device memory) are ordered on;
+# x_host: a host copy of a device x for receivers with no device route (0: none).
 def all_to_all_rows(comm: Comm, op: int, strategy: int, tag: int, x: int, row_bytes: int, splits: Sequence[int],
                     dtype: int, trailing: Sequence[int], out: int, cap: int,
-                    expect: Sequence[int] | None = None, keep: object = None) -> AllToAll: ...
-# sends[d], outs[s]: (ptr, nbytes, dtype word, shape); an out of None is allocated.
-def all_to_all_list(comm: Comm, strategy: int, sends: Sequence[tuple[int, int, int, Sequence[int]]],
-                    outs: Sequence[tuple[int, int, int, Sequence[int]] | None], keep: object = None) -> AllToAll: ...
+                    expect: Sequence[int] | None = None, keep: object = None, stream: int = -1,
+                    x_host: int = 0) -> AllToAll: ...
+# sends[d]: (ptr, nbytes, dtype word, shape[, stream[, host copy's ptr]]); outs[s]: (ptr, cap, dtype word,
+# shape[, stream]); an out of None is allocated (host memory for stream -1, else device memory on stream).
+def all_to_all_list(comm: Comm, strategy: int, sends: Sequence[tuple[Any, ...]],
+                    outs: Sequence[tuple[Any, ...] | None], keep: object = None, stream: int = -1) -> AllToAll: ...
 
 # ---- fallback mover (transport/fallback; driven by varcomm/fallback.py)
 class FallbackMover:

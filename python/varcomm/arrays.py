@@ -348,3 +348,65 @@ def _slot(ptr: int, nbytes: int, on_free: Callable[[], None]) -> ctypes.Array[ct
     raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
     weakref.finalize(raw, on_free)
     return raw
+
+
+class DeviceMemory:
+    """Device memory as the collectives see it: torch CUDA tensors. The one
+    seam between the all-to-all facade (collectives/alltoall.py, moe.py) and a
+    framework's GPU arrays. A `place` is where an array lives (a torch.device
+    for CUDA; None for host memory), a `stream` what orders work there.
+    tests/test_gpu_alltoall.py installs a stand-in (set_device_memory): CPU
+    tensors over the fake driver's device memory, so CI without a GPU runs
+    this same facade code on the fake driver."""
+
+    def place(self, x: Any) -> Any:
+        """Where x lives when it is device memory, else None."""
+        return x.device if is_torch(x) and x.is_cuda else None
+
+    def stream(self, place: Any) -> Any:
+        """The current stream of `place`: the caller's work is ordered on it."""
+        return torch.cuda.current_stream(place)
+
+    def handle(self, stream: Any) -> int:
+        """The stream as the core takes it (a CUstream handle, >= 0)."""
+        return int(stream.cuda_stream)
+
+    def empty(self, shape: Sequence[int], dtype: Any, place: Any) -> Any:
+        return torch.empty(tuple(shape), dtype=dtype, device=place)
+
+    def to(self, t: Any, place: Any) -> Any:
+        """t in place's memory: t itself when it is there already."""
+        return t if t.device == place else t.to(place)
+
+    def to_host(self, x: Any) -> Any:
+        """A host copy of x once the work on its stream ran (staging: blocks the host)."""
+        return x.detach().to("cpu")
+
+    def record(self, x: Any, stream: Any) -> None:
+        """x is read or written on `stream` later: the caching allocator must not reuse it before."""
+        x.record_stream(stream)
+
+    def wait(self, stream: Any, place: Any) -> None:
+        """The caller's next work (on place's current stream) runs after `stream`'s."""
+        cur = torch.cuda.current_stream(place)
+        if cur != stream:
+            cur.wait_stream(stream)
+
+    def synchronize(self, stream: Any) -> None:
+        """Block the host until `stream`'s work ran."""
+        stream.synchronize()
+
+
+_DEVICE_MEMORY = DeviceMemory()
+
+
+def device_memory() -> DeviceMemory:
+    """The DeviceMemory the collectives use."""
+    return _DEVICE_MEMORY
+
+
+def set_device_memory(d: DeviceMemory) -> DeviceMemory:
+    """Replace it (tests: the fake driver's stand-in); returns the previous one."""
+    global _DEVICE_MEMORY
+    old, _DEVICE_MEMORY = _DEVICE_MEMORY, d
+    return old

@@ -357,6 +357,17 @@ class NvlinkTransport : public Transport {
     if (host_dst) check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv into host memory)");
   }
 
+  void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) override {
+    if (!n) return;
+    CtxScope scope(d_, ctx_);
+    CUstream s = reinterpret_cast<CUstream>(stream);
+    check_stream(s, "all-to-all");
+    // Unified addressing (checked at creation) lets one call take any direction.
+    check(d_.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s),
+          "cuMemcpyAsync (local copy)");
+    if (wait) check(d_.StreamSynchronize(s), "cuStreamSynchronize (local copy)");
+  }
+
  private:
   struct Peer {
     char* host = nullptr;       // the peer's host region, mapped here

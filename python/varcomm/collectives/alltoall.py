@@ -11,6 +11,16 @@ arrays to it, and allocates an output once the headers told its size.
 Errors are raised only after every pair's messages were consumed, so the
 communicator stays usable for the next collective.
 
+Device memory (CUDA tensors, with splits known on the host): the same entry
+points and the same engine. Each chunk's copy is ordered on the caller's
+current stream; its header travels through host memory at enqueue, so a
+receiver allocates its output (on the input's device) without waiting on the
+GPU, and the host never blocks on GPU work. A peer with a device route
+(nvlink) is reached GPU to GPU; a chunk to a peer without one is staged
+through a host copy (which does block the host), and a rank with no device
+transport at all runs the host collective on host copies. How device arrays
+are seen (place, stream, allocation) is `arrays.DeviceMemory`.
+
 The strategy is the option ``a2a_algorithm`` (``VARCOMM_A2A_ALGORITHM``), read at call time:
 ``auto`` or ``one-phase`` (counts travel in each chunk's header), or
 ``two-phase``, the conventional baseline (a descriptor per pair with the
@@ -19,7 +29,7 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
 
 import numpy as np
 
@@ -53,15 +63,15 @@ def _strategy(comm: Communicator) -> int:
 # keep: the arrays behind the pointers; a send still in flight when the
 # collective is given up on (timeout, error) keeps them alive in the core.
 def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, splits: list[int], word: int,
-          trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None
-          ) -> _C.AllToAll:
+          trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None,
+          stream: int = -1, x_host: int = 0) -> _C.AllToAll:
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
-                              expect, keep)
+                              expect, keep, stream, x_host)
 
 
-def _list(comm: Communicator, sends: list[tuple[int, int, int, tuple[int, ...]]],
-          outs: list[tuple[int, int, int, tuple[int, ...]] | None], keep: object) -> _C.AllToAll:
-    return _C.all_to_all_list(comm._c, _strategy(comm), sends, outs, keep)
+def _list(comm: Communicator, sends: list[tuple[Any, ...]], outs: list[tuple[Any, ...] | None], keep: object,
+          stream: int = -1) -> _C.AllToAll:
+    return _C.all_to_all_list(comm._c, _strategy(comm), sends, outs, keep, stream)
 
 
 def _run(comm: Communicator, handle: _C.AllToAll, timeout: float | None,
@@ -126,6 +136,65 @@ def _check_out(out: Any, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------
+# device memory
+
+
+class _Dev(NamedTuple):
+    """A collective on device memory: where (place), ordered on what (stream)."""
+
+    mem: arrays.DeviceMemory
+    place: Any
+    stream: Any
+
+    @property
+    def handle(self) -> int:
+        return self.mem.handle(self.stream)
+
+
+def _device(comm: Communicator, xs: Sequence[Any], outs: Sequence[Any], what: str) -> _Dev | None:
+    """The device the collective runs on, None for host memory. Inputs and
+    given outputs must all be in the same memory: one device, or the host."""
+    dm = arrays.device_memory()
+    places = [dm.place(t) for t in xs] + [dm.place(o) for o in outs if o is not None]
+    if all(p is None for p in places):
+        return None
+    if any(p != places[0] for p in places):
+        raise InvalidArgument(f"{what}: every input and output must be in the same memory (one device, or the host), "
+                              f"got {sorted({str(p or 'host') for p in places})}; move them to one device first")
+    return _Dev(dm, places[0], dm.stream(places[0]))
+
+
+def _dense(dev: _Dev, x: Any, what: str) -> Any:
+    """x as contiguous device memory of its values (a copy where it is not)."""
+    arrays._strided(x, what)
+    y = arrays.values(x)
+    if not y.is_contiguous():
+        y = y.contiguous()
+    return x if y is x else dev.mem.to(y, dev.place)
+
+
+def _dev_out(dev: _Dev, out: Any, what: str) -> tuple[int, int, int]:
+    """(pointer, capacity bytes, dtype word) of a device output, which the
+    copies on dev.stream write later."""
+    arrays._check_out_bits(out)
+    if not out.is_contiguous():
+        raise InvalidArgument(f"{what} must be contiguous: chunks are received straight into it")
+    dev.mem.record(out, dev.stream)
+    # An empty tensor's data_ptr is 0, which the core reads as "no out" (as describe_out).
+    return out.data_ptr() or arrays._EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
+
+
+def _staged_to(comm: Communicator, dst: int) -> bool:
+    """A device chunk to dst goes through a host copy: the pair has no device route."""
+    return comm._device_routes[dst] is None
+
+
+def _no_device_transport(comm: Communicator) -> bool:
+    """No device route even to ourselves: the whole collective runs on host copies."""
+    return comm._device_routes[comm.rank] is None
+
+
+# ---------------------------------------------------------------------------
 # the work object
 
 
@@ -133,9 +202,10 @@ class AllToAllWork:
     """A pending all-to-all (a varcomm.Work). ``wait()`` finishes it and returns
     its result (the same value the blocking call returns)."""
 
-    def __init__(self, finish: Callable[[float | None], Any], keep: Any = None):
+    def __init__(self, finish: Callable[[float | None], Any], keep: Any = None, dev: _Dev | None = None):
         self._finish: Callable[[float | None], Any] | None = finish
         self._keep = keep  # the inputs must outlive the transfer
+        self._dev = dev  # device memory: the stream its copies are ordered on
         self._result: Any = None
         self._error: BaseException | None = None
 
@@ -157,8 +227,11 @@ class AllToAllWork:
         return self._finish is None
 
     def synchronize(self, timeout: float | None = None) -> Any:
-        """wait(): an all-to-all moves host memory only, so no device work is left after it."""
-        return self.wait(timeout)
+        """wait(), then (device memory) block the host until the copies on the stream ran."""
+        r = self.wait(timeout)
+        if self._dev is not None:
+            self._dev.mem.synchronize(self._dev.stream)
+        return r
 
     def result(self) -> Any:
         return self.wait()
@@ -172,8 +245,9 @@ class AllToAllWork:
                 pass
 
 
-def _done(finish: Callable[[float | None], R], async_op: bool, timeout: float | None, keep: object) -> R | Work:
-    return AllToAllWork(finish, keep) if async_op else finish(timeout)
+def _done(finish: Callable[[float | None], R], async_op: bool, timeout: float | None, keep: object,
+          dev: _Dev | None = None) -> R | Work:
+    return AllToAllWork(finish, keep, dev) if async_op else finish(timeout)
 
 
 # ---------------------------------------------------------------------------
@@ -222,6 +296,9 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     _check_timeout(timeout)
     if tag is not None and (not isinstance(tag, (int, np.integer)) or isinstance(tag, bool)):
         raise InvalidArgument(f"tag {tag!r} out of range [0, {MAX_COLL_TAG}] for a collective")
+    dev = _device(comm, [x], [out], "all_to_all_v")
+    if dev is not None:
+        return _v_device(comm, dev, x, send_splits, int(tag or 0), out, async_op, timeout)
     n = comm.world_size
     if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg()):
         # the common case, without the general checks' overhead
@@ -263,6 +340,60 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     return _done(finish, async_op, timeout, (x, out))
 
 
+def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: int, out: Any, async_op: bool,
+              timeout: float | None) -> Any:
+    """all_to_all_v of device memory (x and out on dev.place)."""
+    x = _dense(dev, x, "x")
+    if x.dim() == 0:
+        raise InvalidArgument("x must have at least one dimension (rows are split along dim 0)")
+    rows, trailing = int(x.shape[0]), tuple(int(s) for s in x.shape[1:])
+    word, rb = dtypes.from_torch(x.dtype), x.element_size() * _prod(trailing)
+    splits = _splits(send_splits, comm.world_size, rows, "send_splits")
+    optr = cap = 0
+    if out is not None:
+        optr, cap, oword = _dev_out(dev, out, "out")
+        if oword != word:
+            raise InvalidArgument(f"out has dtype {out.dtype} but x has dtype {x.dtype}")
+    mem, place = dev.mem, dev.place
+    if _no_device_transport(comm):
+        bounce = None if out is None else arrays.torch.empty(tuple(out.shape), dtype=out.dtype)
+        work = all_to_all_v(comm, mem.to_host(x), splits, tag=tag, out=bounce, async_op=True, timeout=timeout)
+
+        def staged(t: float | None) -> tuple[Array, list[int]]:
+            got, recv = work.wait(t)
+            got = mem.to(got, place)
+            if out is None:
+                return got, recv
+            view = arrays.prefix_view(out, got.nbytes, tuple(got.shape))
+            view.copy_(got)
+            return view, recv
+
+        return _done(staged, async_op, timeout, (x, out), dev)
+    me = comm.rank
+    host = mem.to_host(x) if any(splits[d] and _staged_to(comm, d) for d in range(len(splits)) if d != me) else None
+    mem.record(x, dev.stream)
+    keep = (x, out, host)
+    h = _rows(comm, _V, tag, x.data_ptr(), rb, splits, word, trailing, optr, cap, keep,
+              stream=dev.handle, x_host=0 if host is None else host.data_ptr())
+    made: list[Any] = []
+
+    def alloc(total: int) -> int:
+        a = mem.empty((total,) + trailing, x.dtype, place)
+        mem.record(a, dev.stream)
+        made.append(a)
+        return int(a.data_ptr())
+
+    def finish(t: float | None) -> tuple[Array, list[int]]:
+        recv = _run(comm, h, t, alloc if out is None else None)
+        mem.wait(dev.stream, place)
+        if out is None:
+            return made[0], recv
+        total = sum(recv)
+        return arrays.prefix_view(out, total * rb, (total,) + trailing), recv
+
+    return _done(finish, async_op, timeout, keep, dev)
+
+
 # ---------------------------------------------------------------------------
 # torch-compatible forms
 
@@ -290,9 +421,12 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
     is checked against ``output_split_sizes``: a disagreement raises
     MessageMismatch naming the source rank (nothing is written)."""
     _check_timeout(timeout)
+    _check_out(output, "output")
+    dev = _device(comm, [input], [output], "all_to_all_single")
+    if dev is not None:
+        return _single_device(comm, dev, output, input, output_split_sizes, input_split_sizes, async_op, timeout)
     inp = arrays.host_array(input, "input")
     rows, trailing, rb, ptr, word = _rows_of(inp, "input")
-    _check_out(output, "output")
     if not (output.is_contiguous() if arrays.is_torch(output) else output.flags.c_contiguous):
         raise InvalidArgument("output must be contiguous: chunks are received straight into it")
     if len(output.shape) == 0:
@@ -312,6 +446,47 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
         return None
 
     return _done(finish, async_op, timeout, (inp, output))
+
+
+def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, output_split_sizes: Splits | None,
+                   input_split_sizes: Splits | None, async_op: bool, timeout: float | None) -> Work | None:
+    """all_to_all_single of device memory (input and output on dev.place)."""
+    inp = _dense(dev, input, "input")
+    if inp.dim() == 0 or output.dim() == 0:
+        raise InvalidArgument("input and output must have at least one dimension (rows are split along dim 0)")
+    rows, trailing = int(inp.shape[0]), tuple(int(s) for s in inp.shape[1:])
+    word, rb = dtypes.from_torch(inp.dtype), inp.element_size() * _prod(trailing)
+    optr, cap, oword = _dev_out(dev, output, "output")
+    orows, otrail = int(output.shape[0]), tuple(int(s) for s in output.shape[1:])
+    if oword != word or otrail != trailing:
+        raise InvalidArgument(f"output ({output.dtype}, rows of shape {otrail}) and input ({inp.dtype}, rows of "
+                              f"shape {trailing}) must agree in dtype and trailing shape")
+    n = comm.world_size
+    in_splits = _splits(input_split_sizes, n, rows, "input_split_sizes")
+    out_splits = _splits(output_split_sizes, n, orows, "output_split_sizes")
+    mem, place = dev.mem, dev.place
+    if _no_device_transport(comm):
+        bounce = arrays.torch.empty(tuple(output.shape), dtype=output.dtype)
+        work = all_to_all_single(comm, bounce, mem.to_host(inp), out_splits, in_splits, async_op=True,
+                                 timeout=timeout)
+
+        def staged(t: float | None) -> None:
+            work.wait(t)
+            output.copy_(mem.to(bounce, place))
+
+        return _done(staged, async_op, timeout, (inp, output), dev)
+    me = comm.rank
+    host = mem.to_host(inp) if any(in_splits[d] and _staged_to(comm, d) for d in range(n) if d != me) else None
+    mem.record(inp, dev.stream)
+    keep = (inp, output, host)
+    h = _rows(comm, _SINGLE, 0, inp.data_ptr(), rb, in_splits, word, trailing, optr, cap, keep, out_splits,
+              stream=dev.handle, x_host=0 if host is None else host.data_ptr())
+
+    def finish(t: float | None) -> None:
+        _run(comm, h, t)
+        mem.wait(dev.stream, place)
+
+    return _done(finish, async_op, timeout, keep, dev)
 
 
 @overload
@@ -338,6 +513,9 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
         raise InvalidArgument(f"input_tensor_list has {len(input_tensor_list)} entries; the world has {n} ranks")
     if output_tensor_list is not None and len(output_tensor_list) != n:
         raise InvalidArgument(f"output_tensor_list has {len(output_tensor_list)} entries; the world has {n} ranks")
+    dev = _device(comm, input_tensor_list, output_tensor_list or [], "all_to_all")
+    if dev is not None:
+        return _list_device(comm, dev, output_tensor_list, input_tensor_list, async_op, timeout)
     msgs = [arrays.host_array(t, f"input_tensor_list[{d}]") for d, t in enumerate(input_tensor_list)]
     outs: list[Array | None] = output_tensor_list if output_tensor_list is not None else [None] * n
     sends = []
@@ -367,3 +545,58 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
         return cast("list[Array]", outs)  # every entry given or allocated now
 
     return _done(finish, async_op, timeout, (msgs, outs))
+
+
+def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array | None] | None,
+                 input_tensor_list: Sequence[Array], async_op: bool, timeout: float | None) -> list[Array] | Work:
+    """all_to_all of device memory (every tensor on dev.place); None outputs are
+    allocated there."""
+    n, r = comm.world_size, comm.rank
+    mem, place = dev.mem, dev.place
+    msgs = [_dense(dev, t, f"input_tensor_list[{d}]") for d, t in enumerate(input_tensor_list)]
+    outs: list[Array | None] = output_tensor_list if output_tensor_list is not None else [None] * n
+    if _no_device_transport(comm):
+        bounces: list[Array | None] = [None if o is None else arrays.torch.empty(tuple(o.shape), dtype=o.dtype)
+                                       for o in outs]
+        work = all_to_all(comm, bounces, [mem.to_host(m) for m in msgs], async_op=True, timeout=timeout)
+
+        def staged(t: float | None) -> list[Array]:
+            got = work.wait(t)
+            for s, g in enumerate(got):
+                o = outs[s]
+                if o is None:
+                    outs[s] = mem.to(g, place)
+                else:
+                    o.copy_(mem.to(g, place))
+            return cast("list[Array]", outs)
+
+        return _done(staged, async_op, timeout, (msgs, outs), dev)
+    handle = dev.handle
+    sends: list[tuple[Any, ...]] = []
+    hosts: list[Any] = []
+    for d, m in enumerate(msgs):
+        host = mem.to_host(m) if d != r and m.nbytes and _staged_to(comm, d) else None
+        hosts.append(host)
+        mem.record(m, dev.stream)
+        sends.append((m.data_ptr(), m.nbytes, dtypes.from_torch(m.dtype), tuple(m.shape), handle,
+                      0 if host is None else host.data_ptr()))
+    given: list[tuple[Any, ...] | None] = [None] * n
+    for s, o in enumerate(outs):
+        if o is not None:
+            optr, cap, oword = _dev_out(dev, o, f"output_tensor_list[{s}]")
+            given[s] = (optr, cap, oword, tuple(o.shape), handle)
+    keep = (msgs, hosts, list(outs))
+    h = _list(comm, sends, given, keep, handle)
+
+    def alloc(s: int, word: int, shape: tuple[int, ...]) -> int:
+        a = mem.empty(shape, dtypes.to_torch(word), place)
+        mem.record(a, dev.stream)
+        outs[s] = a
+        return int(a.data_ptr())
+
+    def finish(t: float | None) -> list[Array]:
+        _run(comm, h, t, alloc)
+        mem.wait(dev.stream, place)
+        return cast("list[Array]", outs)
+
+    return _done(finish, async_op, timeout, keep, dev)

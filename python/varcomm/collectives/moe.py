@@ -18,9 +18,13 @@ gradient reaches ``topk_weights`` through combine's weighted sum. Like every
 collective, the backward all-to-alls must run on every rank: tokens (and the
 expert outputs) must require grad on all ranks or on none.
 
-CPU tensors (host memory): the routing metadata (counts per destination) is
-computed on the host; on a GPU build this is where a device-side count would
-replace ``bincount().tolist()``.
+CPU or CUDA tensors. The routing metadata (counts per destination) is
+computed where the tokens are and read on the host (``bincount().tolist()``:
+for CUDA tokens, the one device-to-host sync of a dispatch); the all-to-alls
+then run on the tokens' device, ordered on the current stream
+(collectives/alltoall.py). Every tensor that enters an all-to-all is put in
+the tokens' memory (``arrays.DeviceMemory.to``: nothing for CUDA tensors,
+which torch's ops keep on their device).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .. import arrays
 from ..errors import InvalidArgument
 from . import alltoall
 
@@ -51,12 +56,19 @@ class MoEHandle:
     perm: torch.Tensor  # [R] received row index of each expert_tokens row
     tokens_per_expert: torch.Tensor  # [E/n] int64
     topk_weights: torch.Tensor  # [T, K], as given (may require grad)
+    place: Any = None  # the tokens' device memory (arrays.DeviceMemory.place), None for host memory
 
 
-def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """all_to_all_v of a tensor: the result is a tensor too."""
+def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place: Any) -> tuple[torch.Tensor, list[int]]:
+    """all_to_all_v of a tensor, in `place`'s memory (None: the host): the result is a tensor there too."""
+    if place is not None:
+        x = arrays.device_memory().to(x, place)
     recv, recv_splits = alltoall.all_to_all_v(comm, x, splits)
     return cast(torch.Tensor, recv), recv_splits
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, place: Any) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype) if place is None else arrays.device_memory().empty(shape, dtype, place)
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -77,32 +89,33 @@ class _Dispatch(torch.autograd.Function):
         per_rank = num_experts // n
         T, H = tokens.shape
         K = topk_ids.shape[1]
-        flat, order, send_splits = _route(topk_ids, num_experts, n)
+        place = arrays.device_memory().place(tokens)
+        flat, order, send_splits = _route(topk_ids.to(tokens.device), num_experts, n)
         src_rows = order // K
         local_expert = (flat[order] % per_rank).to(torch.int32)
         # One row per (token, k): the token's bytes, then its local expert index.
         x = tokens.detach().contiguous()
         hb = H * x.element_size()
-        packed = torch.empty((order.numel(), hb + 4), dtype=torch.uint8)
+        packed = _empty((order.numel(), hb + 4), torch.uint8, place)
         packed[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
         packed[:, hb:] = local_expert.view(torch.uint8).reshape(-1, 4)
-        recv, recv_splits = _all_to_all_v(comm, packed, send_splits)
+        recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place)
         le = recv[:, hb:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
         perm = torch.sort(le, stable=True).indices
         tokens_per_expert = torch.bincount(le, minlength=per_rank)
         expert_tokens = recv[:, :hb].index_select(0, perm).view(x.dtype).reshape(-1, H)
-        handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K))
+        handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K, place))
         ctx.comm = comm
-        ctx.meta = (order, send_splits, recv_splits, perm, T, K)
+        ctx.meta = (order, send_splits, recv_splits, perm, T, K, place)
         ctx.mark_non_differentiable(tokens_per_expert)
         return expert_tokens, tokens_per_expert
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _g_counts: Any) -> Any:
-        order, send_splits, recv_splits, perm, T, K = ctx.meta
+        order, send_splits, recv_splits, perm, T, K, place = ctx.meta
         g = _unpermute(grad, perm)
-        back, _ = _all_to_all_v(ctx.comm, g, recv_splits)  # rows in this rank's send order
-        gtok = torch.zeros((T,) + tuple(grad.shape[1:]), dtype=grad.dtype)
+        back, _ = _all_to_all_v(ctx.comm, g, recv_splits, place)  # rows in this rank's send order
+        gtok = back.new_zeros((T,) + tuple(grad.shape[1:]))
         gtok.index_add_(0, order // K, back)
         return gtok, None, None, None, None
 
@@ -110,21 +123,21 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, expert_outputs: torch.Tensor, comm: Any, order: torch.Tensor, send_splits: list[int],
-                recv_splits: list[int], perm: torch.Tensor, T: int, K: int) -> torch.Tensor:
+                recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any) -> torch.Tensor:
         y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
-        back, _ = _all_to_all_v(comm, y, recv_splits)  # [T*K, H'] in send (expert-sorted) order
+        back, _ = _all_to_all_v(comm, y, recv_splits, place)  # [T*K, H'] in send (expert-sorted) order
         tk = torch.empty_like(back)
         tk[order] = back  # (t, k) order
         ctx.comm = comm
-        ctx.meta = (order, send_splits, perm)
+        ctx.meta = (order, send_splits, perm, place, expert_outputs.device)
         return tk.reshape((T, K) + tuple(back.shape[1:]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        order, send_splits, perm = ctx.meta
+        order, send_splits, perm, place, device = ctx.meta
         g = grad.reshape((-1,) + tuple(grad.shape[2:])).index_select(0, order).contiguous()
-        recv, _ = _all_to_all_v(ctx.comm, g, send_splits)  # received order
-        return (recv.index_select(0, perm),) + (None,) * 7
+        recv, _ = _all_to_all_v(ctx.comm, g, send_splits, place)  # received order
+        return (recv.index_select(0, perm).to(device),) + (None,) * 8
 
 
 def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -155,8 +168,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     box: list[Any] = []
     # Function.apply is unannotated in torch.
     expert_tokens, tokens_per_expert = _Dispatch.apply(tokens, box, topk_ids, num_experts, comm)  # type: ignore[no-untyped-call]
-    order, send_splits, recv_splits, perm, tpe, T, K = box[0]
-    handle = MoEHandle(comm, T, K, order, send_splits, recv_splits, perm, tpe, topk_weights)
+    order, send_splits, recv_splits, perm, tpe, T, K, place = box[0]
+    handle = MoEHandle(comm, T, K, order, send_splits, recv_splits, perm, tpe, topk_weights, place)
     return expert_tokens, tokens_per_expert, handle
 
 
@@ -171,6 +184,6 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle)
                               f"{handle.perm.numel()}")
     h = handle
     per_tk: torch.Tensor = _Combine.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
-        expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk)
+        expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk, h.place)
     w = h.topk_weights.to(per_tk.dtype)
     return (per_tk * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1)
