@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check for the nvlink transport, on one machine with a GPU, in a few
-# minutes: build, the GPU tests (2 ranks, which may share one GPU), the p2p bench.
+# minutes: build, the GPU tests (2 ranks, which may share one GPU), the
+# all-to-all bench on CUDA tensors, the p2p bench.
 #
 #   bash bench/gpu_check.sh                 from anywhere in the repository
 #   OUT=/some/dir bash bench/gpu_check.sh   also writes gpu_check.log, pytest.log,
+#                                           gpu_alltoall.md, gpu_alltoall.json,
 #                                           gpu_p2p.md and gpu_p2p.json there
 #
 # Needs a python with CUDA torch, numpy, pytest, pybind11, ninja and
@@ -56,8 +58,8 @@ export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
   || finish 1 "this build has no nvlink transport"
 
 # ---- tests ----------------------------------------------------------------
-say "tests: tests/test_gpu.py (2 ranks)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py >"$LOG.pytest" 2>&1
+say "tests: tests/test_gpu.py tests/test_gpu_alltoall.py (2 ranks)"
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_alltoall.py >"$LOG.pytest" 2>&1
 test_rc=$?
 tail -30 "$LOG.pytest" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$LOG.pytest" "$OUT/pytest.log"; fi
@@ -67,7 +69,20 @@ if [ "$test_rc" -eq 0 ] && grep "SKIPPED" "$LOG.pytest" | grep -qv "cupy is not 
   say "some GPU tests were skipped: failing the check"; test_rc=1
 fi
 
-# ---- bench ----------------------------------------------------------------
+# ---- all-to-all bench: CUDA tensors, against NCCL's two-phase form and a D2D copy ----
+left=$((290 - ($(date +%s) - t_start)))
+if [ "$left" -lt 100 ]; then
+  say "no all-to-all bench: only ${left}s left of the 5 minutes"
+  a2a_rc=1
+else
+  say "bench: varcomm-bench alltoall --device cuda (at most 75 s)"
+  PYTHONPATH="$ROOT/bench:$PYTHONPATH" timeout 75 "$PY" -m varcomm_bench alltoall --device cuda --quick \
+    --launcher varcomm --timeout 70 --routing uniform,zipf -e 4M --baselines two-phase,d2d,nccl -c \
+    ${OUT:+--json "$OUT/gpu_alltoall.json" --md "$OUT/gpu_alltoall.md"} 2>&1 | tee -a "$LOG"
+  a2a_rc=${PIPESTATUS[0]}
+fi
+
+# ---- p2p bench --------------------------------------------------------------
 left=$((290 - ($(date +%s) - t_start)))
 if [ "$left" -lt 45 ]; then
   say "no bench: only ${left}s left of the 5 minutes"
@@ -79,5 +94,6 @@ else
 fi
 say "took $(($(date +%s) - t_start)) s"
 [ "$test_rc" -eq 0 ] || finish 1 "GPU tests failed (pytest exit $test_rc)"
+[ "$a2a_rc" -eq 0 ] || finish 1 "all-to-all bench failed (exit $a2a_rc)"
 [ "$bench_rc" -eq 0 ] || finish 1 "bench failed (exit $bench_rc)"
 finish 0 "ok"

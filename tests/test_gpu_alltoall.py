@@ -27,15 +27,17 @@ import numpy as np
 import pytest
 import torch
 
+import test_gpu
 import varcomm
 from conftest import make_tensor, same_bytes
 from test_alltoall import _random_splits, _reference, _x
-from test_gpu import FakeGpu, fake_cuda, nvlink_built  # noqa: F401  (fake_cuda: a fixture)
+from test_gpu import FakeGpu, nvlink_built
 from varcomm import arrays
 from varcomm.collectives import alltoall as A
 from varcomm.collectives.moe import combine, dispatch
 from varcomm.testing import seeded, world
 
+fake_cuda = test_gpu.fake_cuda  # the fixture that builds the fake driver
 BOUND = 64 * 1024
 FAKE = "fake-cuda:0"  # the FakeDevice's one place
 CASES = [(torch.float32, (3,)), (torch.bfloat16, (2, 5)), (torch.float32, ()), (torch.bfloat16, (7,))]
@@ -402,7 +404,7 @@ def test_gpu_collectives_do_not_block_the_host():
     ran (headers travel at enqueue; receivers allocate without waiting on the
     GPU); their results are right once the stream ran."""
     with _gpu_comm(bound=1 << 20, slots=8) as comm:
-        r, n = comm.rank, comm.world_size
+        r = comm.rank
         xs = [torch.full((64, 256), float(10 * r + i), device="cuda") for i in range(20)]
         torch.cuda.synchronize()
         comm.barrier()

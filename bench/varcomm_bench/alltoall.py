@@ -17,6 +17,17 @@ Methods:
   fallback   all_to_all_v over varcomm's fallback transport (the same writes over gloo)
   mpi4py     comm.Alltoall of the counts, then comm.Alltoallv (bytes)
   memcpy     one single-thread copy of a rank's send buffer (the one-copy limit)
+  d2d        --device cuda: one device-to-device copy of a rank's send buffer
+  nccl       --device cuda: torch.distributed all_to_all_single on NCCL in the
+             conventional two-phase form: an all-to-all of the counts, .tolist()
+             (the device-to-host sync), allocate, the payload (NCCL needs a GPU
+             per rank: skipped where ranks share one)
+
+--device cuda: the tensors are CUDA tensors and varcomm's all_to_all_v runs
+on the device path (nvlink between same-host ranks, ordered on the current
+stream). Besides time per op and algbw, a second table gives the host-blocked
+time per op: how long the host spent inside the calls (varcomm's never waits
+on the GPU; the two-phase NCCL form waits in .tolist()).
 
 size = S, the mean bytes a rank sends (its whole buffer, own chunk included, as
 nccl-tests count it); time = the slowest rank's time per all-to-all;
@@ -110,7 +121,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     cap = max(int(m.sum(axis=1).max()) for m in mats.values()) * rb
     ctx.buffers(cap)
     vc, fb, fb_why = init_comms(ctx, bound=bound, slots=2)
-    if ctx.device.type != "cpu":  # all_to_all_v may take host tensors only: find out (symmetric on all ranks)
+    if ctx.device.type != "cpu":  # one all_to_all_v of CUDA tensors first: a failure skips the bench with its reason
         try:
             A.all_to_all_v(vc, torch.zeros((n, hidden), dtype=ctx.dtype, device=ctx.device), [1] * n)
         except Exception as e:
@@ -139,7 +150,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
         return int(got.shape != want.shape or not torch.equal(got, want))
 
     def varcomm_kernel(name: str, comm: Any, algorithm: str) -> Any:
-        def kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:
+        def kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int, float]:
             x, mine, want = inputs(*p)
             old = comm.options
             comm.options = old.override(a2a_algorithm=algorithm)
@@ -154,11 +165,41 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     A.all_to_all_v(comm, x, mine)
+                host = time.perf_counter() - t0
                 ctx.sync()
-                return time.perf_counter() - t0, iters, wrong
+                return time.perf_counter() - t0, iters, wrong, host
             finally:
                 comm.options = old
         return kernel
+
+    nccl_why = _nccl_reason(ctx)
+    nccl: dict[str, Any] = {}
+
+    def nccl_kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int, float]:
+        dist = nccl["dist"]
+        x, mine, want = inputs(*p)
+        counts = torch.tensor(mine, dtype=torch.int64, device=ctx.device)
+        rc = torch.empty(n, dtype=torch.int64, device=ctx.device)
+
+        def once() -> Any:
+            dist.all_to_all_single(rc, counts)  # the count exchange
+            got = rc.tolist()  # the device-to-host sync before the payload can be posted
+            out = torch.empty((sum(got), hidden), dtype=ctx.dtype, device=ctx.device)
+            dist.all_to_all_single(out, x, got, mine)
+            return out
+
+        wrong = 0
+        for _ in range(w):
+            got = once()
+            if a.check:
+                wrong += bad("nccl", got, want)
+        ctx.sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            once()
+        host = time.perf_counter() - t0
+        ctx.sync()
+        return time.perf_counter() - t0, iters, wrong, host
 
     def mpi_kernel(test: str, p: tuple[str, int], iters: int, w: int) -> tuple[float, int, int]:
         x, _mine, want = inputs(*p)
@@ -183,8 +224,18 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                Method("libfabric", reason="fi_pingpong measures ping-pong only"
                       if "libfabric" in a.baselines else "not selected"),
                memcpy_method(ctx, lambda p: [int(mats[p].sum(axis=1)[0]) * rb]),
-               d2d_method(ctx, lambda p: [int(mats[p].sum(axis=1)[0]) * rb])]
+               d2d_method(ctx, lambda p: [int(mats[p].sum(axis=1)[0]) * rb]),
+               Method("nccl", reason=nccl_why, kernel=nccl_kernel)]
     agree(ctx, methods)
+    if methods[-1].agreed:  # every rank has NCCL: the group's creation is collective
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", store=dist.PrefixStore("varcomm-bench-nccl/", ctx.ctl._store),
+                                rank=r, world_size=n, device_id=ctx.device)
+        nccl["dist"] = dist
+    if ctx.device.type == "cuda" and r == 0 and n > 1:
+        log(f"alltoall --device cuda: CUDA tensors to rank 1 go by "
+            f"{vc.device_transport_for(1) or 'host staging (no device route)'}")
     results = []
     for rt in routings:
         pts = [(rt, s) for s in sizes]
@@ -197,8 +248,26 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
         if res is not None:
             results.append(res)
     ctx.sync_all()
+    if "dist" in nccl:
+        nccl["dist"].destroy_process_group()
     if fb is not None:
         fb.close()
     vc.close()
     return results
+
+
+def _nccl_reason(ctx: Ctx) -> str | None:
+    """Why the NCCL baseline cannot run here (None: it can)."""
+    if "nccl" not in ctx.a.baselines:
+        return "not selected"
+    if ctx.device.type != "cuda":
+        return "needs --device cuda"
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "this torch has no NCCL"
+    gpus = ctx.torch.cuda.device_count()
+    if gpus < ctx.local_world:
+        return f"NCCL needs a GPU per rank: {ctx.local_world} ranks share {gpus} GPU(s) on this host"
+    return None
 

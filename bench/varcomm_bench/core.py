@@ -12,6 +12,9 @@ Timing rules (every subcommand):
 * a point = the median of ``--repeats`` samples (min, max and all samples
   go to the JSON); the repeats of one size run in rounds over all methods,
   each round in a rotated order, so drifting load hits every method alike;
+* host-blocked time: a collective kernel may also return the seconds the host
+  spent in its calls (before the final device synchronize); the slowest
+  rank's, per op, goes to the JSON (``host_us``) and to a table of its own;
 * ``-c``: every message of every warm-up iteration is verified (sizes and
   bytes), so the timed iterations stay unperturbed; ``#wrong`` counts wrong
   messages (all-to-all: wrong results). ``VARCOMM_BENCH_CORRUPT=1`` (or a
@@ -41,7 +44,7 @@ CAL_RUNS = 3  # calibration runs per (method, size); the fastest sets the iterat
 CTL_TAG = 7_000_001
 
 #: baseline names accepted by --baselines, in table order
-BASELINES = ("two-phase", "fallback", "mpi4py", "libfabric", "memcpy", "d2d")
+BASELINES = ("two-phase", "fallback", "mpi4py", "libfabric", "memcpy", "d2d", "nccl")
 LABELS = {
     "varcomm": "varcomm (torch tensors)",
     "varcomm-numpy": "varcomm (numpy buffers)",
@@ -52,10 +55,11 @@ LABELS = {
     "libfabric": "raw libfabric fi_writedata (fi_pingpong)",
     "memcpy": "memcpy (1 thread)",
     "d2d": "device-to-device copy",
+    "nccl": "NCCL all_to_all_single, two-phase (counts, .tolist(), payload)",
 }
 SHORT = {"varcomm": "varcomm", "two-phase": "2-phase", "fallback": "fallback", "mpi4py": "mpi4py",
          "libfabric": "libfabric", "memcpy": "memcpy", "d2d": "d2d", "varcomm-numpy": "vc-numpy",
-         "varcomm-zerocopy": "vc-0copy"}
+         "varcomm-zerocopy": "vc-0copy", "nccl": "nccl"}
 
 
 class BenchError(SystemExit):
@@ -351,10 +355,11 @@ class ZeroCopyEP(TorchEP):
 class Method:
     """One column of the table. `where` = "all" (collective over the job) or "root"
     (rank 0 alone: memcpy, d2d, libfabric). `kernel(test, point, n, w)` returns
-    (seconds for the n timed iterations or nan, timed ops, wrong messages)."""
+    (seconds for the n timed iterations or nan, timed ops, wrong messages), and
+    a collective one optionally the host-blocked seconds of those iterations."""
 
     def __init__(self, name: str, where: str = "all", reason: str | None = None,
-                 kernel: Callable[..., tuple[float, int, int]] | None = None,
+                 kernel: Callable[..., tuple[float, int, int] | tuple[float, int, int, float]] | None = None,
                  na: Callable[[str, Any], str | None] | None = None, checks: bool = True) -> None:
         self.name, self.where, self.reason, self.kernel = name, where, reason, kernel
         self._na = na
@@ -482,11 +487,14 @@ def run_test(ctx: Ctx, t: Test, methods: list[Method], ext: dict[str, Callable[.
                         iters[m.name] = int(ctx.bcast([_calibrated_iters(a, per if ctx.rank == 0 else 0.0)])[0])
                         ctx.sync_all()
                 n = iters[m.name]
-                dt, ops, wrong = _sample(ctx, m, t, point, n, w)
-                g = ctx.gather([dt, ops, wrong])
+                res = _sample(ctx, m, t, point, n, w)
+                dt, ops, wrong = res[:3]
+                g = ctx.gather([dt, ops, wrong, res[3] if len(res) > 3 else math.nan])
                 if g is not None:
                     i = int(np.nanargmax(np.where(np.isnan(g[:, 0]), -1, g[:, 0])))
                     rec["t"].append(float(g[i, 0] / g[i, 1]))
+                    if not np.isnan(g[:, 3]).all():
+                        rec.setdefault("host", []).append(float(np.nanmax(g[:, 3] / g[:, 1])))
                     rec["iters"] = n
                     rec["wrong"] = int(g[:, 2].sum()) if a.check else None
         if ctx.rank == 0 and not a.quiet:
@@ -503,7 +511,7 @@ def run_test(ctx: Ctx, t: Test, methods: list[Method], ext: dict[str, Callable[.
     return _result(ctx, t, methods, samples, na_reasons, time.monotonic() - t_test)
 
 
-def _sample(ctx: Ctx, m: Method, t: Test, point: Any, n: int, w: int) -> tuple[float, int, int]:
+def _sample(ctx: Ctx, m: Method, t: Test, point: Any, n: int, w: int) -> tuple[float, ...]:
     gc_was = gc.isenabled()
     gc.disable()
     try:
@@ -545,6 +553,8 @@ def _result(ctx: Ctx, t: Test, methods: list[Method], samples: dict[str, dict[in
                 "busbw_gbps": {"median": float(nbytes / np.median(ts) / 1e9 * bus), "min": min(algbw) * bus,
                                "max": max(algbw) * bus},
                 "wrong": rec["wrong"], "iters": rec["iters"], "warmup": rec["warmup"], "repeats": len(ts)}
+            if rec.get("host"):
+                row["methods"][m.name]["host_us"] = {k: v * 1e6 for k, v in _stats(rec["host"]).items()}
         v = row["methods"].get("varcomm")
         row["ratios"] = {b: row["methods"][b]["time_us"]["median"] / v["time_us"]["median"]
                          for b in row["methods"] if b != "varcomm" and v}

@@ -6,7 +6,7 @@ from typing import Any
 
 from .core import SHORT, fmt_bytes
 
-ORDER = ("varcomm", "two-phase", "fallback", "mpi4py", "libfabric", "memcpy", "d2d")
+ORDER = ("varcomm", "two-phase", "fallback", "mpi4py", "libfabric", "memcpy", "d2d", "nccl")
 
 
 def _t(us: float | None) -> str:
@@ -76,6 +76,14 @@ def table(res: dict[str, Any]) -> str:
             checked = [x for x in others if x is not None]
             line += f"{(str(sum(checked)) if checked else 'N/A'):>7}"
         lines.append(line.rstrip())
+    host = [m for m in ms if any("host_us" in p["methods"].get(m, {}) for p in res["points"])]
+    if host:
+        lines += ["# host-blocked time per op (us): the slowest rank's time inside the calls, before the final "
+                  "device synchronize",
+                  f"#{'size':>9}  " + " ".join(f"{SHORT[m]:>9}" for m in host)]
+        for p in res["points"]:
+            cells = [p["methods"].get(m, {}).get("host_us", {}).get("median") for m in host]
+            lines.append(f"{fmt_bytes(p['size']):>10}  " + " ".join(f"{_t(c):>9}" for c in cells))
     for m, st in res["methods"].items():
         if st["status"] != "ok" and st.get("reason") != "not selected":
             lines.append(f"#  {st['status']:<7} {m}: {st['reason']}")

@@ -37,6 +37,8 @@ from .. import _C, arrays, dtypes
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
+    import torch
+
     from ..arrays import Array, Splits
     from ..comm import Communicator
     from ..work import Work
@@ -298,7 +300,8 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         raise InvalidArgument(f"tag {tag!r} out of range [0, {MAX_COLL_TAG}] for a collective")
     dev = _device(comm, [x], [out], "all_to_all_v")
     if dev is not None:
-        return _v_device(comm, dev, x, send_splits, int(tag or 0), out, async_op, timeout)
+        return cast("tuple[Array, list[int]] | Work",
+                    _v_device(comm, dev, x, send_splits, int(tag or 0), out, async_op, timeout))
     n = comm.world_size
     if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg()):
         # the common case, without the general checks' overhead
@@ -567,7 +570,7 @@ def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array |
                 if o is None:
                     outs[s] = mem.to(g, place)
                 else:
-                    o.copy_(mem.to(g, place))
+                    cast("torch.Tensor", o).copy_(mem.to(g, place))
             return cast("list[Array]", outs)
 
         return _done(staged, async_op, timeout, (msgs, outs), dev)
