@@ -364,11 +364,10 @@ def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: i
 
         def staged(t: float | None) -> tuple[Array, list[int]]:
             got, recv = work.wait(t)
-            got = mem.to(got, place)
             if out is None:
-                return got, recv
+                return mem.to(got, place), recv
             view = arrays.prefix_view(out, got.nbytes, tuple(got.shape))
-            view.copy_(got)
+            view.copy_(got)  # host to device
             return view, recv
 
         return _done(staged, async_op, timeout, (x, out), dev)
@@ -475,7 +474,7 @@ def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, outpu
 
         def staged(t: float | None) -> None:
             work.wait(t)
-            output.copy_(mem.to(bounce, place))
+            output.copy_(bounce)  # host to device
 
         return _done(staged, async_op, timeout, (inp, output), dev)
     me = comm.rank
@@ -570,7 +569,7 @@ def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array |
                 if o is None:
                     outs[s] = mem.to(g, place)
                 else:
-                    cast("torch.Tensor", o).copy_(mem.to(g, place))
+                    cast("torch.Tensor", o).copy_(g)  # host to device
             return cast("list[Array]", outs)
 
         return _done(staged, async_op, timeout, (msgs, outs), dev)
