@@ -267,6 +267,7 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   p.sendq.push_back(id);
   sending_++;
   progress_sends(peer);
+  throw_if_failed(reqs_[uint32_t(id)], id);  // refused at once: raised here, as before it was queued
   return id;
 }
 
@@ -498,7 +499,25 @@ void Engine::progress_sends(int peer) {
   // Order per peer is the send order: a later send never overtakes a queued one.
   for (auto it = p.sendq.begin(); it != p.sendq.end();) {
     Request& r = reqs_[uint32_t(*it)];
-    if (r.state == ReqState::Queued && !try_write(peer, r)) break;
+    if (r.state == ReqState::Queued) {
+      bool wrote;
+      try {
+        wrote = try_write(peer, r);
+      } catch (const Error& e) {
+        // The transport refused this send (a CUDA stream of another GPU, one
+        // being captured): it fails alone, unwritten; left queued it would
+        // throw again from every later progress and stop the sends behind it.
+        uint64_t id = *it;
+        r.state = ReqState::Failed;
+        r.err = e.kind;
+        r.error = e.what();
+        it = p.sendq.erase(it);
+        sending_--;
+        if (r.detached) recycle(id);
+        continue;
+      }
+      if (!wrote) break;
+    }
     if (r.state == ReqState::InFlight && (r.mem.device ? *p.tdev : *p.t).complete(peer, r.ticket)) {
       r.state = ReqState::Done;
       if (r.detached) recycle(*it);

@@ -316,6 +316,34 @@ def test_fake_timeout_then_usable(fake_cuda):
         comm.barrier()
 
 
+@world(3, timeout=120)
+def test_fake_refused_stream_fails_alone(fake_cuda):
+    """Every rank's current stream reports a CUDA graph capture: the all-to-all
+    is refused (InvalidArgument naming the graph) before any chunk is written,
+    on every rank, and so is a p2p isend; neither stays queued, so the next
+    collective and sends on a plain stream are right."""
+    dev, comm = _fake(fake_cuda, bound=BOUND, slots=3, timeout=30)
+    with comm:
+        r, n = comm.rank, comm.world_size
+        x = _on(dev, torch.arange(2 * n, dtype=torch.float32) + 10 * r)
+        plain = dev.current
+        capturing = dev.gpu.stream()
+        dev.gpu.lib.fake_cuda_set_capturing(ctypes.c_void_p(capturing), 1)
+        dev.current = capturing
+        with pytest.raises(varcomm.InvalidArgument, match="CUDA graph"):
+            A.all_to_all_v(comm, x, [2] * n)
+        with pytest.raises(varcomm.InvalidArgument, match="CUDA graph"):
+            comm._c.isend((r + 1) % n, 3, x.data_ptr(), 8, arrays.dtypes.from_torch(torch.float32), (2,), capturing)
+        dev.current = plain
+        comm.barrier()
+        got, rs = A.all_to_all_v(comm, x, [2] * n)
+        assert rs == [2] * n and got.tolist() == [10.0 * s + v for s in range(n) for v in (2 * r, 2 * r + 1)]
+        w = comm.isend(torch.tensor([r]), (r + 1) % n, tag=3)
+        assert comm.recv((r - 1) % n, tag=3).item() == (r - 1) % n
+        w.wait()
+        comm.barrier()
+
+
 @world(3, timeout=90, expect_exit={2: None})
 def test_fake_dead_peer_raises_peer_failure(fake_cuda):
     dev, comm = _fake(fake_cuda, bound=BOUND, slots=3, timeout=60)

@@ -254,7 +254,20 @@ API CUresult cuStreamDestroy_v2(void* s) { delete static_cast<Stream*>(s); retur
 API CUresult cuStreamSynchronize(void* s) { stream_of(s)->sync(); return 0; }
 API CUresult cuStreamQuery(void* s) { return stream_of(s)->idle() ? 0 : 600; }  // CUDA_ERROR_NOT_READY
 API CUresult cuStreamGetCtx(void*, Ctx** c) { *c = &g_ctx; return 0; }
-API CUresult cuStreamIsCapturing(void*, int* st) { *st = 0; return 0; }
+static std::mutex g_capture_mu;
+static std::map<void*, int> g_capturing;  // streams a test marked as capturing (fake_cuda_set_capturing)
+API CUresult cuStreamIsCapturing(void* s, int* st) {
+  std::lock_guard<std::mutex> g(g_capture_mu);
+  auto it = g_capturing.find(s);
+  *st = it == g_capturing.end() ? 0 : it->second;  // 1: CU_STREAM_CAPTURE_STATUS_ACTIVE
+  return 0;
+}
+// For tests: make `s` report an active graph capture (on != 0) or none.
+API void fake_cuda_set_capturing(void* s, int on) {
+  std::lock_guard<std::mutex> g(g_capture_mu);
+  if (on) g_capturing[s] = 1;
+  else g_capturing.erase(s);
+}
 API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
   if (CUresult r = need_ctx()) return r;
   if (!find(uintptr_t(addr), nullptr)) return 1;  // must be device or registered memory
