@@ -426,6 +426,30 @@ def test_gpu_every_entry_point_matches_reference():
         comm.barrier()
 
 
+@world(3, timeout=180, requires=GPU_REQ)
+def test_gpu_mixed_routes_some_peers_staged():
+    """As test_fake_mixed_routes_some_peers_staged, on the real driver: rank 2's
+    nvlink flags differ, so its pairs are staged through host memory (the host
+    slot copied into device memory on the stream) while 0 <-> 1 go GPU to GPU;
+    then rank 2 with nvlink off runs the host collective on host copies."""
+    seed = seeded()
+    r0 = varcomm.testing.rank()
+    os.environ["VARCOMM_NVLINK_FLAGS"] = "host" if r0 == 2 else "device"
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    here = torch.device("cuda", torch.cuda.current_device())
+    with varcomm.init(transport="shm", bound=BOUND, slots=3, timeout=60) as comm:
+        routes = [comm.device_transport_for(p) for p in range(3)]
+        assert routes == (["nvlink", "nvlink", None] if r0 < 2 else [None, None, "nvlink"]), routes
+        _run_entry_points(arrays.DeviceMemory(), comm, seed, iters=10, max_rows=30, place=here)
+        comm.barrier()
+    os.environ["VARCOMM_NVLINK"] = "0" if r0 == 2 else "1"
+    os.environ["VARCOMM_NVLINK_FLAGS"] = "device"
+    with varcomm.init(transport="shm", bound=BOUND, slots=3, timeout=60) as comm:
+        assert (comm.device_transport_for(r0) is None) == (r0 == 2)
+        _run_entry_points(arrays.DeviceMemory(), comm, seed + 1, iters=10, max_rows=30, place=here)
+        comm.barrier()
+
+
 @world(2, timeout=180, requires=GPU_REQ)
 def test_gpu_collectives_do_not_block_the_host():
     """20 all-to-alls enqueued behind ~0.5 s of GPU work return long before it
