@@ -156,6 +156,8 @@ class Communicator:
         self._device_routes: list[str | None] = self._c.device_routes
         # The GPU whose memory holds our device receive slots, else None.
         self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
+        # The device-split all-to-all (collectives/alltoall_device.py), set up on first use.
+        self._device_a2a: Any = None
         self._routes_ready = True
         # The core says whether some pair in the job needs the mover; building
         # its gloo group is collective, so then every rank starts one.
@@ -556,6 +558,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if self._device_a2a is not None:  # its kernels' waits end, its streams drain, before the engine goes
+            self._device_a2a.close()
         try:
             self._store.set(f"left/{self.rank}", "1")
             self._flush(time.monotonic() + _CLOSE_FLUSH_S)

@@ -24,6 +24,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
+
+// The device-split all-to-all's kernel bodies, compiled as host C++: a launch
+// runs the real algorithm (a2a_kernels.cuh) on the stream's thread.
+#include "a2a_kernels.cuh"
 
 namespace {
 
@@ -46,6 +51,9 @@ struct Stream {
   int busy = 0;
   bool stop = false;
   std::thread worker;
+  // Between cuStreamBeginCapture and cuStreamEndCapture: operations are
+  // recorded here instead of run (a graph), and cuGraphLaunch runs them again.
+  std::vector<std::function<void()>>* capture = nullptr;
   Stream() {
     worker = std::thread([this] {
       std::unique_lock<std::mutex> g(mu);
@@ -74,6 +82,10 @@ struct Stream {
   }
   void push(std::function<void()> op) {
     std::lock_guard<std::mutex> g(mu);
+    if (capture) {
+      capture->push_back(std::move(op));
+      return;
+    }
     q.push_back(std::move(op));
     cv.notify_all();
   }
@@ -254,7 +266,42 @@ API CUresult cuStreamDestroy_v2(void* s) { delete static_cast<Stream*>(s); retur
 API CUresult cuStreamSynchronize(void* s) { stream_of(s)->sync(); return 0; }
 API CUresult cuStreamQuery(void* s) { return stream_of(s)->idle() ? 0 : 600; }  // CUDA_ERROR_NOT_READY
 API CUresult cuStreamGetCtx(void*, Ctx** c) { *c = &g_ctx; return 0; }
-API CUresult cuStreamIsCapturing(void*, int* st) { *st = 0; return 0; }
+API CUresult cuStreamIsCapturing(void* s, int* st) {
+  Stream* x = stream_of(s);
+  std::lock_guard<std::mutex> g(x->mu);
+  *st = x->capture ? 1 : 0;  // CU_STREAM_CAPTURE_STATUS_ACTIVE
+  return 0;
+}
+// CUDA graphs, as far as tests capture them: one stream's operations in order.
+struct Graph {
+  std::vector<std::function<void()>> ops;
+};
+API CUresult cuStreamBeginCapture_v2(void* s, int) {
+  if (!s) return 1;  // the legacy stream cannot capture
+  Stream* x = stream_of(s);
+  std::lock_guard<std::mutex> g(x->mu);
+  if (x->capture) return 900;  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+  x->capture = &(new Graph())->ops;
+  return 0;
+}
+API CUresult cuStreamEndCapture(void* s, Graph** graph) {
+  Stream* x = stream_of(s);
+  std::lock_guard<std::mutex> g(x->mu);
+  if (!x->capture) return 901;  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+  *graph = reinterpret_cast<Graph*>(reinterpret_cast<char*>(x->capture) - offsetof(Graph, ops));
+  x->capture = nullptr;
+  return 0;
+}
+API CUresult cuGraphInstantiateWithFlags(Graph** exec, Graph* graph, unsigned long long) {
+  *exec = new Graph(*graph);
+  return 0;
+}
+API CUresult cuGraphLaunch(Graph* exec, void* s) {
+  for (auto& op : exec->ops) stream_of(s)->push(op);
+  return 0;
+}
+API CUresult cuGraphDestroy(Graph* g) { delete g; return 0; }
+API CUresult cuGraphExecDestroy(Graph* g) { delete g; return 0; }
 API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
   if (CUresult r = need_ctx()) return r;
   if (!find(uintptr_t(addr), nullptr)) return 1;  // must be device or registered memory
@@ -275,7 +322,7 @@ API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsig
 // FAKE_CUDA_NO_MODULES=1: cuModuleLoadData fails as on a GPU without an image.
 struct Module {};
 struct Function { int which; };
-Function g_copy_signal{1};
+Function g_copy_signal{1}, g_a2a_send{2}, g_a2a_recv{3};
 std::atomic<unsigned long long> g_launches{0};
 API CUresult cuModuleLoadData(Module** m, const void* image) {
   if (CUresult r = need_ctx()) return r;
@@ -289,13 +336,31 @@ API CUresult cuModuleLoadData(Module** m, const void* image) {
 }
 API CUresult cuModuleUnload(Module* m) { delete m; return 0; }
 API CUresult cuModuleGetFunction(Function** f, Module*, const char* name) {
-  if (std::strcmp(name, "varcomm_copy_signal")) return 500;  // CUDA_ERROR_NOT_FOUND
-  *f = &g_copy_signal;
+  if (!std::strcmp(name, "varcomm_copy_signal")) *f = &g_copy_signal;
+  else if (!std::strcmp(name, "varcomm_a2a_send")) *f = &g_a2a_send;
+  else if (!std::strcmp(name, "varcomm_a2a_recv")) *f = &g_a2a_recv;
+  else return 500;  // CUDA_ERROR_NOT_FOUND
   return 0;
 }
 API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void* s, void** params, void** extra) {
   if (CUresult r = need_ctx()) return r;
+  if ((f == &g_a2a_send || f == &g_a2a_recv) && params && !extra) {
+    // The real kernel bodies, one block after another on the stream's thread
+    // (each block's phases for every thread index in turn): a2a_kernels.cuh.
+    namespace a2a = varcomm::a2a;
+    const a2a::Args a = *static_cast<const a2a::Args*>(params[0]);
+    if (gx != a.world || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
+    if (!find(uintptr_t(a.ws), nullptr) || !find(uintptr_t(a.err), nullptr)) return 700;
+    for (unsigned q = 0; q < a.world; ++q)
+      if (!find(uintptr_t(a.peer_ws[q]), nullptr)) return 700;
+    g_launches.fetch_add(1);
+    const bool send = f == &g_a2a_send;
+    stream_of(s)->push([a, send, bx] {
+      for (unsigned b = 0; b < a.world; ++b) send ? a2a::host_send_block(a, b, bx) : a2a::host_recv_block(a, b, bx);
+    });
+    return 0;
+  }
   if (f != &g_copy_signal || !params || extra) return 1;
   if (gx != 1 || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
   CUdeviceptr dst = *static_cast<CUdeviceptr*>(params[0]), src = *static_cast<CUdeviceptr*>(params[1]);

@@ -50,3 +50,26 @@ extern "C" __global__ void __launch_bounds__(VARCOMM_KERNEL_MAX_THREADS)
   if (threadIdx.x == 0)
     cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*flag).store(seq, cuda::memory_order_release);
 }
+
+// The device-split all-to-all (a2a_device.h): bodies in a2a_kernels.cuh,
+// shared with the CPU stand-in driver. One block per peer, phases between
+// barriers; the Args struct is passed by value.
+#include "a2a_kernels.cuh"
+
+extern "C" __global__ void __launch_bounds__(varcomm::a2a::kThreads) varcomm_a2a_send(varcomm::a2a::Args a) {
+  __shared__ varcomm::a2a::SendShared sh;
+  if (threadIdx.x == 0) varcomm::a2a::send_phase0(a, sh, blockIdx.x);
+  __syncthreads();
+  varcomm::a2a::send_phase1(a, sh, blockIdx.x, threadIdx.x, blockDim.x);
+  __syncthreads();
+  if (threadIdx.x == 0) varcomm::a2a::send_phase2(a, sh, blockIdx.x);
+}
+
+extern "C" __global__ void __launch_bounds__(varcomm::a2a::kThreads) varcomm_a2a_recv(varcomm::a2a::Args a) {
+  __shared__ varcomm::a2a::RecvShared sh;
+  if (threadIdx.x == 0) varcomm::a2a::recv_phase0(a, sh, blockIdx.x);
+  __syncthreads();
+  varcomm::a2a::recv_phase1(a, sh, blockIdx.x, threadIdx.x, blockDim.x);
+  __syncthreads();
+  if (threadIdx.x == 0) varcomm::a2a::recv_phase2(a, sh, blockIdx.x);
+}
