@@ -712,7 +712,8 @@ void bind_device_a2a(py::module_& m) {
            py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"))
       .def("check", [](DeviceA2AHandle& h) { h.a->check(); })
       .def("alloc", [](DeviceA2AHandle& h, uint64_t n) { return h.a->alloc(n); }, py::arg("nbytes"))
-      .def("free", [](DeviceA2AHandle& h, uintptr_t p) { h.a->free(p); }, py::arg("ptr"))
+      .def("free", [](DeviceA2AHandle& h, uintptr_t p, uintptr_t stream) { h.a->free(p, stream); }, py::arg("ptr"),
+           py::arg("stream"))
       .def("synchronize",
            [](DeviceA2AHandle& h, uintptr_t stream, std::optional<double> timeout) {
              timeout = timeout_of(timeout);

@@ -94,6 +94,26 @@ struct DeviceA2A::Impl {
   std::mutex mu;
   std::set<uintptr_t> streams;  // every stream launched on (close waits for them)
   bool closed = false;
+  std::vector<std::pair<uintptr_t, uintptr_t>> pending;  // (allocation, stream) to free once the stream is idle
+
+  // Frees what free() deferred, where its stream has drained (never querying
+  // a stream that is capturing a graph: that would invalidate the capture).
+  void sweep(bool all = false) {
+    for (size_t i = 0; i < pending.size();) {
+      CUstream s = reinterpret_cast<CUstream>(pending[i].second);
+      CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+      bool idle = all;
+      if (!idle && d.StreamIsCapturing(s, &st) == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_NONE)
+        idle = d.StreamQuery(s) != CUDA_ERROR_NOT_READY;
+      if (idle) {
+        d.MemFree(CUdeviceptr(pending[i].first));
+        pending[i] = pending.back();
+        pending.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
 
   Impl(Engine& e, const Driver& d) : e(e), d(d), rank(e.rank()), world(e.world()) {}
 
@@ -191,6 +211,8 @@ struct DeviceA2A::Impl {
       }
       if (err) abort();
       for (uintptr_t s : streams) d.StreamSynchronize(reinterpret_cast<CUstream>(s));
+      for (auto& p : pending) d.StreamSynchronize(reinterpret_cast<CUstream>(p.second));
+      sweep(true);
       for (CUdeviceptr p : opened)
         if (p) d.IpcCloseMemHandle(p);
       if (ws) d.MemFree(ws);
@@ -372,6 +394,7 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   for (int q = 0; q < m.world; ++q) a.peer_ws[q] = reinterpret_cast<unsigned char*>(m.peer_ws[q]);
   a.err = reinterpret_cast<a2a::ErrorRecord*>(m.err_dev);
   Ctx scope(m.d, m.ctx);
+  if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);
   void* params[] = {&a};
   m.check(m.d.LaunchKernel(m.send, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
@@ -402,6 +425,10 @@ void DeviceA2A::synchronize(uintptr_t stream, std::optional<double> timeout) {
     }
     if (i > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    if (!m.pending.empty()) m.sweep();
+  }
   check();
 }
 
@@ -425,12 +452,13 @@ uintptr_t DeviceA2A::alloc(uint64_t nbytes) {
   return uintptr_t(p);
 }
 
-void DeviceA2A::free(uintptr_t p) {
+void DeviceA2A::free(uintptr_t p, uintptr_t stream) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
-  if (!m.retained) return;  // closed: the context may be gone; the driver frees it with the process
+  if (!m.retained) return;  // closed: the driver frees it with the process
   Ctx scope(m.d, m.ctx);
-  m.d.MemFree(CUdeviceptr(p));
+  m.pending.push_back({p, stream});
+  m.sweep();
 }
 
 std::string DeviceA2A::describe() const {

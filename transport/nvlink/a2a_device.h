@@ -65,7 +65,10 @@ class DeviceA2A {
   // Device memory for outputs of callers that have no allocator of their own
   // (arrays that are not torch tensors): cuMemAlloc / cuMemFree on our GPU.
   uintptr_t alloc(uint64_t nbytes);
-  void free(uintptr_t p);
+  // Frees p once `stream` has run what is enqueued on it now (a kernel may
+  // still write an output its caller dropped): at once when it is idle, else
+  // at a later launch, synchronize or close.
+  void free(uintptr_t p, uintptr_t stream);
   uint64_t cap() const { return cap_; }
   std::string describe() const;
 

@@ -139,7 +139,8 @@ class DeviceArray:
         self.shape, self.word, self.stream = shape, word, stream
         self.nbytes = dtypes.itemsize(word) * int(np.prod(shape, dtype=np.int64))
         self.ptr: int = handle.alloc(self.nbytes)
-        self._free = weakref.finalize(self, handle.free, self.ptr)
+        # Freed once its stream ran what was enqueued (a kernel may still write it).
+        self._free = weakref.finalize(self, handle.free, self.ptr, stream)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

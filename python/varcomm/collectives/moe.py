@@ -34,6 +34,7 @@ from . import alltoall
 
 if TYPE_CHECKING:
     from ..comm import Communicator
+    from .moe_device import DeviceMoEHandle
 
 __all__ = ["dispatch", "combine", "MoEHandle"]
 
@@ -134,7 +135,7 @@ def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
+             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle | DeviceMoEHandle]:
     """Send each (token, k) to the rank owning expert ``topk_ids[token, k]``.
 
     tokens [T, H] (any fixed-size dtype), topk_ids [T, K] ints in [0, E),
@@ -142,7 +143,15 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     grouped by local expert (rows for local expert 0 first, ...; within an
     expert, by source rank then by (token, k)), ``tokens_per_expert`` [E/n]
     int64, and the handle combine needs. ``num_experts`` must be a multiple of
-    the world size."""
+    the world size.
+
+    ``topk_ids`` on the GPU: the device-routed form (moe_device.dispatch): no
+    count reaches the host, ``expert_tokens`` is bound-sized and expert-major,
+    ``tokens_per_expert`` is on the device."""
+    if topk_ids.is_cuda:
+        from . import moe_device
+
+        return moe_device.dispatch(comm, tokens, topk_ids, topk_weights, num_experts)
     n = comm.world_size
     if num_experts <= 0 or num_experts % n:
         raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of the world size {n}")
@@ -160,12 +169,16 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     return expert_tokens, tokens_per_expert, handle
 
 
-def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle | DeviceMoEHandle) -> torch.Tensor:
     """Return every expert output to its token's rank and reduce it:
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``, tokens in their
     original order. ``expert_outputs`` [R, H'] rows match dispatch's
     ``expert_tokens`` rows (H' may differ from H). Differentiable in
     ``expert_outputs`` and in ``topk_weights``."""
+    if not isinstance(handle, MoEHandle):
+        from . import moe_device
+
+        return moe_device.combine(comm, expert_outputs, handle)
     if expert_outputs.shape[0] != handle.perm.numel():
         raise InvalidArgument(f"expert_outputs has {expert_outputs.shape[0]} rows; dispatch delivered "
                               f"{handle.perm.numel()}")
