@@ -14,17 +14,45 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import varcomm
-from test_gpu import GPU_REQ, FakeGpu, fake_cuda, nvlink_built  # noqa: F401  (fake_cuda: a fixture)
+from test_gpu import GPU_REQ, FakeGpu, nvlink_built
 from varcomm.collectives import alltoall_device as D
 from varcomm.testing import seeded, world
 
 BOUND = 16 * 1024
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory) -> str:
+    """The CPU stand-in driver, built with the kernel bodies (as test_gpu.py builds it)."""
+    why = nvlink_built() or _C_reason()
+    if why:
+        pytest.skip(why)
+    cxx = os.environ.get("CXX", "g++")
+    if not shutil.which(cxx):
+        pytest.skip(f"{cxx} not found: cannot build the fake driver")
+    out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out),
+                    str(ROOT / "transport" / "nvlink" / "fake_libcuda.cc"), "-lpthread"], check=True)
+    return str(out)
+
+
+def _C_reason() -> str | None:
+    """Skip reason when this build has no device all-to-all (no nvcc: no kernels in it)."""
+    from varcomm import _C
+
+    if not _C.build_info.get("device_a2a"):
+        return "varcomm was built without nvcc (or without the device all-to-all): no kernels"
+    return None
 
 
 class FakeArray:
@@ -251,7 +279,7 @@ def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
         # 4. splits past x on rank 0
         x, out, oso = call([3, 9] if r == 0 else [1, 1], x_rows=10 if r == 0 else None)
         if r == 0:
-            with pytest.raises(varcomm.InvalidArgument, match="send_splits for rank 1 give rows \\[3, 12\\) of an input of 10"):
+            with pytest.raises(varcomm.InvalidArgument, match=r"for rank 1 give rows \[3, 12\) of an input of 10"):
                 D.synchronize(comm, s)
         else:
             with pytest.raises(varcomm.VarcommError, match="rank 0 passed send_splits outside its input"):
@@ -261,7 +289,7 @@ def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
 
 
 @world(2, timeout=120)
-def test_fake_timeout_and_dead_peer(fake_cuda):
+def test_fake_timeout_fails_the_path(fake_cuda):
     """Rank 1 never calls: rank 0's kernel gives up after its timeout
     (TimeoutError naming rank 1) and the device path stays failed; nothing
     hangs."""
@@ -272,8 +300,8 @@ def test_fake_timeout_and_dead_peer(fake_cuda):
         sp = FakeArray(gpu, (2,), "int64", s)
         sp.host[...] = [2, 2]
         out = FakeArray(gpu, (64, 4), "float32", s)
-        D.all_to_all_vdev(comm, x, sp, out=out, timeout=0.1)  # sets up (both ranks), then only rank 0 is left
-        D.synchronize(comm, s) if r == 1 else None
+        D.all_to_all_vdev(comm, x, sp, out=out)  # sets up (both ranks), then only rank 0 calls
+        D.synchronize(comm, s)
         comm.barrier()
         if r == 0:
             D.all_to_all_vdev(comm, x, sp, out=out, timeout=1.0)
@@ -353,3 +381,191 @@ def dtypes_u8() -> int:
     from varcomm import dtypes
 
     return dtypes.word(dtypes.UINT, 8)
+
+
+def _expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Local expert e's function (global expert id e): differentiable and expert-specific."""
+    return rows * (1.0 + 0.5 * e) + 0.25 * e
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
+    """moe_device.dispatch/combine (routing on the device, all_to_all_vdev_2d
+    underneath) on torch tensors with an explicit stream: y and the gradients
+    of tokens, expert computation and topk_weights equal one process's."""
+
+    @world(n, timeout=180)
+    def body():
+        from varcomm.collectives import moe_device
+
+        seed = seeded()
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, s = comm.rank, gpu.stream()
+        T, H, K, E = 12, 6, 2, 2 * n
+        with comm:
+            for it in range(3):
+                g = torch.Generator().manual_seed(seed * 10 + it)
+                toks = [torch.randn(T, H, generator=g) for _ in range(n)]
+                ids = [torch.randint(0, E, (T, K), generator=g) for _ in range(n)]
+                if it == 2:
+                    ids = [torch.zeros(T, K, dtype=torch.int64) for _ in range(n)]  # all to expert 0 (rank 0)
+                ws = [torch.rand(T, K, generator=g) for _ in range(n)]
+                tok = toks[r].clone().requires_grad_(True)
+                w = ws[r].clone().requires_grad_(True)
+                et, tpe, h = moe_device.dispatch(comm, tok, ids[r], w, E, stream=s)
+                assert isinstance(h, moe_device.DeviceMoEHandle)
+                off = torch.cumsum(tpe, 0) - tpe
+                outs = torch.zeros_like(et)
+                pieces = []
+                for e in range(E // n):
+                    a, b = int(off[e]), int(off[e] + tpe[e])
+                    pieces.append((a, b, _expert(r * (E // n) + e, et[a:b])))
+                for a, b, v in pieces:
+                    outs = outs.index_copy(0, torch.arange(a, b), v)
+                y = moe_device.combine(comm, outs, h)
+                (y * (1 + torch.arange(H))).sum().backward()
+                # one process
+                tok_ref = toks[r].clone().requires_grad_(True)
+                w_ref = ws[r].clone().requires_grad_(True)
+                per = torch.stack([torch.stack([_expert(int(ids[r][t, k]), tok_ref[t]) for k in range(K)])
+                                   for t in range(T)])
+                y_ref = (per * w_ref[..., None]).sum(1)
+                (y_ref * (1 + torch.arange(H))).sum().backward()
+                assert torch.allclose(y, y_ref, atol=1e-5), (seed, it)
+                assert torch.allclose(tok.grad, tok_ref.grad, atol=1e-5), (seed, it, "tokens' gradient")
+                assert torch.allclose(w.grad, w_ref.grad, atol=1e-5), (seed, it, "weights' gradient")
+                want = sum(int((ids[q] // (E // n) == r).sum()) for q in range(n))
+                assert int(tpe.sum()) == want
+            comm.barrier()
+
+    body()
+
+
+@world(2, timeout=120, expect_exit={1: None})
+def test_fake_dead_peer_aborts_the_kernels(fake_cuda):
+    """Rank 1 dies after set-up; rank 0's kernels (no timeout of their own)
+    spin on its flag until synchronize notices the death and aborts them:
+    PeerFailure within seconds, the path stays failed, close does not hang."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    x = FakeArray(gpu, (4, 4), "float32", s)
+    sp = FakeArray(gpu, (2,), "int64", s)
+    sp.host[...] = [2, 2]
+    out = FakeArray(gpu, (64, 4), "float32", s)
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    D.synchronize(comm, s)
+    comm.barrier()
+    if r == 1:
+        os._exit(3)
+    import time
+
+    time.sleep(0.5)
+    D.all_to_all_vdev(comm, x, sp, out=out)  # the kernels would wait 30 s (the timeout): the abort comes first
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="aborted while waiting for rank 1"):
+        D.synchronize(comm, s)
+    assert time.monotonic() - t0 < 15, "the dead peer took too long to notice"
+    with pytest.raises(varcomm.PeerFailure):
+        D.all_to_all_vdev(comm, x, sp, out=out)
+    comm.close()
+
+
+# ---------------------------------------------------------------------------
+# torch CUDA tensors on a real GPU
+
+
+def _gpu_comm(**kw):
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return varcomm.init(transport="shm", timeout=60, **kw)
+
+
+@world(2, timeout=180, requires=GPU_REQ)
+def test_gpu_vdev_matches_reference_without_host_sync():
+    """CUDA splits: all_to_all_v returns the bound-sized out and the device
+    counts/offsets; torch's sync debug mode (error) proves nothing in the
+    call synchronizes the host."""
+    seed = seeded()
+    with _gpu_comm(bound=BOUND) as comm:
+        r, n, W = comm.rank, comm.world_size, 8
+        for it, kind in enumerate(["random", "skewed", "zero", "all-to-one"] * 2):
+            g = np.random.default_rng([seed, it])
+            splits = _routing(g, n, kind, it)
+            dt = torch.bfloat16 if it % 2 else torch.float32
+            xs = [torch.from_numpy(_x(seed, it, q, int(splits[q].sum()), W, "float32")).to(dt) for q in range(n)]
+            x = xs[r].cuda()
+            sp = torch.tensor(splits[r], device="cuda", dtype=torch.int64 if it % 3 else torch.int32)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out, oso = comm.all_to_all_v(x, sp)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            D.synchronize(comm)
+            want_rows = splits[:, r]
+            assert oso.cpu()[0].tolist() == want_rows.tolist(), (seed, it)
+            total = int(want_rows.sum())
+            want = torch.cat([xs[q][int(splits[q][:r].sum()):int(splits[q][:r + 1].sum())] for q in range(n)])
+            assert torch.equal(out[:total].cpu(), want), f"seed {seed} iteration {it} ({kind}, {dt})"
+        comm.barrier()
+
+
+@world(2, timeout=180, requires=GPU_REQ)
+def test_gpu_moe_device_autograd_and_graph_replay():
+    """moe.dispatch/combine with CUDA topk_ids take the device path: y and
+    every gradient equal one process's; then the forward is captured in a
+    CUDA graph once and replayed with new routing copied into its input."""
+    from varcomm import moe
+    from varcomm.collectives import moe_device
+
+    seed = seeded()
+    with _gpu_comm(bound=1 << 20) as comm:
+        r, n = comm.rank, comm.world_size
+        T, H, K, E = 64, 32, 2, 4
+        g = torch.Generator().manual_seed(seed)
+        toks = [torch.randn(T, H, generator=g) for _ in range(n)]
+        ids = [torch.randint(0, E, (T, K), generator=g) for _ in range(n)]
+        ws = [torch.rand(T, K, generator=g) for _ in range(n)]
+        tok = toks[r].cuda().requires_grad_(True)
+        w = ws[r].cuda().requires_grad_(True)
+        et, tpe, h = moe.dispatch(comm, tok, ids[r].cuda(), w, E)
+        assert isinstance(h, moe_device.DeviceMoEHandle) and tpe.is_cuda
+        off = (torch.cumsum(tpe, 0) - tpe).tolist()
+        outs = torch.zeros_like(et)
+        for e, (a, c) in enumerate(zip(off, tpe.tolist())):
+            outs = outs.index_copy(0, torch.arange(a, a + c, device="cuda"), _expert(r * (E // n) + e, et[a:a + c]))
+        y = moe.combine(comm, outs, h)
+        (y * (1 + torch.arange(H, device="cuda"))).sum().backward()
+        tok_ref = toks[r].clone().requires_grad_(True)
+        w_ref = ws[r].clone().requires_grad_(True)
+        per = torch.stack([torch.stack([_expert(int(ids[r][t, k]), tok_ref[t]) for k in range(K)]) for t in range(T)])
+        y_ref = (per * w_ref[..., None]).sum(1)
+        (y_ref * (1 + torch.arange(H))).sum().backward()
+        assert torch.allclose(y.cpu(), y_ref, atol=1e-4), seed
+        assert torch.allclose(tok.grad.cpu(), tok_ref.grad, atol=1e-4), seed
+        assert torch.allclose(w.grad.cpu(), w_ref.grad, atol=1e-4), seed
+        # graph: dispatch + identity experts + combine, replayed with new routing
+        static_ids = ids[r].cuda()
+        static_tok = toks[r].cuda()
+        static_w = torch.ones(T, K, device="cuda") / K
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up outside the capture
+                et, tpe, h = moe.dispatch(comm, static_tok, static_ids, static_w, E)
+                moe.combine(comm, et, h)
+        torch.cuda.current_stream().wait_stream(s)
+        D.synchronize(comm)
+        comm.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            et, tpe, h = moe.dispatch(comm, static_tok, static_ids, static_w, E)
+            y_static = moe.combine(comm, et, h)
+        for rep in range(5):
+            gg = torch.Generator().manual_seed(seed * 100 + rep)
+            new_ids = torch.randint(0, E, (n, T, K), generator=gg)[r]
+            static_ids.copy_(new_ids)
+            static_tok.copy_(torch.randn(n, T, H, generator=gg)[r])
+            graph.replay()
+            D.synchronize(comm)
+            assert torch.allclose(y_static, static_tok, atol=1e-5), (seed, rep)  # identity experts, weights sum to 1
+        comm.barrier()

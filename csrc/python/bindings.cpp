@@ -759,8 +759,10 @@ PYBIND11_MODULE(_C, m) {
 #ifdef VARCOMM_HAVE_CUDA
   have.append("nvlink");
   build["cuda"] = true;
+  build["device_a2a"] = device_a2a_built();  // the device-split all-to-all's kernels are in this build
 #else
   build["cuda"] = false;
+  build["device_a2a"] = false;
 #endif
   build["transports"] = have;
   build["max_dims"] = kMaxDims;

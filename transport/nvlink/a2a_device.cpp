@@ -67,6 +67,14 @@ class Ctx {
 
 }  // namespace
 
+bool device_a2a_built() {
+#ifdef VARCOMM_HAVE_FATBIN
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::string device_a2a_unavailable_reason() {
 #ifndef VARCOMM_HAVE_FATBIN
   return "varcomm was built without nvcc: the device-split all-to-all needs its kernels (rebuild with CUDA's nvcc)";

@@ -78,6 +78,9 @@ class DeviceA2A {
   uint64_t cap_;
 };
 
+// Whether this build has the kernels (nvcc was found); loads nothing.
+bool device_a2a_built();
+
 // Empty when this build can run the device-split all-to-all, else why not.
 std::string device_a2a_unavailable_reason();
 
