@@ -15,7 +15,7 @@
 //
 // Workspace of each rank (device memory, exported with CUDA IPC), offsets in
 // bytes (a2a_ws_* below):
-//   [state: epoch | blocks done] [credits: one u64 per peer] [per source s: slot s]
+//   [state: epoch | blocks done | last call with an error] [credits: one u64 per peer] [per source s: slot s]
 //   slot s = [ctl: flag, rows, dtype, row_bytes, status, pad | counts[kA2AMaxLocal]] [payload: cap bytes]
 // Rank d's slot s is where rank s writes its chunk for d; rank s's credits[d]
 // is where d says it consumed that chunk. All words only grow by call
@@ -130,6 +130,14 @@ VC_HD inline void store_release(u64* p, u64 v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
 #endif
 }
+// A coherent load without ordering (control words other GPUs write; never a stale L1 line).
+VC_HD inline u64 load_relaxed(const u64* p) {
+#ifdef __CUDA_ARCH__
+  return cuda::atomic_ref<u64, cuda::thread_scope_system>(*const_cast<u64*>(p)).load(cuda::memory_order_relaxed);
+#else
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+#endif
+}
 VC_HD inline bool cas(u64* p, u64 expect, u64 v) {
 #ifdef __CUDA_ARCH__
   return cuda::atomic_ref<u64, cuda::thread_scope_system>(*p).compare_exchange_strong(expect, v);
@@ -173,13 +181,24 @@ VC_HD inline void pause() {
 
 VC_HD inline u64* word(unsigned char* base, u64 off) { return reinterpret_cast<u64*>(base + off); }
 
+// The first error of a call wins a word in device memory (atomics on host
+// memory are not portable: PCIe), then writes the host record with plain
+// stores: kErrBusy, the fields, the code. A hard error already there stays.
 VC_HD inline void report(const Args& a, u64 code, u64 call, u64 x, u64 y, u64 z, u64 w) {
-  if (!cas(&a.err->code, kErrNone, kErrBusy)) return;  // an earlier error stands
+  u64* seq = reinterpret_cast<u64*>(a.ws + ws_state() + 16);
+  for (;;) {
+    const u64 v = load_relaxed(seq);
+    if (v >= call) return;  // this call's error is recorded already
+    if (cas(seq, v, call)) break;
+  }
+  if (load_relaxed(&a.err->code) >= kHard) return;
+  store_release(&a.err->code, kErrBusy);
   a.err->call = call;
   a.err->a = x;
   a.err->b = y;
   a.err->c = z;
   a.err->d = w;
+  fence_system();
   store_release(&a.err->code, code);
 }
 
@@ -203,25 +222,39 @@ VC_HD inline bool wait_geq(const Args& a, const u64* p, u64 v, u64 call, int pee
 }
 
 // Copy n bytes, thread t of nt, in the widest words src, dst and n allow.
+// `coherent`: src was written by another GPU during this call (a slot), so
+// the GPU reads it at L2 (ld.cg), never from a stale L1 line.
 template <class W>
-VC_HD inline void copy_words(unsigned char* dst, const unsigned char* src, u64 n, unsigned t, unsigned nt) {
+VC_HD inline void copy_words(unsigned char* dst, const unsigned char* src, u64 n, unsigned t, unsigned nt,
+                             bool coherent) {
   W* d = reinterpret_cast<W*>(dst);
   const W* s = reinterpret_cast<const W*>(src);
+#ifdef __CUDA_ARCH__
+  if (coherent) {
+    for (u64 i = t; i < n / sizeof(W); i += nt) d[i] = __ldcg(s + i);
+    return;
+  }
+#endif
   for (u64 i = t; i < n / sizeof(W); i += nt) d[i] = s[i];
 }
+#ifdef __CUDA_ARCH__
+using Word16 = uint4;
+#else
 struct alignas(16) Word16 {
   u64 lo, hi;
 };
-VC_HD inline void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n, unsigned t, unsigned nt) {
+#endif
+VC_HD inline void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n, unsigned t, unsigned nt,
+                             bool coherent = false) {
   const u64 mis = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src) | n;
   if (!(mis & 15))
-    copy_words<Word16>(dst, src, n, t, nt);
+    copy_words<Word16>(dst, src, n, t, nt, coherent);
   else if (!(mis & 7))
-    copy_words<u64>(dst, src, n, t, nt);
+    copy_words<u64>(dst, src, n, t, nt, coherent);
   else if (!(mis & 3))
-    copy_words<unsigned>(dst, src, n, t, nt);
+    copy_words<unsigned>(dst, src, n, t, nt, coherent);
   else
-    copy_words<unsigned char>(dst, src, n, t, nt);
+    copy_words<unsigned char>(dst, src, n, t, nt, coherent);
 }
 
 VC_HD inline i64 split_at(const Args& a, u64 i) {
@@ -317,9 +350,10 @@ struct RecvShared {
 VC_HD inline const unsigned char* slot_of(const Args& a, int s) {
   return a.ws + ws_slot(int(a.world), a.cap, s);
 }
-VC_HD inline u64 count_of(const Args& a, int s, unsigned e) {
-  return *reinterpret_cast<const u64*>(slot_of(a, s) + kCounts + 8 * e);
+VC_HD inline u64 ctl(const Args& a, int s, u64 off) {
+  return load_relaxed(reinterpret_cast<const u64*>(slot_of(a, s) + off));
 }
+VC_HD inline u64 count_of(const Args& a, int s, unsigned e) { return ctl(a, s, kCounts + 8 * u64(e)); }
 
 // Thread 0: wait for every source's flag (the out layout needs every count),
 // decide which sources are taken (source order, while out has room), place s's pieces.
@@ -341,10 +375,8 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
   u64 placed = 0;
   const u64 mine = u64(a.dtype) << 32 | a.row_bytes;
   for (unsigned q = 0; q < W; ++q) {
-    const unsigned char* sl = slot_of(a, int(q));
-    const u64 st = *reinterpret_cast<const u64*>(sl + kStatus);
-    const u64 rows = *reinterpret_cast<const u64*>(sl + kRows);
-    const u64 dt = *reinterpret_cast<const u64*>(sl + kDtype), rb = *reinterpret_cast<const u64*>(sl + kRowBytes);
+    const u64 st = ctl(a, int(q), kStatus), rows = ctl(a, int(q), kRows);
+    const u64 dt = ctl(a, int(q), kDtype), rb = ctl(a, int(q), kRowBytes);
     bool ok = st == kOk;
     if (q == s) {  // each source's problem is reported by its own block
       if (st == kOverCapacity) report(a, kErrPeerTooLarge, sh.call, q, rows, rows * rb, a.cap);
@@ -399,7 +431,7 @@ VC_HD inline void recv_phase1(const Args& a, const RecvShared& sh, unsigned s, u
   const unsigned char* slot = slot_of(a, int(s)) + kCtlBytes;
   for (unsigned e = 0; e < a.ne; ++e)
     copy_bytes(a.out + sh.dst_row[e] * a.row_bytes, slot + sh.src_row[e] * a.row_bytes, sh.cnt[e] * a.row_bytes, t,
-               nt);
+               nt, true);
   fence_system();
 }
 
