@@ -127,22 +127,37 @@ def _expect(xs, splits, r):
     return np.concatenate(parts)
 
 
+@pytest.mark.parametrize("delay_us", [0, 500])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_fake_vdev_matches_reference(fake_cuda, n):
+def test_fake_vdev_matches_reference(fake_cuda, n, delay_us):
     """all_to_all_v with device splits, through the public entry point:
     out and the device counts/offsets equal a single-process reference, for
     random, skewed, zero-row and all-to-one routing, float32 and bfloat16,
-    int32 and int64 splits; under FAKE_CUDA_DELAY_US, every other call."""
+    int32 and int64 splits. Every other call is checked only at the end, so
+    calls run back to back on the stream (the next call's sends race the
+    peers' receives of the last: credits and the epoch must hold them);
+    FAKE_CUDA_DELAY_US delays every stream operation."""
 
     @world(n, timeout=180)
     def body():
         seed = seeded()
-        if seed % 2:
-            os.environ["FAKE_CUDA_DELAY_US"] = "300"
+        os.environ["FAKE_CUDA_DELAY_US"] = str(delay_us)
         gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
         r = comm.rank
         s = gpu.stream()
         W = 8
+        later = []
+
+        def check(it, kind, dtype, splits, xs, out, got_so):
+            want_rows = splits[:, r]
+            oso = _host(got_so)
+            assert oso[0].tolist() == want_rows.tolist(), (seed, it, kind, oso)
+            assert oso[1].tolist() == np.concatenate([[0], np.cumsum(want_rows)[:-1]]).tolist()
+            total = int(want_rows.sum())
+            want = _expect(xs, splits, r)
+            assert np.array_equal(out.host[:total], want), f"seed {seed} iteration {it} ({kind}, {dtype})"
+            assert (out.host[total:].view(np.uint8) == 0xAB).all(), "written past the received rows"
+
         with comm:
             for it, kind in enumerate(["random", "skewed", "zero", "all-to-one"] * 3):
                 g = np.random.default_rng([seed, it])
@@ -157,15 +172,15 @@ def test_fake_vdev_matches_reference(fake_cuda, n):
                 out.host.view(np.uint8)[...] = 0xAB
                 got, got_so = comm.all_to_all_v(x, sp, out=out)  # the hook: device splits
                 assert got is out and isinstance(got_so, D.DeviceArray)
+                args = (it, kind, dtype, splits, xs, out, got_so)
+                if it % 2:
+                    later.append((args, x, sp))  # inputs stay alive until the stream ran
+                    continue
                 D.synchronize(comm, s)
-                want_rows = splits[:, r]
-                oso = _host(got_so)
-                assert oso[0].tolist() == want_rows.tolist(), (seed, it, kind, oso)
-                assert oso[1].tolist() == np.concatenate([[0], np.cumsum(want_rows)[:-1]]).tolist()
-                total = int(want_rows.sum())
-                want = _expect(xs, splits, r)
-                assert np.array_equal(out.host[:total], want), f"seed {seed} iteration {it} ({kind}, {dtype})"
-                assert (out.host[total:].view(np.uint8) == 0xAB).all(), "written past the received rows"
+                check(*args)
+            D.synchronize(comm, s)
+            for args, _x_keep, _sp_keep in later:
+                check(*args)
             comm.barrier()
 
     body()
