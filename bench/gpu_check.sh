@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check for the nvlink transport, on one machine with a GPU, in a few
-# minutes: build, the GPU tests (2 ranks, which may share one GPU), the p2p bench.
+# minutes: build, the GPU tests (2 ranks, which may share one GPU), the p2p bench,
+# then the device-split all-to-all's tests and the MoE bench (about 7 more minutes at most).
 #
 #   bash bench/gpu_check.sh                 from anywhere in the repository
 #   OUT=/some/dir bash bench/gpu_check.sh   also writes gpu_check.log, pytest.log,
@@ -77,7 +78,25 @@ else
   timeout "$left" "$PY" bench/gpu_p2p.py --timeout "$((left - 5))" ${OUT:+--out "$OUT"} 2>&1 | tee -a "$LOG"
   bench_rc=${PIPESTATUS[0]}
 fi
+# ---- device-split all-to-all (issue #12 parts 2-3): its tests, then the MoE bench ----
+say "tests: tests/test_gpu_alltoall_device.py (fake driver and GPU, 2-4 ranks)"
+timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu_alltoall_device.py >"$LOG.a2adev" 2>&1
+a2adev_rc=$?
+tail -20 "$LOG.a2adev" | tee -a "$LOG"
+if [ -n "${OUT:-}" ]; then cp "$LOG.a2adev" "$OUT/pytest_alltoall_device.log"; fi
+if [ "$a2adev_rc" -eq 0 ] && grep -q "SKIPPED" "$LOG.a2adev"; then
+  say "some device all-to-all tests were skipped: failing the check"; a2adev_rc=1
+fi
+say "bench: varcomm-bench moe (2 ranks; device splits vs NCCL two-phase, symm_mem, d2d)"
+PYTHONPATH="$ROOT/bench:$PYTHONPATH" timeout 180 "$PY" -m varcomm_bench.moe --nranks 2 --tokens 2048 --hidden 2048 \
+  --iters 10 --warmup 3 ${OUT:+--json "$OUT/moe.json"} 2>&1 | tee -a "$LOG"
+moe_rc=${PIPESTATUS[0]}
+[ "$a2adev_rc" -eq 0 ] || say "device all-to-all tests failed (pytest exit $a2adev_rc)"
+[ "$moe_rc" -eq 0 ] || say "moe bench failed (exit $moe_rc)"
+
 say "took $(($(date +%s) - t_start)) s"
 [ "$test_rc" -eq 0 ] || finish 1 "GPU tests failed (pytest exit $test_rc)"
 [ "$bench_rc" -eq 0 ] || finish 1 "bench failed (exit $bench_rc)"
+[ "$a2adev_rc" -eq 0 ] || finish 1 "device all-to-all tests failed (pytest exit $a2adev_rc)"
+[ "$moe_rc" -eq 0 ] || finish 1 "moe bench failed (exit $moe_rc)"
 finish 0 "ok"
