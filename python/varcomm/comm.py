@@ -490,7 +490,9 @@ class Communicator:
     def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
                      async_op: bool = False, timeout: float | None = None) -> tuple[Array, list[int]] | Work:
         """Rows of x split by send_splits go to each rank; returns (concatenated rows
-        in source order, rows received per source). Counts travel with the data."""
+        in source order, rows received per source). Counts travel with the data.
+        With send_splits on the GPU: (bound-sized out, counts and offsets per
+        source as a [2, world] device tensor), no host sync (alltoall_device)."""
         from .collectives import alltoall
 
         return alltoall.all_to_all_v(self, x, send_splits, tag=tag, out=out, async_op=async_op, timeout=timeout)

@@ -286,12 +286,15 @@ VC_HD inline void send_phase0(const Args& a, SendShared& sh, unsigned d) {
   }
   const u64 W = a.world, ne = a.ne;
   u64 rows = 0;
+  i64 next = 0;  // kInPrefix: the first row of piece (d, e)
+  if (a.in_layout == kInPrefix)
+    for (u64 i = 0; i < d * ne; ++i) next += split_at(a, i);
   for (u64 e = 0; e < ne; ++e) {
     i64 first, cnt;
     if (a.in_layout == kInPrefix) {
-      first = 0;
-      for (u64 i = 0; i < d * ne + e; ++i) first += split_at(a, i);
+      first = next;
       cnt = split_at(a, d * ne + e);
+      next += cnt;
     } else {
       cnt = split_at(a, e * W + d);
       first = split_at(a, W * ne + e * W + d);

@@ -7,7 +7,7 @@
 //   g++ -std=c++17 -O1 -shared -fPIC -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_libcuda.cc -lpthread
 // and loads it before varcomm does, so dlopen("libcuda.so.1") finds it.
 // Only what transport/nvlink uses is here, with the driver's signatures
-// (kernel launches: only the one kernel nvlink launches, emulated).
+// (kernel launches: nvlink's kernels, their bodies run on CPU threads).
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -29,6 +29,7 @@
 // The device-split all-to-all's kernel bodies, compiled as host C++: a launch
 // runs the real algorithm (a2a_kernels.cuh) on the stream's thread.
 #include "a2a_kernels.cuh"
+#include "copy_signal.cuh"
 
 namespace {
 
@@ -316,9 +317,9 @@ API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsig
   });
   return 0;
 }
-// The copy-and-flag kernel (kernels.cu): a module is accepted when it is a
-// fatbin (magic 0xBA55ED50), and a launch of varcomm_copy_signal runs its
-// effect on the stream: copy, then a release store of the flag.
+// The kernels (kernels.cu): a module is accepted when it is a fatbin (magic
+// 0xBA55ED50), and a launch runs the kernel's own body (copy_signal.cuh,
+// a2a_kernels.cuh, compiled here as host C++) on the stream's thread.
 // FAKE_CUDA_NO_MODULES=1: cuModuleLoadData fails as on a GPU without an image.
 struct Module {};
 struct Function { int which; };
@@ -371,9 +372,9 @@ API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, 
       !find(uintptr_t(flag), nullptr) || flag % 8)
     return 700;  // CUDA_ERROR_ILLEGAL_ADDRESS (the real driver reports it later)
   g_launches.fetch_add(1);
-  stream_of(s)->push([=] {
-    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
-    __atomic_store_n(reinterpret_cast<uint64_t*>(flag), seq, __ATOMIC_RELEASE);
+  stream_of(s)->push([=] {  // the kernel's own body (copy_signal.cuh), one block of bx threads
+    varcomm::copy_signal::host_block(reinterpret_cast<unsigned char*>(dst), reinterpret_cast<const unsigned char*>(src),
+                                     n, reinterpret_cast<unsigned long long*>(flag), seq, bx);
   });
   return 0;
 }
