@@ -114,8 +114,7 @@ def _run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     import varcomm
-    from varcomm.collectives import moe
-    from varcomm.collectives import alltoall_device
+    from varcomm.collectives import alltoall_device, moe
 
     if not torch.cuda.is_available():
         print("varcomm-bench moe: torch sees no CUDA GPU", file=sys.stderr)
