@@ -584,3 +584,15 @@ def test_gpu_moe_device_autograd_and_graph_replay():
             D.synchronize(comm)
             assert torch.allclose(y_static, static_tok, atol=1e-5), (seed, rep)  # identity experts, weights sum to 1
         comm.barrier()
+
+
+def test_moe_bench_is_there_without_a_gpu():
+    """`varcomm-bench moe --help` works on a CPU-only machine (the bench itself needs CUDA)."""
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT / "bench"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "varcomm_bench", "moe", "--help"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "nccl two-phase" in r.stdout and "host-blocked" in r.stdout, r.stdout
