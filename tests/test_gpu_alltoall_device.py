@@ -596,3 +596,71 @@ def test_moe_bench_is_there_without_a_gpu():
                        env=env, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "nccl two-phase" in r.stdout and "host-blocked" in r.stdout, r.stdout
+
+
+@world(2, timeout=120)
+def test_fake_p2p_device_size_and_graph_replay(fake_cuda):
+    """send_rows / recv_rows: the row count lives on the device on both
+    sides; eager messages (0 rows, a self-send, one over the bound: refused
+    and reported on both sides), then a send and a receive captured once and
+    replayed with new sizes and data (the pair's sequence numbers, flags and
+    credits advance on the device)."""
+    seed = seeded()
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 4
+    cap = BOUND // (W * 4)
+    with comm:
+        D.setup_p2p(comm)
+        x = FakeArray(gpu, (cap + 5, W), "float32", s)
+        rows = FakeArray(gpu, (1,), "int64", s)
+        out = FakeArray(gpu, (cap, W), "float32", s)
+        got = FakeArray(gpu, (1,), "int64", s)
+
+        def data(i, n):
+            return np.random.default_rng([seed, i]).standard_normal((n, W)).astype(np.float32)
+
+        for i, n in enumerate([7, 0, cap, cap + 1, 3]):
+            if r == 0:
+                x.host[:n] = data(i, n)
+                rows.host[0] = n
+                D.send_rows(comm, x, rows, 1)
+                if n > cap:
+                    with pytest.raises(varcomm.MessageTooLarge, match="over the device slot capacity"):
+                        D.synchronize(comm, s)
+                D.synchronize(comm, s)
+            else:
+                out.host.view(np.uint8)[...] = 0xAB
+                D.recv_rows(comm, out, got, 0)
+                if n > cap:
+                    with pytest.raises(varcomm.VarcommError, match="received 0 rows"):
+                        D.synchronize(comm, s)
+                    assert got.host[0] == 0 and (out.host.view(np.uint8) == 0xAB).all()
+                    continue
+                D.synchronize(comm, s)
+                assert got.host[0] == n and np.array_equal(out.host[:n], data(i, n)), (seed, i, n)
+                assert (out.host[n:].view(np.uint8) == 0xAB).all()
+        # self-send
+        x.host[:2] = data(50, 2)
+        rows.host[0] = 2
+        D.send_rows(comm, x, rows, r)
+        D.recv_rows(comm, out, got, r)
+        D.synchronize(comm, s)
+        assert got.host[0] == 2 and np.array_equal(out.host[:2], data(50, 2))
+        comm.barrier()
+        # captured once, replayed with new sizes
+        _begin(gpu, s)
+        if r == 0:
+            D.send_rows(comm, x, rows, 1)
+        else:
+            D.recv_rows(comm, out, got, 0)
+        graph = _end(gpu, s)
+        for rep in range(6):
+            n = int(np.random.default_rng([seed, 100 + rep]).integers(0, cap + 1))
+            if r == 0:
+                x.host[:n] = data(100 + rep, n)
+                rows.host[0] = n
+            assert gpu.lib.cuGraphLaunch(graph, ctypes.c_void_p(s)) == 0
+            D.synchronize(comm, s)
+            if r == 1:
+                assert got.host[0] == n and np.array_equal(out.host[:n], data(100 + rep, n)), (seed, rep, n)
+        comm.barrier()

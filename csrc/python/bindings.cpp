@@ -710,6 +710,23 @@ void bind_device_a2a(py::module_& m) {
            py::arg("ne"), py::arg("in_layout"), py::arg("out_layout"), py::arg("dtype"), py::arg("row_bytes"),
            py::arg("x"), py::arg("x_rows"), py::arg("splits"), py::arg("splits_bytes"), py::arg("out"),
            py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"))
+      // Point-to-point on a handle set up for it: x/out, the row count (rows: one int; recv: int64 out).
+      .def("launch_p2p",
+           [](DeviceA2AHandle& h, bool send, int peer, uint32_t dtype, uint64_t row_bytes, uintptr_t data,
+              uint64_t rows_cap, uintptr_t rows, unsigned rows_bytes, uintptr_t stream, std::optional<double> timeout) {
+             DeviceA2ACall c;
+             c.dtype = dtype;
+             c.row_bytes = row_bytes;
+             (send ? c.x : c.out) = data;
+             (send ? c.x_rows : c.out_rows) = rows_cap;
+             (send ? c.splits : c.out_splits_offsets) = rows;
+             c.splits_bytes = send ? rows_bytes : 8;
+             c.stream = stream;
+             c.timeout = timeout_of(timeout);
+             h.a->launch_p2p(send, peer, c);
+           },
+           py::arg("send"), py::arg("peer"), py::arg("dtype"), py::arg("row_bytes"), py::arg("data"),
+           py::arg("rows_cap"), py::arg("rows"), py::arg("rows_bytes"), py::arg("stream"), py::arg("timeout"))
       .def("check", [](DeviceA2AHandle& h) { h.a->check(); })
       .def("alloc", [](DeviceA2AHandle& h, uint64_t n) { return h.a->alloc(n); }, py::arg("nbytes"))
       .def("free", [](DeviceA2AHandle& h, uintptr_t p, uintptr_t stream) { h.a->free(p, stream); }, py::arg("ptr"),

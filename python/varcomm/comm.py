@@ -158,6 +158,7 @@ class Communicator:
         self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
         # The device-split all-to-all (collectives/alltoall_device.py), set up on first use.
         self._device_a2a: Any = None
+        self._device_p2p: Any = None  # its point-to-point twin (alltoall_device.setup_p2p)
         self._routes_ready = True
         # The core says whether some pair in the job needs the mover; building
         # its gloo group is collective, so then every rank starts one.
@@ -560,8 +561,9 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        if self._device_a2a is not None:  # its kernels' waits end, its streams drain, before the engine goes
-            self._device_a2a.close()
+        for dev in (self._device_p2p, self._device_a2a):  # kernels' waits end, streams drain, before the engine goes
+            if dev is not None:
+                dev.close()
         try:
             self._store.set(f"left/{self.rank}", "1")
             self._flush(time.monotonic() + _CLOSE_FLUSH_S)

@@ -93,7 +93,7 @@ struct DeviceA2A::Impl {
   CUcontext ctx = nullptr;
   bool retained = false;
   CUmodule module = nullptr;
-  CUfunction send = nullptr, recv = nullptr;
+  CUfunction send = nullptr, recv = nullptr, p2p_send = nullptr, p2p_recv = nullptr;
   CUdeviceptr ws = 0;
   uint64_t ws_bytes = 0;
   std::vector<CUdeviceptr> peer_ws, opened;
@@ -265,6 +265,8 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
 #endif
     m.check(d.ModuleGetFunction(&m.send, m.module, VARCOMM_KERNEL_A2A_SEND), "cuModuleGetFunction(send)");
     m.check(d.ModuleGetFunction(&m.recv, m.module, VARCOMM_KERNEL_A2A_RECV), "cuModuleGetFunction(recv)");
+    m.check(d.ModuleGetFunction(&m.p2p_send, m.module, VARCOMM_KERNEL_P2P_SEND), "cuModuleGetFunction(p2p send)");
+    m.check(d.ModuleGetFunction(&m.p2p_recv, m.module, VARCOMM_KERNEL_P2P_RECV), "cuModuleGetFunction(p2p recv)");
     m.ws_bytes = a2a::ws_bytes(m.world, cap);
     CUresult ra = d.MemAlloc(&m.ws, m.ws_bytes);
     if (ra != CUDA_SUCCESS) {
@@ -370,6 +372,58 @@ void DeviceA2A::check() {
   impl_->raise_recorded();
 }
 
+namespace {
+
+a2a::Args args_of(const DeviceA2ACall& c, int rank, int world, uint64_t cap, CUdeviceptr ws,
+                  const std::vector<CUdeviceptr>& peer_ws, CUdeviceptr err) {
+  a2a::Args a{};
+  a.rank = unsigned(rank);
+  a.world = unsigned(world);
+  a.ne = c.ne;
+  a.in_layout = c.in_layout;
+  a.out_layout = c.out_layout;
+  a.splits_bytes = c.splits_bytes;
+  a.dtype = c.dtype;
+  a.cap = cap;
+  a.row_bytes = c.row_bytes;
+  a.x_rows = c.x_rows;
+  a.out_rows = c.out_rows;
+  a.timeout_ns = c.timeout ? uint64_t(*c.timeout * 1e9) : 0;
+  if (c.timeout && !a.timeout_ns) a.timeout_ns = 1;
+  a.x = reinterpret_cast<const unsigned char*>(c.x);
+  a.splits = reinterpret_cast<const void*>(c.splits);
+  a.out = reinterpret_cast<unsigned char*>(c.out);
+  a.out_splits_offsets = reinterpret_cast<a2a::i64*>(c.out_splits_offsets);
+  a.ws = reinterpret_cast<unsigned char*>(ws);
+  for (int q = 0; q < world; ++q) a.peer_ws[q] = reinterpret_cast<unsigned char*>(peer_ws[q]);
+  a.err = reinterpret_cast<a2a::ErrorRecord*>(err);
+  return a;
+}
+
+}  // namespace
+
+void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (m.closed) throw Error(ErrorKind::Closed, "device point-to-point: the communicator is closed");
+  m.raise_recorded();
+  if (peer < 0 || peer >= m.world)
+    throw Error(ErrorKind::Invalid, "peer " + std::to_string(peer) + " out of range [0, " +
+                                        std::to_string(m.world) + ")");
+  if (c.splits_bytes != 4 && c.splits_bytes != 8)
+    throw Error(ErrorKind::Invalid, "device point-to-point: the row count must be int32 or int64");
+  a2a::Args a = args_of(c, m.rank, m.world, cap_, m.ws, m.peer_ws, m.err_dev);
+  a.ne = 1;
+  a.peer = unsigned(peer);
+  Ctx scope(m.d, m.ctx);
+  if (!m.pending.empty()) m.sweep();
+  void* params[] = {&a};
+  m.check(m.d.LaunchKernel(send ? m.p2p_send : m.p2p_recv, 1, 1, 1, a2a::kThreads, 1, 1, 0,
+                           reinterpret_cast<CUstream>(c.stream), params, nullptr),
+          send ? "cuLaunchKernel(p2p send)" : "cuLaunchKernel(p2p recv)");
+  m.streams.insert(c.stream);
+}
+
 void DeviceA2A::launch(const DeviceA2ACall& c) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
@@ -380,27 +434,7 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
                                         std::to_string(a2a::kMaxLocal) + "], not " + std::to_string(c.ne));
   if (c.splits_bytes != 4 && c.splits_bytes != 8)
     throw Error(ErrorKind::Invalid, "device all-to-all: splits must be int32 or int64");
-  a2a::Args a{};
-  a.rank = unsigned(m.rank);
-  a.world = unsigned(m.world);
-  a.ne = c.ne;
-  a.in_layout = c.in_layout;
-  a.out_layout = c.out_layout;
-  a.splits_bytes = c.splits_bytes;
-  a.dtype = c.dtype;
-  a.cap = cap_;
-  a.row_bytes = c.row_bytes;
-  a.x_rows = c.x_rows;
-  a.out_rows = c.out_rows;
-  a.timeout_ns = c.timeout ? uint64_t(*c.timeout * 1e9) : 0;
-  if (c.timeout && !a.timeout_ns) a.timeout_ns = 1;
-  a.x = reinterpret_cast<const unsigned char*>(c.x);
-  a.splits = reinterpret_cast<const void*>(c.splits);
-  a.out = reinterpret_cast<unsigned char*>(c.out);
-  a.out_splits_offsets = reinterpret_cast<a2a::i64*>(c.out_splits_offsets);
-  a.ws = reinterpret_cast<unsigned char*>(m.ws);
-  for (int q = 0; q < m.world; ++q) a.peer_ws[q] = reinterpret_cast<unsigned char*>(m.peer_ws[q]);
-  a.err = reinterpret_cast<a2a::ErrorRecord*>(m.err_dev);
+  a2a::Args a = args_of(c, m.rank, m.world, cap_, m.ws, m.peer_ws, m.err_dev);
   Ctx scope(m.d, m.ctx);
   if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);

@@ -53,6 +53,11 @@ class DeviceA2A {
 
   // Raises an error recorded by an earlier call, then enqueues the two kernels.
   void launch(const DeviceA2ACall& c);
+  // Point-to-point with a device-side row count, on a workspace set up for
+  // it (its own DeviceA2A): one kernel. Send: c.splits points at the rows
+  // to send (one int), x at them. Receive: out bound-sized, its rows
+  // written to out_splits_offsets[0]. Per pair, calls must be ordered.
+  void launch_p2p(bool send, int peer, const DeviceA2ACall& c);
   // Raises what the device recorded, if anything (no wait): a per-call
   // error is cleared once raised; a timeout or abort stays.
   void check();

@@ -98,6 +98,7 @@ enum : unsigned {
 // One launch's arguments, passed by value (the same struct to both kernels).
 struct Args {
   unsigned rank, world, ne;            // ne: local experts per rank (1: plain all_to_all_vdev)
+  unsigned peer;                       // point-to-point kernels: the other rank
   unsigned in_layout, out_layout;
   unsigned splits_bytes;               // 4 or 8: int32 or int64 splits
   unsigned dtype;                      // dtype word of x and out
@@ -449,6 +450,110 @@ VC_HD inline void recv_phase2(const Args& a, const RecvShared& sh, unsigned s) {
   store_release(word(a.ws, ws_state()), sh.call);
 }
 
+// ---- point-to-point with a device-side row count (one block each) --------------
+// A workspace of its own (same layout, set up by its own DeviceA2A), where
+// every pair counts its messages: the sender's count for d in the spare word
+// kP2PSent of our slot for d (d writes only the other words of that slot),
+// the receiver's count for s in kP2PRecvd of our slot for s. The epoch word
+// numbers this rank's point-to-point kernels (error records, one per kernel).
+// splits: the rows to send (one int); out_splits_offsets[0]: the rows received.
+constexpr u64 kP2PRecvd = 40, kP2PSent = 48;
+
+VC_HD inline void p2p_send_phase0(const Args& a, SendShared& sh) {
+  const unsigned d = a.peer;
+  sh.call = fetch_add(word(a.ws, ws_state()), 1) + 1;
+  u64* sent = word(a.ws, ws_slot(int(a.world), a.cap, int(d)) + kP2PSent);
+  const u64 seq = load_relaxed(sent) + 1;
+  sh.go = 0;
+  sh.status = kOk;
+  sh.rows = 0;
+  sh.src_row[0] = seq;  // the pair's sequence number, for phase 2
+  if (!wait_geq(a, word(a.ws, ws_credit(int(d))), seq - 1, sh.call, int(d), 0)) {
+    sh.status = kSenderFailed;
+    return;
+  }
+  const i64 rows = split_at(a, 0);
+  if (rows < 0 || u64(rows) > a.x_rows) {
+    report(a, kErrBadSplits, sh.call, d, 0, u64(rows), a.x_rows);
+    sh.status = kBadSplits;
+    return;
+  }
+  sh.rows = u64(rows);
+  if (sh.rows * a.row_bytes > a.cap) {
+    report(a, kErrTooLarge, sh.call, d, sh.rows, sh.rows * a.row_bytes, a.cap);
+    sh.status = kOverCapacity;
+    return;
+  }
+  sh.cnt[0] = sh.rows;
+  sh.go = 1;
+}
+
+VC_HD inline void p2p_send_phase1(const Args& a, const SendShared& sh, unsigned t, unsigned nt) {
+  if (!sh.go) return;
+  unsigned char* slot = a.peer_ws[a.peer] + ws_slot(int(a.world), a.cap, int(a.rank));
+  copy_bytes(slot + kCtlBytes, a.x, sh.rows * a.row_bytes, t, nt);
+  fence_system();
+}
+
+VC_HD inline void p2p_send_phase2(const Args& a, const SendShared& sh) {
+  if (sh.status == kSenderFailed) return;
+  const unsigned d = a.peer;
+  unsigned char* slot = a.peer_ws[d] + ws_slot(int(a.world), a.cap, int(a.rank));
+  *word(slot, kRows) = sh.rows;
+  *word(slot, kDtype) = a.dtype;
+  *word(slot, kRowBytes) = a.row_bytes;
+  *word(slot, kStatus) = sh.status;
+  fence_system();
+  store_release(word(slot, kFlag), sh.src_row[0]);
+  store_release(word(a.ws, ws_slot(int(a.world), a.cap, int(d)) + kP2PSent), sh.src_row[0]);
+}
+
+VC_HD inline void p2p_recv_phase0(const Args& a, RecvShared& sh) {
+  const unsigned s = a.peer;
+  sh.call = fetch_add(word(a.ws, ws_state()), 1) + 1;
+  u64* got = word(a.ws, ws_slot(int(a.world), a.cap, int(s)) + kP2PRecvd);
+  const u64 seq = load_relaxed(got) + 1;
+  sh.go = 0;
+  sh.src_row[1] = seq;
+  sh.cnt[0] = 0;
+  a.out_splits_offsets[0] = 0;
+  if (!wait_geq(a, reinterpret_cast<const u64*>(slot_of(a, int(s)) + kFlag), seq, sh.call, int(s), 1)) {
+    sh.src_row[1] = 0;  // broken: no credit
+    return;
+  }
+  const u64 st = ctl(a, int(s), kStatus), rows = ctl(a, int(s), kRows);
+  const u64 dt = ctl(a, int(s), kDtype), rb = ctl(a, int(s), kRowBytes);
+  if (st == kOverCapacity) report(a, kErrPeerTooLarge, sh.call, s, rows, rows * rb, a.cap);
+  if (st == kBadSplits) report(a, kErrPeerSplits, sh.call, s, 0, 0, 0);
+  if (st != kOk) return;
+  if (dt != a.dtype || rb != a.row_bytes) {
+    report(a, kErrMismatch, sh.call, s, dt, rb, u64(a.dtype) << 32 | a.row_bytes);
+    return;
+  }
+  if (rows > a.out_rows) {
+    report(a, kErrOutFull, sh.call, s, rows, 0, a.out_rows);
+    return;
+  }
+  sh.cnt[0] = rows;
+  a.out_splits_offsets[0] = i64(rows);
+  sh.go = 1;
+}
+
+VC_HD inline void p2p_recv_phase1(const Args& a, const RecvShared& sh, unsigned t, unsigned nt) {
+  if (!sh.go) return;
+  copy_bytes(a.out, slot_of(a, int(a.peer)) + kCtlBytes, sh.cnt[0] * a.row_bytes, t, nt, true);
+  fence_system();
+}
+
+// Thread 0: the slot goes back to the sender, the pair's count moves on.
+VC_HD inline void p2p_recv_phase2(const Args& a, const RecvShared& sh) {
+  const u64 seq = sh.src_row[1];
+  if (!seq) return;
+  const unsigned s = a.peer;
+  store_release(word(a.peer_ws[s], ws_credit(int(a.rank))), seq);
+  store_release(word(a.ws, ws_slot(int(a.world), a.cap, int(s)) + kP2PRecvd), seq);
+}
+
 // ---- whole blocks on the host (fake_libcuda.cc) --------------------------------
 
 #ifndef __CUDA_ARCH__
@@ -463,6 +568,18 @@ inline void host_recv_block(const Args& a, unsigned s, unsigned nt) {
   recv_phase0(a, sh, s);
   for (unsigned t = 0; t < nt; ++t) recv_phase1(a, sh, s, t, nt);
   recv_phase2(a, sh, s);
+}
+inline void host_p2p_send(const Args& a, unsigned nt) {
+  SendShared sh;
+  p2p_send_phase0(a, sh);
+  for (unsigned t = 0; t < nt; ++t) p2p_send_phase1(a, sh, t, nt);
+  p2p_send_phase2(a, sh);
+}
+inline void host_p2p_recv(const Args& a, unsigned nt) {
+  RecvShared sh;
+  p2p_recv_phase0(a, sh);
+  for (unsigned t = 0; t < nt; ++t) p2p_recv_phase1(a, sh, t, nt);
+  p2p_recv_phase2(a, sh);
 }
 #endif
 

@@ -323,7 +323,7 @@ API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsig
 // FAKE_CUDA_NO_MODULES=1: cuModuleLoadData fails as on a GPU without an image.
 struct Module {};
 struct Function { int which; };
-Function g_copy_signal{1}, g_a2a_send{2}, g_a2a_recv{3};
+Function g_copy_signal{1}, g_a2a_send{2}, g_a2a_recv{3}, g_p2p_send{4}, g_p2p_recv{5};
 std::atomic<unsigned long long> g_launches{0};
 API CUresult cuModuleLoadData(Module** m, const void* image) {
   if (CUresult r = need_ctx()) return r;
@@ -340,12 +340,26 @@ API CUresult cuModuleGetFunction(Function** f, Module*, const char* name) {
   if (!std::strcmp(name, "varcomm_copy_signal")) *f = &g_copy_signal;
   else if (!std::strcmp(name, "varcomm_a2a_send")) *f = &g_a2a_send;
   else if (!std::strcmp(name, "varcomm_a2a_recv")) *f = &g_a2a_recv;
+  else if (!std::strcmp(name, "varcomm_p2p_send")) *f = &g_p2p_send;
+  else if (!std::strcmp(name, "varcomm_p2p_recv")) *f = &g_p2p_recv;
   else return 500;  // CUDA_ERROR_NOT_FOUND
   return 0;
 }
 API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void* s, void** params, void** extra) {
   if (CUresult r = need_ctx()) return r;
+  if ((f == &g_p2p_send || f == &g_p2p_recv) && params && !extra) {
+    namespace a2a = varcomm::a2a;
+    const a2a::Args a = *static_cast<const a2a::Args*>(params[0]);
+    if (gx != 1 || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
+    if (a.peer >= a.world || !find(uintptr_t(a.ws), nullptr) || !find(uintptr_t(a.err), nullptr) ||
+        !find(uintptr_t(a.peer_ws[a.peer]), nullptr))
+      return 700;
+    g_launches.fetch_add(1);
+    const bool send = f == &g_p2p_send;
+    stream_of(s)->push([a, send, bx] { send ? a2a::host_p2p_send(a, bx) : a2a::host_p2p_recv(a, bx); });
+    return 0;
+  }
   if ((f == &g_a2a_send || f == &g_a2a_recv) && params && !extra) {
     // The real kernel bodies, one block after another on the stream's thread
     // (each block's phases for every thread index in turn): a2a_kernels.cuh.

@@ -47,3 +47,22 @@ extern "C" __global__ void __launch_bounds__(varcomm::a2a::kThreads) varcomm_a2a
   __syncthreads();
   if (threadIdx.x == 0) varcomm::a2a::recv_phase2(a, sh, blockIdx.x);
 }
+
+// Point-to-point with a device-side row count (a2a_kernels.cuh): one block.
+extern "C" __global__ void __launch_bounds__(varcomm::a2a::kThreads) varcomm_p2p_send(varcomm::a2a::Args a) {
+  __shared__ varcomm::a2a::SendShared sh;
+  if (threadIdx.x == 0) varcomm::a2a::p2p_send_phase0(a, sh);
+  __syncthreads();
+  varcomm::a2a::p2p_send_phase1(a, sh, threadIdx.x, blockDim.x);
+  __syncthreads();
+  if (threadIdx.x == 0) varcomm::a2a::p2p_send_phase2(a, sh);
+}
+
+extern "C" __global__ void __launch_bounds__(varcomm::a2a::kThreads) varcomm_p2p_recv(varcomm::a2a::Args a) {
+  __shared__ varcomm::a2a::RecvShared sh;
+  if (threadIdx.x == 0) varcomm::a2a::p2p_recv_phase0(a, sh);
+  __syncthreads();
+  varcomm::a2a::p2p_recv_phase1(a, sh, threadIdx.x, blockDim.x);
+  __syncthreads();
+  if (threadIdx.x == 0) varcomm::a2a::p2p_recv_phase2(a, sh);
+}

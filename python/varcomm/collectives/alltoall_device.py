@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from ..comm import Communicator
 
 __all__ = ["DeviceArray", "all_to_all_vdev", "all_to_all_vdev_2d", "all_to_all_vdev_2d_offset", "is_device_splits",
-           "synchronize", "DeviceWork", "capacity_rows"]
+           "synchronize", "DeviceWork", "capacity_rows", "setup_p2p", "send_rows", "recv_rows"]
 
 _IN_PREFIX, _IN_OFFSETS = 0, 1
 _OUT_EXPERT_MAJOR, _OUT_RANK_MAJOR = 0, 1
@@ -182,6 +182,62 @@ def _handle(comm: Communicator) -> Any:
     return h
 
 
+def _p2p_handle(comm: Communicator) -> Any:
+    h = comm._device_p2p
+    if h is None:
+        raise InvalidArgument("device point-to-point is not set up: call alltoall_device.setup_p2p(comm) on every "
+                              "rank first (a collective)")
+    return h
+
+
+def setup_p2p(comm: Communicator) -> None:
+    """Set up the device point-to-point path (send_rows / recv_rows): a
+    workspace of its own, world_size x the bound, like the all-to-all's.
+    A collective: every rank calls it, before any capture."""
+    if comm._device_p2p is not None:
+        return
+    _handle(comm)  # the same checks, and the all-to-all's workspace, first
+    dev = comm._cuda_device
+    assert dev is not None  # _handle raised otherwise
+    comm._device_p2p = _C.DeviceAllToAll(comm._c, dev, comm.options.bound // 16 * 16, comm._timeout)
+
+
+def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | None = None,
+              timeout: float | None = None) -> None:
+    """Send ``x[:rows]`` to ``dst``, ``rows`` a one-element int tensor on the
+    device (the host never reads it): one kernel writes the rows, the count
+    and a flag into dst's slot for us. Capturable in a CUDA graph (every
+    sequence number is on the device); per pair, sends must be ordered (one
+    stream). Errors as for the all-to-all (a count over x or the bound:
+    nothing sent, the receiver gets 0 rows)."""
+    h = _p2p_handle(comm)
+    xd = _describe(x, "x", stream)
+    if len(xd.shape) == 0:
+        raise InvalidArgument("x must have at least one dimension (rows along dim 0)")
+    rd, rb = _splits(rows, 1, "rows", stream)
+    s = stream if stream is not None else xd.stream if xd.stream is not None else 0
+    h.launch_p2p(True, int(dst), xd.word, xd.row_bytes, xd.ptr, xd.shape[0], rd.ptr, rb, int(s),
+                 comm._timeout if timeout is None else timeout)
+
+
+def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: int | None = None,
+              timeout: float | None = None) -> None:
+    """Receive what ``src`` sent with send_rows into the bound-sized ``out``;
+    the kernel writes the row count to ``rows_out`` (a one-element int64
+    device tensor). A message over ``out``'s rows, or of another dtype or row
+    size, is dropped (0 rows) and raised at synchronize or the next call."""
+    h = _p2p_handle(comm)
+    od = _describe(out, "out", stream)
+    if len(od.shape) == 0:
+        raise InvalidArgument("out must have at least one dimension (rows along dim 0)")
+    rd = _describe(rows_out, "rows_out", stream)
+    if rd.word != _I64 or int(np.prod(rd.shape)) != 1:
+        raise InvalidArgument("rows_out must be one int64 on the device")
+    s = stream if stream is not None else od.stream if od.stream is not None else 0
+    h.launch_p2p(False, int(src), od.word, od.row_bytes, od.ptr, od.shape[0], rd.ptr, 8, int(s),
+                 comm._timeout if timeout is None else timeout)
+
+
 def capacity_rows(comm: Communicator, row_bytes: int) -> int:
     """Rows of `row_bytes` one source may send to one rank (its slot: the bound)."""
     return (comm.options.bound // 16 * 16) // max(row_bytes, 1)
@@ -214,12 +270,16 @@ class DeviceWork:
 
 def synchronize(comm: Communicator, stream: int | None = None, timeout: float | None = None) -> None:
     """Block until `stream` (default: torch's current one) ran every device
-    all-to-all enqueued on it, then raise what the kernels recorded. A peer
-    that died meanwhile aborts the kernels' waits (PeerFailure)."""
+    all-to-all (and device point-to-point) enqueued on it, then raise what
+    the kernels recorded. A peer that died meanwhile aborts the kernels'
+    waits (PeerFailure)."""
     h = _handle(comm)
     if stream is None:
         stream = arrays.torch.cuda.current_stream().cuda_stream if arrays.torch is not None else 0
-    h.synchronize(int(stream), comm._timeout if timeout is None else timeout)
+    t = comm._timeout if timeout is None else timeout
+    h.synchronize(int(stream), t)
+    if comm._device_p2p is not None:
+        comm._device_p2p.synchronize(int(stream), t)
 
 
 def _splits(splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
