@@ -664,3 +664,41 @@ def test_fake_p2p_device_size_and_graph_replay(fake_cuda):
             if r == 1:
                 assert got.host[0] == n and np.array_equal(out.host[:n], data(100 + rep, n)), (seed, rep, n)
         comm.barrier()
+
+
+@world(2, timeout=180, requires=GPU_REQ)
+def test_gpu_p2p_device_size_graph_replay():
+    """send_rows / recv_rows captured in a CUDA graph on both ranks, replayed
+    with new row counts written on the device."""
+    seed = seeded()
+    with _gpu_comm(bound=BOUND) as comm:
+        r, W = comm.rank, 16
+        cap = BOUND // (W * 4)
+        D.setup_p2p(comm)
+        x = torch.zeros(cap, W, device="cuda")
+        rows = torch.zeros(1, dtype=torch.int64, device="cuda")
+        out = torch.zeros(cap, W, device="cuda")
+        got = torch.zeros(1, dtype=torch.int64, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside the capture
+            D.send_rows(comm, x, rows, 1 - r)
+            D.recv_rows(comm, out, got, 1 - r)
+        torch.cuda.current_stream().wait_stream(s)
+        D.synchronize(comm)
+        comm.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            D.send_rows(comm, x, rows, 1 - r)
+            D.recv_rows(comm, out, got, 1 - r)
+        for rep in range(8):
+            g = torch.Generator().manual_seed(seed * 10 + rep)
+            n = [int(v) for v in torch.randint(0, cap + 1, (2,), generator=g)]
+            data = torch.randn(2, cap, W, generator=g)
+            x.copy_(data[r])
+            rows.fill_(n[r])
+            graph.replay()
+            D.synchronize(comm)
+            assert int(got.item()) == n[1 - r], (seed, rep)
+            assert torch.equal(out[:n[1 - r]].cpu(), data[1 - r][:n[1 - r]]), (seed, rep)
+        comm.barrier()

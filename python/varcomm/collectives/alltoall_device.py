@@ -43,6 +43,11 @@ and is advanced by the kernels, so a call (or a whole MoE dispatch and
 combine) captured once replays with new routing each time: same buffers,
 new contents of ``send_splits``. Call it once before capturing (the first
 call sets up the workspaces, a collective through the host).
+
+Point-to-point with the row count on the device (``setup_p2p`` once, then
+``send_rows`` / ``recv_rows``) uses the same kernels' protocol per pair and
+is capturable the same way; the ordinary ``send`` / ``recv`` still refuse
+capture.
 """
 from __future__ import annotations
 
