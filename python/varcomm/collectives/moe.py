@@ -19,8 +19,8 @@ collective, the backward all-to-alls must run on every rank: tokens (and the
 expert outputs) must require grad on all ranks or on none.
 
 CPU tensors (host memory): the routing metadata (counts per destination) is
-computed on the host; on a GPU build this is where a device-side count would
-replace ``bincount().tolist()``.
+computed on the host. ``topk_ids`` on the GPU: ``dispatch`` and ``combine``
+hand over to ``moe_device``, where the counts never leave the device.
 """
 from __future__ import annotations
 
