@@ -209,7 +209,7 @@ class NinjaBuildExt(build_ext):
         for f in files:
             obj = build_dir / (f.relative_to(ROOT).as_posix().replace("/", "_") + ".o")
             lines.append(f"build {obj}: cxx {f}")
-            if nvcc and f.name == "nvlink.cpp":  # only it sees the embedded fatbin
+            if nvcc and f.name in ("nvlink.cpp", "a2a_device.cpp"):  # only they see the embedded fatbin
                 lines.append("  cxxflags = $cxxflags -DVARCOMM_HAVE_FATBIN")
             objs.append(obj)
         if nvcc:

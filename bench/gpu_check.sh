@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check for the nvlink transport, on one machine with a GPU, in a few
-# minutes: build, the GPU tests (2 ranks, which may share one GPU), the
-# all-to-all bench on CUDA tensors, the p2p bench.
+# minutes: build, the real-GPU tests (2-4 ranks, which may share one GPU; the
+# fake-driver tests of the same files run in `make test`), then the benches,
+# each in its share of the 5 minutes: all-to-all, MoE (device splits), p2p.
 #
 #   bash bench/gpu_check.sh                 from anywhere in the repository
 #   OUT=/some/dir bash bench/gpu_check.sh   also writes gpu_check.log, pytest.log,
@@ -58,8 +59,9 @@ export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
   || finish 1 "this build has no nvlink transport"
 
 # ---- tests ----------------------------------------------------------------
-say "tests: tests/test_gpu.py tests/test_gpu_alltoall.py (2 ranks)"
-timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_alltoall.py >"$LOG.pytest" 2>&1
+GPU_TESTS="tests/test_gpu.py tests/test_gpu_alltoall.py tests/test_gpu_alltoall_device.py"
+say "tests: $GPU_TESTS, real-GPU cases only (-k 'not fake')"
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs -k "not fake" $GPU_TESTS >"$LOG.pytest" 2>&1
 test_rc=$?
 tail -30 "$LOG.pytest" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$LOG.pytest" "$OUT/pytest.log"; fi
@@ -70,9 +72,9 @@ if [ "$test_rc" -eq 0 ] && grep "SKIPPED" "$LOG.pytest" | grep -qv "cupy is not 
 fi
 
 # ---- all-to-all bench: CUDA tensors, against NCCL's two-phase form and a D2D copy ----
-# At most 60 s, leaving the p2p bench its 45.
+# At most 45 s, leaving the MoE and p2p benches theirs.
 left=$((290 - ($(date +%s) - t_start)))
-a2a_s=$((left - 45)); [ "$a2a_s" -gt 60 ] && a2a_s=60
+a2a_s=$((left - 85)); [ "$a2a_s" -gt 45 ] && a2a_s=45
 if [ "$a2a_s" -lt 30 ]; then
   say "no all-to-all bench: only ${left}s left of the 5 minutes"
   a2a_rc=1
@@ -82,6 +84,19 @@ else
     --launcher varcomm --timeout "$((a2a_s - 5))" --routing uniform,zipf -e 4M --baselines two-phase,d2d,nccl -c \
     ${OUT:+--json "$OUT/gpu_alltoall.json" --md "$OUT/gpu_alltoall.md"} 2>&1 | tee -a "$LOG"
   a2a_rc=${PIPESTATUS[0]}
+fi
+
+# ---- MoE bench: device splits (no host sync) vs NCCL two-phase, symm_mem, d2d ----
+left=$((290 - ($(date +%s) - t_start)))
+moe_s=$((left - 40)); [ "$moe_s" -gt 45 ] && moe_s=45
+if [ "$moe_s" -lt 20 ]; then
+  say "no MoE bench: only ${left}s left of the 5 minutes"
+  moe_rc=1
+else
+  say "bench: varcomm-bench moe (2 ranks, at most ${moe_s} s)"
+  PYTHONPATH="$ROOT/bench:$PYTHONPATH" timeout "$moe_s" "$PY" -m varcomm_bench.moe --nranks 2 --tokens 2048 --hidden 2048 \
+    --iters 10 --warmup 3 ${OUT:+--json "$OUT/moe.json"} 2>&1 | tee -a "$LOG"
+  moe_rc=${PIPESTATUS[0]}
 fi
 
 # ---- p2p bench --------------------------------------------------------------
@@ -97,5 +112,6 @@ fi
 say "took $(($(date +%s) - t_start)) s"
 [ "$test_rc" -eq 0 ] || finish 1 "GPU tests failed (pytest exit $test_rc)"
 [ "$a2a_rc" -eq 0 ] || finish 1 "all-to-all bench failed (exit $a2a_rc)"
+[ "$moe_rc" -eq 0 ] || finish 1 "moe bench failed (exit $moe_rc)"
 [ "$bench_rc" -eq 0 ] || finish 1 "bench failed (exit $bench_rc)"
 finish 0 "ok"

@@ -4,6 +4,7 @@
     varcomm-bench varlen   [--dist uniform|lognormal|file:PATH] [--messages 64]
     varcomm-bench alltoall [--routing uniform,zipf,all-to-one] [--hidden 1024]
     varcomm-bench all      (all three in one job)
+    varcomm-bench moe      MoE dispatch + combine on GPUs, device splits vs NCCL two-phase (varcomm_bench.moe)
 
     common: -n/--iters -w/--warmup -r/--repeats -c/--check --dtype --device cpu|cuda
             --transport auto|shm|rdma|fallback --baselines fallback,mpi4py,... --quick
@@ -356,6 +357,10 @@ def _in_launcher() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``varcomm-bench``); returns 1 when -c found wrong data."""
     args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["moe"]:  # its own options and launch (GPU only): varcomm_bench.moe
+        from . import moe
+
+        return moe.main(args_in[1:])
     a = _finish_args(_parser().parse_args(args_in))
     _check_device(a)
     if not _in_launcher():

@@ -23,6 +23,7 @@
 #include "rdma.h"
 #endif
 #ifdef VARCOMM_HAVE_CUDA
+#include "a2a_device.h"
 #include "nvlink.h"
 #endif
 
@@ -662,6 +663,108 @@ void bind_fallback_mover(py::module_& m) {
 }  // namespace
 // ---- end fallback mover --------------------------------------------------------
 
+
+// ---- device-split all-to-all (transport/nvlink/a2a_device.h) -------------------
+namespace {
+
+struct DeviceA2AHandle {
+  py::object comm;  // keeps the Comm (and its engine) alive
+#ifdef VARCOMM_HAVE_CUDA
+  std::unique_ptr<DeviceA2A> a;
+#endif
+};
+
+void bind_device_a2a(py::module_& m) {
+  m.def("device_a2a_unavailable_reason", []() -> std::string {
+#ifdef VARCOMM_HAVE_CUDA
+    return device_a2a_unavailable_reason();
+#else
+    return "varcomm was built without the nvlink transport";
+#endif
+  });
+  py::class_<DeviceA2AHandle>(m, "DeviceAllToAll")
+      // Collective: every rank constructs it with the same cap (bytes per source slot).
+      .def(py::init([](py::object comm, int device, uint64_t cap, std::optional<double> timeout) {
+             auto h = std::make_unique<DeviceA2AHandle>();
+             h->comm = comm;
+#ifdef VARCOMM_HAVE_CUDA
+             Comm& c = comm.cast<Comm&>();
+             timeout = timeout_of(timeout);
+             py::gil_scoped_release nogil;
+             h->a = std::make_unique<DeviceA2A>(*c.engine, device, cap, timeout);
+#else
+             (void)device, (void)cap, (void)timeout;
+             throw Error(ErrorKind::Invalid, "varcomm was built without the nvlink transport");
+#endif
+             return h;
+           }),
+           py::arg("comm"), py::arg("device"), py::arg("cap"), py::arg("timeout"))
+#ifdef VARCOMM_HAVE_CUDA
+      .def_property_readonly("cap", [](DeviceA2AHandle& h) { return h.a->cap(); })
+      .def("describe", [](DeviceA2AHandle& h) { return h.a->describe(); })
+      .def("launch",
+           [](DeviceA2AHandle& h, unsigned ne, unsigned in_layout, unsigned out_layout, uint32_t dtype,
+              uint64_t row_bytes, uintptr_t x, uint64_t x_rows, uintptr_t splits, unsigned splits_bytes, uintptr_t out,
+              uint64_t out_rows, uintptr_t out_splits_offsets, uintptr_t stream, std::optional<double> timeout) {
+             DeviceA2ACall c;
+             c.ne = ne;
+             c.in_layout = in_layout;
+             c.out_layout = out_layout;
+             c.dtype = dtype;
+             c.row_bytes = row_bytes;
+             c.x = x;
+             c.x_rows = x_rows;
+             c.splits = splits;
+             c.splits_bytes = splits_bytes;
+             c.out = out;
+             c.out_rows = out_rows;
+             c.out_splits_offsets = out_splits_offsets;
+             c.stream = stream;
+             c.timeout = timeout_of(timeout);
+             h.a->launch(c);
+           },
+           py::arg("ne"), py::arg("in_layout"), py::arg("out_layout"), py::arg("dtype"), py::arg("row_bytes"),
+           py::arg("x"), py::arg("x_rows"), py::arg("splits"), py::arg("splits_bytes"), py::arg("out"),
+           py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"))
+      // Point-to-point on a handle set up for it: x/out, the row count (rows: one int; recv: int64 out).
+      .def("launch_p2p",
+           [](DeviceA2AHandle& h, bool send, int peer, uint32_t dtype, uint64_t row_bytes, uintptr_t data,
+              uint64_t rows_cap, uintptr_t rows, unsigned rows_bytes, uintptr_t stream, std::optional<double> timeout) {
+             DeviceA2ACall c;
+             c.dtype = dtype;
+             c.row_bytes = row_bytes;
+             (send ? c.x : c.out) = data;
+             (send ? c.x_rows : c.out_rows) = rows_cap;
+             (send ? c.splits : c.out_splits_offsets) = rows;
+             c.splits_bytes = send ? rows_bytes : 8;
+             c.stream = stream;
+             c.timeout = timeout_of(timeout);
+             h.a->launch_p2p(send, peer, c);
+           },
+           py::arg("send"), py::arg("peer"), py::arg("dtype"), py::arg("row_bytes"), py::arg("data"),
+           py::arg("rows_cap"), py::arg("rows"), py::arg("rows_bytes"), py::arg("stream"), py::arg("timeout"))
+      .def("check", [](DeviceA2AHandle& h) { h.a->check(); })
+      .def("alloc", [](DeviceA2AHandle& h, uint64_t n) { return h.a->alloc(n); }, py::arg("nbytes"))
+      .def("free", [](DeviceA2AHandle& h, uintptr_t p, uintptr_t stream) { h.a->free(p, stream); }, py::arg("ptr"),
+           py::arg("stream"))
+      .def("synchronize",
+           [](DeviceA2AHandle& h, uintptr_t stream, std::optional<double> timeout) {
+             timeout = timeout_of(timeout);
+             py::gil_scoped_release nogil;
+             h.a->synchronize(stream, timeout);
+           },
+           py::arg("stream"), py::arg("timeout"))
+      .def("close", [](DeviceA2AHandle& h) {
+        py::gil_scoped_release nogil;
+        h.a->close();
+      })
+#endif
+      ;
+}
+
+}  // namespace
+// ---- end device-split all-to-all -----------------------------------------------
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "varcomm core: slots, headers, credits over shm / rdma transports";
 
@@ -689,8 +792,10 @@ PYBIND11_MODULE(_C, m) {
 #ifdef VARCOMM_HAVE_CUDA
   have.append("nvlink");
   build["cuda"] = true;
+  build["device_a2a"] = device_a2a_built();  // the device-split all-to-all's kernels are in this build
 #else
   build["cuda"] = false;
+  build["device_a2a"] = false;
 #endif
   build["transports"] = have;
   build["max_dims"] = kMaxDims;
@@ -702,6 +807,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_timeout", &timeout_of, py::arg("timeout"));
   bind_collectives(m);
   bind_fallback_mover(m);
+  bind_device_a2a(m);
 
   // The doctor's views; with an options dict they describe what those options would select.
   m.def("rdma_info", [](std::optional<py::dict> opts) -> std::string {

@@ -156,6 +156,9 @@ class Communicator:
         self._device_routes: list[str | None] = self._c.device_routes
         # The GPU whose memory holds our device receive slots, else None.
         self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
+        # The device-split all-to-all (collectives/alltoall_device.py), set up on first use.
+        self._device_a2a: Any = None
+        self._device_p2p: Any = None  # its point-to-point twin (alltoall_device.setup_p2p)
         self._routes_ready = True
         # The core says whether some pair in the job needs the mover; building
         # its gloo group is collective, so then every rank starts one.
@@ -488,7 +491,9 @@ class Communicator:
     def all_to_all_v(self, x: Array, send_splits: Splits, *, tag: int | None = None, out: Array | None = None,
                      async_op: bool = False, timeout: float | None = None) -> tuple[Array, list[int]] | Work:
         """Rows of x split by send_splits go to each rank; returns (concatenated rows
-        in source order, rows received per source). Counts travel with the data."""
+        in source order, rows received per source). Counts travel with the data.
+        With send_splits on the GPU: (bound-sized out, counts and offsets per
+        source as a [2, world] device tensor), no host sync (alltoall_device)."""
         from .collectives import alltoall
 
         return alltoall.all_to_all_v(self, x, send_splits, tag=tag, out=out, async_op=async_op, timeout=timeout)
@@ -556,6 +561,9 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        for dev in (self._device_p2p, self._device_a2a):  # kernels' waits end, streams drain, before the engine goes
+            if dev is not None:
+                dev.close()
         try:
             self._store.set(f"left/{self.rank}", "1")
             self._flush(time.monotonic() + _CLOSE_FLUSH_S)

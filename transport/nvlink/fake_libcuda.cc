@@ -7,7 +7,7 @@
 //   g++ -std=c++17 -O1 -shared -fPIC -Wl,-soname,libcuda.so.1 -o libcuda.so.1 fake_libcuda.cc -lpthread
 // and loads it before varcomm does, so dlopen("libcuda.so.1") finds it.
 // Only what transport/nvlink uses is here, with the driver's signatures
-// (kernel launches: only the one kernel nvlink launches, emulated).
+// (kernel launches: nvlink's kernels, their bodies run on CPU threads).
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -22,8 +22,15 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
+#include <vector>
+
+// The device-split all-to-all's kernel bodies, compiled as host C++: a launch
+// runs the real algorithm (a2a_kernels.cuh) on the stream's thread.
+#include "a2a_kernels.cuh"
+#include "copy_signal.cuh"
 
 namespace {
 
@@ -46,6 +53,9 @@ struct Stream {
   int busy = 0;
   bool stop = false;
   std::thread worker;
+  // Between cuStreamBeginCapture and cuStreamEndCapture: operations are
+  // recorded here instead of run (a graph), and cuGraphLaunch runs them again.
+  std::vector<std::function<void()>>* capture = nullptr;
   Stream() {
     worker = std::thread([this] {
       std::unique_lock<std::mutex> g(mu);
@@ -74,6 +84,10 @@ struct Stream {
   }
   void push(std::function<void()> op) {
     std::lock_guard<std::mutex> g(mu);
+    if (capture) {
+      capture->push_back(std::move(op));
+      return;
+    }
     q.push_back(std::move(op));
     cv.notify_all();
   }
@@ -255,19 +269,51 @@ API CUresult cuStreamSynchronize(void* s) { stream_of(s)->sync(); return 0; }
 API CUresult cuStreamQuery(void* s) { return stream_of(s)->idle() ? 0 : 600; }  // CUDA_ERROR_NOT_READY
 API CUresult cuStreamGetCtx(void*, Ctx** c) { *c = &g_ctx; return 0; }
 static std::mutex g_capture_mu;
-static std::map<void*, int> g_capturing;  // streams a test marked as capturing (fake_cuda_set_capturing)
+static std::set<void*> g_capturing;  // streams fake_cuda_set_capturing marked
 API CUresult cuStreamIsCapturing(void* s, int* st) {
-  std::lock_guard<std::mutex> g(g_capture_mu);
-  auto it = g_capturing.find(s);
-  *st = it == g_capturing.end() ? 0 : it->second;  // 1: CU_STREAM_CAPTURE_STATUS_ACTIVE
+  Stream* x = stream_of(s);
+  std::lock_guard<std::mutex> g(x->mu);
+  std::lock_guard<std::mutex> c(g_capture_mu);
+  *st = x->capture || g_capturing.count(s) ? 1 : 0;  // CU_STREAM_CAPTURE_STATUS_ACTIVE
   return 0;
 }
-// For tests: make `s` report an active graph capture (on != 0) or none.
+// For tests: make `s` report an active graph capture (on != 0) without recording
+// it, to check that a path that cannot be replayed refuses capture.
 API void fake_cuda_set_capturing(void* s, int on) {
   std::lock_guard<std::mutex> g(g_capture_mu);
-  if (on) g_capturing[s] = 1;
+  if (on) g_capturing.insert(s);
   else g_capturing.erase(s);
 }
+// CUDA graphs, as far as tests capture them: one stream's operations in order.
+struct Graph {
+  std::vector<std::function<void()>> ops;
+};
+API CUresult cuStreamBeginCapture_v2(void* s, int) {
+  if (!s) return 1;  // the legacy stream cannot capture
+  Stream* x = stream_of(s);
+  std::lock_guard<std::mutex> g(x->mu);
+  if (x->capture) return 900;  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+  x->capture = &(new Graph())->ops;
+  return 0;
+}
+API CUresult cuStreamEndCapture(void* s, Graph** graph) {
+  Stream* x = stream_of(s);
+  std::lock_guard<std::mutex> g(x->mu);
+  if (!x->capture) return 901;  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+  *graph = reinterpret_cast<Graph*>(reinterpret_cast<char*>(x->capture) - offsetof(Graph, ops));
+  x->capture = nullptr;
+  return 0;
+}
+API CUresult cuGraphInstantiateWithFlags(Graph** exec, Graph* graph, unsigned long long) {
+  *exec = new Graph(*graph);
+  return 0;
+}
+API CUresult cuGraphLaunch(Graph* exec, void* s) {
+  for (auto& op : exec->ops) stream_of(s)->push(op);
+  return 0;
+}
+API CUresult cuGraphDestroy(Graph* g) { delete g; return 0; }
+API CUresult cuGraphExecDestroy(Graph* g) { delete g; return 0; }
 API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
   if (CUresult r = need_ctx()) return r;
   if (!find(uintptr_t(addr), nullptr)) return 1;  // must be device or registered memory
@@ -282,13 +328,13 @@ API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsig
   });
   return 0;
 }
-// The copy-and-flag kernel (kernels.cu): a module is accepted when it is a
-// fatbin (magic 0xBA55ED50), and a launch of varcomm_copy_signal runs its
-// effect on the stream: copy, then a release store of the flag.
+// The kernels (kernels.cu): a module is accepted when it is a fatbin (magic
+// 0xBA55ED50), and a launch runs the kernel's own body (copy_signal.cuh,
+// a2a_kernels.cuh, compiled here as host C++) on the stream's thread.
 // FAKE_CUDA_NO_MODULES=1: cuModuleLoadData fails as on a GPU without an image.
 struct Module {};
 struct Function { int which; };
-Function g_copy_signal{1};
+Function g_copy_signal{1}, g_a2a_send{2}, g_a2a_recv{3}, g_p2p_send{4}, g_p2p_recv{5};
 std::atomic<unsigned long long> g_launches{0};
 API CUresult cuModuleLoadData(Module** m, const void* image) {
   if (CUresult r = need_ctx()) return r;
@@ -302,13 +348,45 @@ API CUresult cuModuleLoadData(Module** m, const void* image) {
 }
 API CUresult cuModuleUnload(Module* m) { delete m; return 0; }
 API CUresult cuModuleGetFunction(Function** f, Module*, const char* name) {
-  if (std::strcmp(name, "varcomm_copy_signal")) return 500;  // CUDA_ERROR_NOT_FOUND
-  *f = &g_copy_signal;
+  if (!std::strcmp(name, "varcomm_copy_signal")) *f = &g_copy_signal;
+  else if (!std::strcmp(name, "varcomm_a2a_send")) *f = &g_a2a_send;
+  else if (!std::strcmp(name, "varcomm_a2a_recv")) *f = &g_a2a_recv;
+  else if (!std::strcmp(name, "varcomm_p2p_send")) *f = &g_p2p_send;
+  else if (!std::strcmp(name, "varcomm_p2p_recv")) *f = &g_p2p_recv;
+  else return 500;  // CUDA_ERROR_NOT_FOUND
   return 0;
 }
 API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void* s, void** params, void** extra) {
   if (CUresult r = need_ctx()) return r;
+  if ((f == &g_p2p_send || f == &g_p2p_recv) && params && !extra) {
+    namespace a2a = varcomm::a2a;
+    const a2a::Args a = *static_cast<const a2a::Args*>(params[0]);
+    if (gx != 1 || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
+    if (a.peer >= a.world || !find(uintptr_t(a.ws), nullptr) || !find(uintptr_t(a.err), nullptr) ||
+        !find(uintptr_t(a.peer_ws[a.peer]), nullptr))
+      return 700;
+    g_launches.fetch_add(1);
+    const bool send = f == &g_p2p_send;
+    stream_of(s)->push([a, send, bx] { send ? a2a::host_p2p_send(a, bx) : a2a::host_p2p_recv(a, bx); });
+    return 0;
+  }
+  if ((f == &g_a2a_send || f == &g_a2a_recv) && params && !extra) {
+    // The real kernel bodies, one block after another on the stream's thread
+    // (each block's phases for every thread index in turn): a2a_kernels.cuh.
+    namespace a2a = varcomm::a2a;
+    const a2a::Args a = *static_cast<const a2a::Args*>(params[0]);
+    if (gx != a.world || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
+    if (!find(uintptr_t(a.ws), nullptr) || !find(uintptr_t(a.err), nullptr)) return 700;
+    for (unsigned q = 0; q < a.world; ++q)
+      if (!find(uintptr_t(a.peer_ws[q]), nullptr)) return 700;
+    g_launches.fetch_add(1);
+    const bool send = f == &g_a2a_send;
+    stream_of(s)->push([a, send, bx] {
+      for (unsigned b = 0; b < a.world; ++b) send ? a2a::host_send_block(a, b, bx) : a2a::host_recv_block(a, b, bx);
+    });
+    return 0;
+  }
   if (f != &g_copy_signal || !params || extra) return 1;
   if (gx != 1 || gy != 1 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1 || shmem) return 1;
   CUdeviceptr dst = *static_cast<CUdeviceptr*>(params[0]), src = *static_cast<CUdeviceptr*>(params[1]);
@@ -319,9 +397,9 @@ API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, 
       !find(uintptr_t(flag), nullptr) || flag % 8)
     return 700;  // CUDA_ERROR_ILLEGAL_ADDRESS (the real driver reports it later)
   g_launches.fetch_add(1);
-  stream_of(s)->push([=] {
-    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
-    __atomic_store_n(reinterpret_cast<uint64_t*>(flag), seq, __ATOMIC_RELEASE);
+  stream_of(s)->push([=] {  // the kernel's own body (copy_signal.cuh), one block of bx threads
+    varcomm::copy_signal::host_block(reinterpret_cast<unsigned char*>(dst), reinterpret_cast<const unsigned char*>(src),
+                                     n, reinterpret_cast<unsigned long long*>(flag), seq, bx);
   });
   return 0;
 }

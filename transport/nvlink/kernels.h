@@ -17,3 +17,11 @@ extern const size_t varcomm_fatbin_size;
 extern const char varcomm_fatbin_archs[];  // e.g. "sm_80 sm_90 compute_90"
 }
 #endif
+
+// The device-split all-to-all's two kernels (a2a_kernels.cuh), each taking
+// one varcomm::a2a::Args by value; grid: one block per rank.
+#define VARCOMM_KERNEL_A2A_SEND "varcomm_a2a_send"
+#define VARCOMM_KERNEL_A2A_RECV "varcomm_a2a_recv"
+// Point-to-point with a device-side row count: one block, the same Args.
+#define VARCOMM_KERNEL_P2P_SEND "varcomm_p2p_send"
+#define VARCOMM_KERNEL_P2P_RECV "varcomm_p2p_recv"

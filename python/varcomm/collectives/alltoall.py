@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import _C, arrays, dtypes
 from ..errors import InvalidArgument
+from . import alltoall_device
 
 if TYPE_CHECKING:
     import torch
@@ -294,7 +295,15 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     MessageTooLarge on the sender and VarcommError naming the sender on the
     receiver; a dtype or trailing-shape mismatch raises MessageMismatch naming
     the source rank; more rows than ``out`` holds raises MessageTooLarge.
+
+    send_splits on the GPU (a CUDA int tensor, or a __cuda_array_interface__
+    array): the device-split form, alltoall_device.all_to_all_vdev. Nothing
+    is read on the host; it returns ``(out, out_splits_offsets)``, a
+    bound-sized out and the rows and offsets per source as a device tensor.
     """
+    if alltoall_device.is_device_splits(send_splits):
+        return alltoall_device.all_to_all_vdev(comm, x, send_splits, out=out, timeout=timeout,  # type: ignore[no-any-return]
+                                               async_op=async_op)
     _check_timeout(timeout)
     if tag is not None and (not isinstance(tag, (int, np.integer)) or isinstance(tag, bool)):
         raise InvalidArgument(f"tag {tag!r} out of range [0, {MAX_COLL_TAG}] for a collective")

@@ -18,13 +18,12 @@ gradient reaches ``topk_weights`` through combine's weighted sum. Like every
 collective, the backward all-to-alls must run on every rank: tokens (and the
 expert outputs) must require grad on all ranks or on none.
 
-CPU or CUDA tensors. The routing metadata (counts per destination) is
-computed where the tokens are and read on the host (``bincount().tolist()``:
-for CUDA tokens, the one device-to-host sync of a dispatch); the all-to-alls
-then run on the tokens' device, ordered on the current stream
-(collectives/alltoall.py). Every tensor that enters an all-to-all is put in
-the tokens' memory (``arrays.DeviceMemory.to``: nothing for CUDA tensors,
-which torch's ops keep on their device).
+CPU or CUDA tokens. With ``topk_ids`` on the host, the routing metadata
+(counts per destination) is computed and read there, and the all-to-alls run
+on the tokens' device, ordered on the current stream (collectives/alltoall.py):
+outputs are exact-sized. With ``topk_ids`` on the GPU, ``dispatch`` and
+``combine`` hand over to ``moe_device``, where the counts never leave the
+device (no host sync; bound-sized, expert-major outputs).
 """
 from __future__ import annotations
 
@@ -39,6 +38,7 @@ from . import alltoall
 
 if TYPE_CHECKING:
     from ..comm import Communicator
+    from .moe_device import DeviceMoEHandle
 
 __all__ = ["dispatch", "combine", "MoEHandle"]
 
@@ -147,7 +147,7 @@ def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 
 def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle]:
+             num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle | DeviceMoEHandle]:
     """Send each (token, k) to the rank owning expert ``topk_ids[token, k]``.
 
     tokens [T, H] (any fixed-size dtype), topk_ids [T, K] ints in [0, E),
@@ -155,7 +155,15 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     grouped by local expert (rows for local expert 0 first, ...; within an
     expert, by source rank then by (token, k)), ``tokens_per_expert`` [E/n]
     int64, and the handle combine needs. ``num_experts`` must be a multiple of
-    the world size."""
+    the world size.
+
+    ``topk_ids`` on the GPU: the device-routed form (moe_device.dispatch): no
+    count reaches the host, ``expert_tokens`` is bound-sized and expert-major,
+    ``tokens_per_expert`` is on the device."""
+    if topk_ids.is_cuda:
+        from . import moe_device
+
+        return moe_device.dispatch(comm, tokens, topk_ids, topk_weights, num_experts)
     n = comm.world_size
     if num_experts <= 0 or num_experts % n:
         raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of the world size {n}")
@@ -173,12 +181,16 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     return expert_tokens, tokens_per_expert, handle
 
 
-def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle) -> torch.Tensor:
+def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle | DeviceMoEHandle) -> torch.Tensor:
     """Return every expert output to its token's rank and reduce it:
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``, tokens in their
     original order. ``expert_outputs`` [R, H'] rows match dispatch's
     ``expert_tokens`` rows (H' may differ from H). Differentiable in
     ``expert_outputs`` and in ``topk_weights``."""
+    if not isinstance(handle, MoEHandle):
+        from . import moe_device
+
+        return moe_device.combine(comm, expert_outputs, handle)
     if expert_outputs.shape[0] != handle.perm.numel():
         raise InvalidArgument(f"expert_outputs has {expert_outputs.shape[0]} rows; dispatch delivered "
                               f"{handle.perm.numel()}")

@@ -1,0 +1,383 @@
+"""All-to-all with device-side splits: the host never reads a count.
+
+``send_splits`` lives on the GPU (as a router's bincount of top-k ids does);
+the output is a bound-sized buffer, and the rows and offsets received from
+each source come back as a device tensor, written by a kernel. This is the
+contract of torch SymmMem's ``all_to_all_vdev`` / ``all_to_all_vdev_2d``
+(``out_splits_offsets``: row 0 the counts, row 1 the offsets), over
+varcomm's nvlink set-up (CUDA IPC, no NVSHMEM) and with varcomm's errors.
+The kernels and their protocol are ``transport/nvlink/a2a_kernels.cuh``;
+the host side is ``transport/nvlink/a2a_device.cpp``; this module describes
+arrays to it.
+
+Arrays: torch CUDA tensors (ordered on torch's current stream), any object
+with ``__cuda_array_interface__`` (cupy, numba; ordered on its ``stream``
+entry, or the legacy default stream), or, with an explicit ``stream=``,
+torch tensors in memory the GPU addresses directly (the CPU stand-in
+driver's device memory in tests; pinned, mapped host memory). Outputs not
+given are allocated bound-sized: torch CUDA tensors for torch CUDA inputs,
+else a ``DeviceArray`` (``__cuda_array_interface__``) in memory varcomm
+allocated.
+
+Errors are found by the kernels and recorded in host-mapped memory; the
+host raises them at ``DeviceWork.synchronize()``, at ``synchronize(comm)``,
+or at the next device all-to-all call, whichever comes first:
+
+* a chunk over its receiver's slot (the bound): nothing of it is sent, the
+  receiver gets 0 rows from that source; MessageTooLarge on the sender,
+  VarcommError (refused) on the receiver;
+* rows of another dtype or row size than the receiver's: MessageMismatch
+  naming the source, 0 rows from it;
+* rows that do not fit ``out``: MessageTooLarge, 0 rows from that source;
+* splits outside ``x`` (negative, or summing past its rows): InvalidArgument;
+* a peer that does not answer within ``timeout`` (the kernels' own limit):
+  TimeoutError; a dead peer (noticed while synchronizing) or a close:
+  PeerFailure. After these two the device path of the communicator stays
+  failed (its sequence numbers may disagree between ranks); point-to-point
+  and host collectives go on working.
+
+Nothing is ever written past ``out``, ``out_splits_offsets`` or a slot.
+
+CUDA graphs: every sequence number, flag and credit lives in device memory
+and is advanced by the kernels, so a call (or a whole MoE dispatch and
+combine) captured once replays with new routing each time: same buffers,
+new contents of ``send_splits``. Call it once before capturing (the first
+call sets up the workspaces, a collective through the host).
+
+Point-to-point with the row count on the device (``setup_p2p`` once, then
+``send_rows`` / ``recv_rows``) uses the same kernels' protocol per pair and
+is capturable the same way; the ordinary ``send`` / ``recv`` still refuse
+capture.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _C, arrays, dtypes
+from ..errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ..comm import Communicator
+
+__all__ = ["DeviceArray", "all_to_all_vdev", "all_to_all_vdev_2d", "all_to_all_vdev_2d_offset", "is_device_splits",
+           "synchronize", "DeviceWork", "capacity_rows", "setup_p2p", "send_rows", "recv_rows"]
+
+_IN_PREFIX, _IN_OFFSETS = 0, 1
+_OUT_EXPERT_MAJOR, _OUT_RANK_MAJOR = 0, 1
+_PER_THREAD_STREAM = 2  # CU_STREAM_PER_THREAD, as __cuda_array_interface__ spells it
+_INT = {dtypes.word(dtypes.INT, 32): 4, dtypes.word(dtypes.INT, 64): 8}
+_I64 = dtypes.word(dtypes.INT, 64)
+
+
+@dataclass
+class _Dev:
+    """A device array as the core sees it."""
+
+    ptr: int
+    word: int
+    shape: tuple[int, ...]
+    stream: int | None  # the stream it is ordered on, None: not said
+    obj: Any
+    cuda: bool  # a torch CUDA tensor (outputs can be allocated like it)
+
+    @property
+    def row_bytes(self) -> int:
+        n = dtypes.itemsize(self.word)
+        for s in self.shape[1:]:
+            n *= s
+        return n
+
+
+def _cai_word(cai: dict[str, Any], what: str) -> int:
+    name = cai.get("varcomm_dtype")  # dtypes numpy has no typestr for (bfloat16, float8)
+    try:
+        if name is not None:
+            return dtypes.from_torch(getattr(arrays.torch, str(name)))
+        return dtypes.from_numpy(np.dtype(cai["typestr"]))
+    except (TypeError, KeyError, AttributeError, InvalidArgument) as e:
+        raise InvalidArgument(f"{what}: unsupported dtype in __cuda_array_interface__ ({e})") from None
+
+
+def _describe(x: Any, what: str, stream: int | None) -> _Dev:
+    """x as a device array; stream: the caller's, else x's own."""
+    if arrays.is_torch(x):
+        if not x.is_contiguous():
+            raise InvalidArgument(f"{what} must be contiguous (the kernels address it as rows)")
+        if x.is_cuda:
+            s = arrays.torch.cuda.current_stream(x.device).cuda_stream
+            return _Dev(x.data_ptr(), dtypes.from_torch(x.dtype), tuple(x.shape), s, x, True)
+        if stream is None:
+            raise InvalidArgument(f"{what} is a CPU tensor: the device all-to-all takes CUDA tensors (or, with an "
+                                  "explicit stream=, memory the GPU addresses directly)")
+        return _Dev(x.data_ptr(), dtypes.from_torch(x.dtype), tuple(x.shape), None, x, False)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if not isinstance(cai, dict):
+        raise InvalidArgument(f"{what} must be a CUDA tensor or an array with __cuda_array_interface__, not "
+                              f"{type(x).__name__}")
+    shape = tuple(int(s) for s in cai["shape"])
+    word = _cai_word(cai, what)
+    strides = cai.get("strides")
+    if strides is not None:
+        expect, step = [], dtypes.itemsize(word)
+        for s in reversed(shape):
+            expect.append(step)
+            step *= s
+        if tuple(strides) != tuple(reversed(expect)):
+            raise InvalidArgument(f"{what} must be C-contiguous")
+    ptr = int(cai["data"][0])
+    st = cai.get("stream")
+    own = None if st is None else (0 if int(st) == 1 else int(st))
+    return _Dev(ptr, word, shape, own, x, False)
+
+
+class DeviceArray:
+    """A C-contiguous array in GPU memory that varcomm allocated (an output of
+    a device all-to-all whose inputs were not torch tensors). Any library
+    that reads ``__cuda_array_interface__`` (cupy.asarray, numba) takes it
+    without a copy; the memory is freed with the last reference."""
+
+    def __init__(self, handle: Any, shape: tuple[int, ...], word: int, stream: int):
+        self.shape, self.word, self.stream = shape, word, stream
+        self.nbytes = dtypes.itemsize(word) * int(np.prod(shape, dtype=np.int64))
+        self.ptr: int = handle.alloc(self.nbytes)
+        # Freed once its stream ran what was enqueued (a kernel may still write it).
+        self._free = weakref.finalize(self, handle.free, self.ptr, stream)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"shape": self.shape, "data": (self.ptr, False), "version": 3, "strides": None,
+                             "stream": self.stream or 1}
+        try:
+            d["typestr"] = dtypes.to_numpy(self.word).str
+        except InvalidArgument:  # bfloat16, float8: numpy has no typestr
+            d["typestr"] = f"|V{dtypes.itemsize(self.word)}"
+            d["varcomm_dtype"] = dtypes.describe(self.word)
+        return d
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={dtypes.describe(self.word)}, ptr={self.ptr:#x})"
+
+
+def is_device_splits(splits: Any) -> bool:
+    """Splits that live on a GPU: a torch CUDA tensor or a __cuda_array_interface__ array."""
+    if arrays.is_torch(splits):
+        return bool(splits.is_cuda)
+    return isinstance(getattr(splits, "__cuda_array_interface__", None), dict)
+
+
+def _handle(comm: Communicator) -> Any:
+    """The communicator's device all-to-all (set up on first use: a collective)."""
+    h = getattr(comm, "_device_a2a", None)
+    if h is not None:
+        return h
+    why = _C.device_a2a_unavailable_reason()
+    if why:
+        raise InvalidArgument(f"device-split all-to-all unavailable: {why}")
+    dev = comm._cuda_device
+    if dev is None:
+        raise InvalidArgument("device-split all-to-all: this communicator uses no GPU (set VARCOMM_NVLINK=1, or "
+                              "use CUDA before varcomm.init)")
+    cap = comm.options.bound // 16 * 16
+    h = _C.DeviceAllToAll(comm._c, dev, cap, comm._timeout)
+    comm._device_a2a = h
+    return h
+
+
+def _p2p_handle(comm: Communicator) -> Any:
+    h = comm._device_p2p
+    if h is None:
+        raise InvalidArgument("device point-to-point is not set up: call alltoall_device.setup_p2p(comm) on every "
+                              "rank first (a collective)")
+    return h
+
+
+def setup_p2p(comm: Communicator) -> None:
+    """Set up the device point-to-point path (send_rows / recv_rows): a
+    workspace of its own, world_size x the bound, like the all-to-all's.
+    A collective: every rank calls it, before any capture."""
+    if comm._device_p2p is not None:
+        return
+    _handle(comm)  # the same checks, and the all-to-all's workspace, first
+    dev = comm._cuda_device
+    assert dev is not None  # _handle raised otherwise
+    comm._device_p2p = _C.DeviceAllToAll(comm._c, dev, comm.options.bound // 16 * 16, comm._timeout)
+
+
+def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | None = None,
+              timeout: float | None = None) -> None:
+    """Send ``x[:rows]`` to ``dst``, ``rows`` a one-element int tensor on the
+    device (the host never reads it): one kernel writes the rows, the count
+    and a flag into dst's slot for us. Capturable in a CUDA graph (every
+    sequence number is on the device); per pair, sends must be ordered (one
+    stream). Errors as for the all-to-all (a count over x or the bound:
+    nothing sent, the receiver gets 0 rows)."""
+    h = _p2p_handle(comm)
+    xd = _describe(x, "x", stream)
+    if len(xd.shape) == 0:
+        raise InvalidArgument("x must have at least one dimension (rows along dim 0)")
+    rd, rb = _splits(rows, 1, "rows", stream)
+    s = stream if stream is not None else xd.stream if xd.stream is not None else 0
+    h.launch_p2p(True, int(dst), xd.word, xd.row_bytes, xd.ptr, xd.shape[0], rd.ptr, rb, int(s),
+                 comm._timeout if timeout is None else timeout)
+
+
+def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: int | None = None,
+              timeout: float | None = None) -> None:
+    """Receive what ``src`` sent with send_rows into the bound-sized ``out``;
+    the kernel writes the row count to ``rows_out`` (a one-element int64
+    device tensor). A message over ``out``'s rows, or of another dtype or row
+    size, is dropped (0 rows) and raised at synchronize or the next call."""
+    h = _p2p_handle(comm)
+    od = _describe(out, "out", stream)
+    if len(od.shape) == 0:
+        raise InvalidArgument("out must have at least one dimension (rows along dim 0)")
+    rd = _describe(rows_out, "rows_out", stream)
+    if rd.word != _I64 or int(np.prod(rd.shape)) != 1:
+        raise InvalidArgument("rows_out must be one int64 on the device")
+    s = stream if stream is not None else od.stream if od.stream is not None else 0
+    h.launch_p2p(False, int(src), od.word, od.row_bytes, od.ptr, od.shape[0], rd.ptr, 8, int(s),
+                 comm._timeout if timeout is None else timeout)
+
+
+def capacity_rows(comm: Communicator, row_bytes: int) -> int:
+    """Rows of `row_bytes` one source may send to one rank (its slot: the bound)."""
+    return (comm.options.bound // 16 * 16) // max(row_bytes, 1)
+
+
+class DeviceWork:
+    """A device all-to-all enqueued on its stream (a varcomm.Work). ``wait()``
+    returns the result at once (the GPU work is ordered on the stream);
+    ``synchronize()`` blocks the host until the stream ran it and raises what
+    the kernels recorded."""
+
+    def __init__(self, comm: Communicator, stream: int, result: Any):
+        self._comm, self._stream, self._result = comm, stream, result
+        self._synced = False
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._synced
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        synchronize(self._comm, self._stream, timeout)
+        self._synced = True
+        return self._result
+
+    def result(self) -> Any:
+        return self._result
+
+
+def synchronize(comm: Communicator, stream: int | None = None, timeout: float | None = None) -> None:
+    """Block until `stream` (default: torch's current one) ran every device
+    all-to-all (and device point-to-point) enqueued on it, then raise what
+    the kernels recorded. A peer that died meanwhile aborts the kernels'
+    waits (PeerFailure)."""
+    h = _handle(comm)
+    if stream is None:
+        stream = arrays.torch.cuda.current_stream().cuda_stream if arrays.torch is not None else 0
+    t = comm._timeout if timeout is None else timeout
+    h.synchronize(int(stream), t)
+    if comm._device_p2p is not None:
+        comm._device_p2p.synchronize(int(stream), t)
+
+
+def _splits(splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
+    d = _describe(splits, what, stream)
+    if d.word not in _INT:
+        raise InvalidArgument(f"{what} must be int32 or int64, not {dtypes.describe(d.word)}")
+    total = 1
+    for s in d.shape:
+        total *= s
+    if total != n:
+        raise InvalidArgument(f"{what} has {total} entries; {n} expected")
+    return d, _INT[d.word]
+
+
+def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any, splits_len: int,
+            out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None, async_op: bool,
+            out_rows: int | None = None) -> Any:
+    n = comm.world_size
+    xd = _describe(x, "x", stream)
+    if len(xd.shape) == 0:
+        raise InvalidArgument("x must have at least one dimension (rows are split along dim 0)")
+    sd, sb = _splits(splits, splits_len, "splits", stream)
+    h = _handle(comm)
+    rb = xd.row_bytes
+    s = stream if stream is not None else xd.stream if xd.stream is not None else 0
+    if out is None:
+        rows = out_rows if out_rows is not None else n * capacity_rows(comm, rb)
+        if xd.cuda:
+            out = arrays.torch.empty((rows,) + xd.shape[1:], dtype=x.dtype, device=x.device)
+        else:
+            out = DeviceArray(h, (rows,) + xd.shape[1:], xd.word, int(s))
+    od = _describe(out, "out", stream)
+    if od.word != xd.word or od.shape[1:] != xd.shape[1:]:
+        raise InvalidArgument(f"out ({dtypes.describe(od.word)}, rows of {od.shape[1:]}) and x "
+                              f"({dtypes.describe(xd.word)}, rows of {xd.shape[1:]}) must agree in dtype and trailing "
+                              "shape")
+    if out_splits_offsets is None:
+        if xd.cuda:
+            out_splits_offsets = arrays.torch.empty((2, n * ne), dtype=arrays.torch.int64, device=x.device)
+        else:
+            out_splits_offsets = DeviceArray(h, (2, n * ne), _I64, int(s))
+    oso = _describe(out_splits_offsets, "out_splits_offsets", stream)
+    if oso.word != _I64 or int(np.prod(oso.shape)) != 2 * n * ne:
+        raise InvalidArgument(f"out_splits_offsets must be int64 with {2 * n * ne} entries ([2, {n * ne}]), not "
+                              f"{dtypes.describe(oso.word)} {oso.shape}")
+    if timeout is not None:
+        _C.check_timeout(timeout)
+    h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0], oso.ptr,
+             int(s), comm._timeout if timeout is None else timeout)
+    result = (out, out_splits_offsets)
+    return DeviceWork(comm, int(s), result) if async_op else result
+
+
+def all_to_all_vdev(comm: Communicator, x: Any, send_splits: Any, *, out: Any = None,
+                    out_splits_offsets: Any = None, stream: int | None = None, timeout: float | None = None,
+                    async_op: bool = False) -> Any:
+    """Rows ``x[off[d] : off[d] + send_splits[d]]`` (offsets: the prefix sums,
+    on the device) go to rank d. Returns ``(out, out_splits_offsets)``: ``out``
+    holds the chunks from every source back to back in source order (a
+    bound-sized buffer: ``world_size x`` the rows of one bound when
+    allocated), ``out_splits_offsets[0][s]`` the rows from source s and
+    ``[1][s]`` their first row in ``out``, int64 on the device. Nothing waits
+    on the host; ``async_op``: a DeviceWork instead (its ``synchronize()``
+    raises the kernels' errors)."""
+    n = comm.world_size
+    return _launch(comm, 1, _IN_PREFIX, _OUT_EXPERT_MAJOR, x, send_splits, n, out, out_splits_offsets, stream,
+                   timeout, async_op)
+
+
+def all_to_all_vdev_2d(comm: Communicator, x: Any, send_splits: Any, experts_per_rank: int, *, out: Any = None,
+                       out_splits_offsets: Any = None, stream: int | None = None, timeout: float | None = None,
+                       async_op: bool = False) -> Any:
+    """The MoE dispatch (torch's ``all_to_all_vdev_2d``): x's rows are sorted by
+    global expert, ``send_splits[d * E + e]`` of them for local expert e of
+    rank d (E = experts_per_rank). ``out`` is expert-major: for each local
+    expert, its rows from source 0, 1, ...; ``out_splits_offsets[0][e * world
+    + s]`` rows from source s for expert e, ``[1][...]`` where they start, so
+    expert e's rows are one contiguous run (what a grouped GEMM takes)."""
+    n = comm.world_size
+    return _launch(comm, int(experts_per_rank), _IN_PREFIX, _OUT_EXPERT_MAJOR, x, send_splits,
+                   n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op)
+
+
+def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any, experts_per_rank: int, *,
+                              out: Any = None, out_splits_offsets: Any = None, stream: int | None = None,
+                              timeout: float | None = None, async_op: bool = False,
+                              out_rows: int | None = None) -> Any:
+    """The MoE combine (torch's ``all_to_all_vdev_2d_offset``): x is
+    expert-major as dispatch left it, ``in_splits_offsets`` [2, E * world]
+    (dispatch's ``out_splits_offsets``) says which rows go back to each
+    source. ``out`` is rank-major: from rank 0 its rows for its experts 0, 1,
+    ..., then rank 1's, ...: exactly the order this rank sent them in.
+    ``out_splits_offsets[0][s * E + e]``, ``[1][...]``: counts and offsets."""
+    n = comm.world_size
+    return _launch(comm, int(experts_per_rank), _IN_OFFSETS, _OUT_RANK_MAJOR, x, in_splits_offsets,
+                   2 * n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op, out_rows)

@@ -1,0 +1,704 @@
+"""All-to-all with device-side splits (collectives/alltoall_device.py,
+transport/nvlink/a2a_device.cpp, kernels in transport/nvlink/a2a_kernels.cuh).
+
+* `test_fake_*`: the real kernel bodies, compiled as host C++ into the CPU
+  stand-in driver (transport/nvlink/fake_libcuda.cc), run for cuLaunchKernel
+  on the stream's thread; arrays are `__cuda_array_interface__` objects over
+  the fake driver's device memory (what cupy hands in), or torch tensors over
+  that memory with an explicit stream. Checked against a single-process
+  reference: random, skewed, zero-row and all-to-one routing, 2-4 ranks,
+  float32 and bfloat16, the MoE layouts, errors, graph capture and replay.
+* `test_gpu_*`: torch CUDA tensors on a real GPU (`requires=("gpu",)`).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import varcomm
+from test_gpu import GPU_REQ, FakeGpu, nvlink_built
+from varcomm.collectives import alltoall_device as D
+from varcomm.testing import seeded, world
+
+BOUND = 16 * 1024
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory) -> str:
+    """The CPU stand-in driver, built with the kernel bodies (as test_gpu.py builds it)."""
+    why = nvlink_built() or _C_reason()
+    if why:
+        pytest.skip(why)
+    cxx = os.environ.get("CXX", "g++")
+    if not shutil.which(cxx):
+        pytest.skip(f"{cxx} not found: cannot build the fake driver")
+    out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out),
+                    str(ROOT / "transport" / "nvlink" / "fake_libcuda.cc"), "-lpthread"], check=True)
+    return str(out)
+
+
+def _C_reason() -> str | None:
+    """Skip reason when this build has no device all-to-all (no nvcc: no kernels in it)."""
+    from varcomm import _C
+
+    if not _C.build_info.get("device_a2a"):
+        return "varcomm was built without nvcc (or without the device all-to-all): no kernels"
+    return None
+
+
+class FakeArray:
+    """A C-contiguous array in the fake driver's device memory, seen by
+    varcomm through __cuda_array_interface__; `host` is a numpy view of the
+    same bytes (the fake's device memory is mapped in this process)."""
+
+    def __init__(self, gpu: FakeGpu, shape: tuple[int, ...], dtype: str, stream: int):
+        self.shape, self.stream = shape, stream
+        self.bf16 = dtype == "bfloat16"
+        self.dtype = np.dtype(np.uint16 if self.bf16 else dtype)
+        n = int(np.prod(shape)) * self.dtype.itemsize
+        self.ptr = gpu.alloc(n)
+        buf = (ctypes.c_char * max(n, 1)).from_address(self.ptr)
+        self.host = np.frombuffer(buf, dtype=self.dtype, count=int(np.prod(shape))).reshape(shape)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        d = {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False), "version": 3,
+             "strides": None, "stream": self.stream}
+        if self.bf16:
+            d["varcomm_dtype"] = "bfloat16"
+        return d
+
+
+def _host(a) -> np.ndarray:
+    """A numpy view of a __cuda_array_interface__ array in the fake's device memory."""
+    cai = a.__cuda_array_interface__
+    dt = np.dtype(np.uint16) if cai.get("varcomm_dtype") == "bfloat16" else np.dtype(cai["typestr"])
+    n = int(np.prod(cai["shape"]))
+    buf = (ctypes.c_char * max(n * dt.itemsize, 1)).from_address(cai["data"][0])
+    return np.frombuffer(buf, dtype=dt, count=n).reshape(cai["shape"])
+
+
+def _fake_comm(path: str, **kw):
+    gpu = FakeGpu(path)
+    os.environ["VARCOMM_NVLINK"] = "1"
+    os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
+    comm = varcomm.init(transport="shm", timeout=30, **kw)
+    return gpu, comm
+
+
+def _x(seed, it, src, rows, width, dtype):
+    g = np.random.default_rng([seed, it, src, 7])
+    if dtype == "bfloat16":
+        return g.integers(0, 1 << 16, (rows, width), dtype=np.uint16)
+    return g.standard_normal((rows, width)).astype(dtype)
+
+
+def _routing(g, n, kind, it):
+    """splits[s][d]: rows rank s sends to d."""
+    if kind == "random":
+        return g.integers(0, 20, (n, n))
+    if kind == "skewed":
+        w = np.array([0.7] + [0.3 / (n - 1)] * (n - 1))
+        return np.stack([g.multinomial(int(g.integers(0, 60)), np.roll(w, it % n)) for _ in range(n)])
+    if kind == "zero":
+        s = g.integers(0, 9, (n, n))
+        s[g.random((n, n)) < 0.5] = 0
+        s[it % n, :] = 0  # one rank sends nothing at all
+        return s
+    s = np.zeros((n, n), dtype=np.int64)  # all to one
+    s[:, it % n] = g.integers(0, 30, n)
+    return s
+
+
+def _expect(xs, splits, r):
+    parts = []
+    for s, x in enumerate(xs):
+        off = int(splits[s][:r].sum())
+        parts.append(x[off:off + int(splits[s][r])])
+    return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("delay_us", [0, 500])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fake_vdev_matches_reference(fake_cuda, n, delay_us):
+    """all_to_all_v with device splits, through the public entry point:
+    out and the device counts/offsets equal a single-process reference, for
+    random, skewed, zero-row and all-to-one routing, float32 and bfloat16,
+    int32 and int64 splits. Every other call is checked only at the end, so
+    calls run back to back on the stream (the next call's sends race the
+    peers' receives of the last: credits and the epoch must hold them);
+    FAKE_CUDA_DELAY_US delays every stream operation."""
+
+    @world(n, timeout=180)
+    def body():
+        seed = seeded()
+        os.environ["FAKE_CUDA_DELAY_US"] = str(delay_us)
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r = comm.rank
+        s = gpu.stream()
+        W = 8
+        later = []
+
+        def check(it, kind, dtype, splits, xs, out, got_so):
+            want_rows = splits[:, r]
+            oso = _host(got_so)
+            assert oso[0].tolist() == want_rows.tolist(), (seed, it, kind, oso)
+            assert oso[1].tolist() == np.concatenate([[0], np.cumsum(want_rows)[:-1]]).tolist()
+            total = int(want_rows.sum())
+            want = _expect(xs, splits, r)
+            assert np.array_equal(out.host[:total], want), f"seed {seed} iteration {it} ({kind}, {dtype})"
+            assert (out.host[total:].view(np.uint8) == 0xAB).all(), "written past the received rows"
+
+        with comm:
+            for it, kind in enumerate(["random", "skewed", "zero", "all-to-one"] * 3):
+                g = np.random.default_rng([seed, it])
+                splits = _routing(g, n, kind, it)
+                dtype = "bfloat16" if it % 3 == 2 else "float32"
+                xs = [_x(seed, it, q, int(splits[q].sum()), W, dtype) for q in range(n)]
+                x = FakeArray(gpu, xs[r].shape, dtype, s)
+                x.host[...] = xs[r]
+                sp = FakeArray(gpu, (n,), "int32" if it % 2 else "int64", s)
+                sp.host[...] = splits[r]
+                out = FakeArray(gpu, (n * BOUND // (W * x.dtype.itemsize), W), dtype, s)
+                out.host.view(np.uint8)[...] = 0xAB
+                got, got_so = comm.all_to_all_v(x, sp, out=out)  # the hook: device splits
+                assert got is out and isinstance(got_so, D.DeviceArray)
+                args = (it, kind, dtype, splits, xs, out, got_so)
+                if it % 2:
+                    later.append((args, x, sp))  # inputs stay alive until the stream ran
+                    continue
+                D.synchronize(comm, s)
+                check(*args)
+            D.synchronize(comm, s)
+            for args, _x_keep, _sp_keep in later:
+                check(*args)
+            comm.barrier()
+
+    body()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fake_vdev_2d_dispatch_and_combine(fake_cuda, n):
+    """The MoE layouts: dispatch (all_to_all_vdev_2d) lands expert-major with
+    per-(expert, source) counts and offsets on the device; combine
+    (all_to_all_vdev_2d_offset, fed dispatch's out_splits_offsets) brings every
+    row back to its sender in its original order."""
+
+    @world(n, timeout=180)
+    def body():
+        seed = seeded()
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, s, W, E = comm.rank, gpu.stream(), 4, 3
+        with comm:
+            for it in range(8):
+                g = np.random.default_rng([seed, it])
+                splits = g.integers(0, 6, (n, n * E))  # splits[q][d * E + e]
+                if it % 4 == 3:
+                    z = it % n
+                    splits[:, z * E:(z + 1) * E] = 0  # nothing for rank z's experts
+                xs = [_x(seed, it, q, int(splits[q].sum()), W, "float32") for q in range(n)]
+                x = FakeArray(gpu, xs[r].shape, "float32", s)
+                x.host[...] = xs[r]
+                sp = FakeArray(gpu, (n * E,), "int64", s)
+                sp.host[...] = splits[r]
+                out, oso = D.all_to_all_vdev_2d(comm, x, sp, E)
+                D.synchronize(comm, s)
+                so = _host(oso)
+                want, cnt, off, at = [], [], [], 0
+                for e in range(E):
+                    for q in range(n):
+                        first = int(splits[q][:r * E + e].sum())
+                        c = int(splits[q][r * E + e])
+                        want.append(xs[q][first:first + c])
+                        cnt.append(c)
+                        off.append(at)
+                        at += c
+                assert so[0].tolist() == cnt and so[1].tolist() == off, (seed, it, so)
+                assert np.array_equal(_host(out)[:at], np.concatenate(want)), f"seed {seed} it {it}: dispatch"
+                # Combine: experts "compute" 2 * row + expert id, rows go back rank-major.
+                h = _host(out)
+                for e in range(E):
+                    rows = slice(off[e * n], off[e * n] + sum(cnt[e * n:(e + 1) * n]))
+                    h[rows] = 2 * h[rows] + e
+                back, bso = D.all_to_all_vdev_2d_offset(comm, out, oso, E, out_rows=xs[r].shape[0])
+                D.synchronize(comm, s)
+                expect_e = np.repeat(np.tile(np.arange(E), n), splits[r]).astype(np.float32)
+                assert np.array_equal(_host(back), 2 * xs[r] + expect_e[:, None]), f"seed {seed} it {it}: combine"
+                assert _host(bso)[0].tolist() == splits[r].tolist()
+            comm.barrier()
+
+    body()
+
+
+@world(2, timeout=120)
+def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
+    """A chunk over the slot, rows of another dtype, an out too small and
+    splits past x: each raised at synchronize on the ranks concerned (named),
+    nothing written past out, 0 rows from that source; the next call works."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 8
+    cap_rows = BOUND // (W * 4)
+
+    def call(rows_to, dtype="float32", out_rows=2 * cap_rows, x_rows=None):
+        x = FakeArray(gpu, (x_rows if x_rows is not None else sum(rows_to), W), dtype, s)
+        x.host[...] = np.arange(x.host.size).reshape(x.host.shape) % 97 + 100 * r
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = rows_to
+        out = FakeArray(gpu, (out_rows, W), dtype, s)
+        out.host.view(np.uint8)[...] = 0xAB
+        got, oso = comm.all_to_all_v(x, sp, out=out)
+        return x, out, oso
+
+    def clean_call():
+        x, out, oso = call([3, 4])
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [3 if r == 0 else 4] * 2 or _host(oso)[0].tolist() == [[3, 4][r]] * 2
+
+    with comm:
+        # 1. rank 0's chunk for rank 1 is over the slot (the bound)
+        x, out, oso = call([1, cap_rows + 1] if r == 0 else [1, 1])
+        if r == 0:
+            with pytest.raises(varcomm.MessageTooLarge, match="chunk for rank 1 has .* over the device slot"):
+                D.synchronize(comm, s)
+        else:
+            with pytest.raises(varcomm.VarcommError, match="rank 0's chunk for rank 1 had .*received 0 rows"):
+                D.synchronize(comm, s)
+            assert _host(oso)[0].tolist() == [0, 1]
+            assert (out.host[1:].view(np.uint8) == 0xAB).all()
+        clean_call()
+        # 2. rank 1 passes int32 rows of the same size: both sides refuse the other's
+        x, out, oso = call([2, 2], dtype="int32" if r == 1 else "float32")
+        with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r} sent rows of"):
+            D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == ([2, 0] if r == 0 else [0, 2])
+        clean_call()
+        # 3. out too small on rank 1 for rank 1's own rows after rank 0's
+        x, out, oso = call([5, 5], out_rows=7 if r == 1 else 20)
+        if r == 1:
+            with pytest.raises(varcomm.MessageTooLarge, match="rank 1's 5 rows do not fit out after 5 rows of 7"):
+                D.synchronize(comm, s)
+            assert _host(oso)[0].tolist() == [5, 0]
+            assert (out.host[5:].view(np.uint8) == 0xAB).all()
+        else:
+            D.synchronize(comm, s)
+        clean_call()
+        # 4. splits past x on rank 0
+        x, out, oso = call([3, 9] if r == 0 else [1, 1], x_rows=10 if r == 0 else None)
+        if r == 0:
+            with pytest.raises(varcomm.InvalidArgument, match=r"for rank 1 give rows \[3, 12\) of an input of 10"):
+                D.synchronize(comm, s)
+        else:
+            with pytest.raises(varcomm.VarcommError, match="rank 0 passed send_splits outside its input"):
+                D.synchronize(comm, s)
+        clean_call()
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_timeout_fails_the_path(fake_cuda):
+    """Rank 1 never calls: rank 0's kernel gives up after its timeout
+    (TimeoutError naming rank 1) and the device path stays failed; nothing
+    hangs."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (4, 4), "float32", s)
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (64, 4), "float32", s)
+        D.all_to_all_vdev(comm, x, sp, out=out)  # sets up (both ranks), then only rank 0 calls
+        D.synchronize(comm, s)
+        comm.barrier()
+        if r == 0:
+            D.all_to_all_vdev(comm, x, sp, out=out, timeout=1.0)
+            with pytest.raises(varcomm.TimeoutError, match="timed out waiting for rank 1"):
+                D.synchronize(comm, s)
+            with pytest.raises(varcomm.TimeoutError):  # stays failed
+                D.all_to_all_vdev(comm, x, sp, out=out)
+        comm.barrier()
+
+
+def _begin(gpu, s):
+    assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 0) == 0
+
+
+def _end(gpu, s) -> ctypes.c_void_p:
+    g, ex = ctypes.c_void_p(), ctypes.c_void_p()
+    assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
+    assert gpu.lib.cuGraphInstantiateWithFlags(ctypes.byref(ex), g, ctypes.c_ulonglong(0)) == 0
+    return ex
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fake_graph_capture_replays_with_new_routing(fake_cuda, n):
+    """Dispatch + combine captured once in a CUDA graph (on the fake: the
+    stream records its operations), replayed with new routing written into
+    the same splits buffer each time: every replay is right, so flags,
+    credits and the epoch really advance on the device. Point-to-point
+    sends under capture are still refused."""
+
+    @world(n, timeout=180)
+    def body():
+        seed = seeded()
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, s, W, E = comm.rank, gpu.stream(), 4, 2
+        rows = 40
+        with comm:
+            x = FakeArray(gpu, (rows, W), "float32", s)
+            sp = FakeArray(gpu, (n * E,), "int32", s)
+            out = FakeArray(gpu, (n * rows, W), "float32", s)
+            oso = FakeArray(gpu, (2, n * E), "int64", s)
+            back = FakeArray(gpu, (rows, W), "float32", s)
+            bso = FakeArray(gpu, (2, n * E), "int64", s)
+            sp.host[...] = 0
+            sp.host[0] = rows
+            for _ in range(2):  # warm-up: sets up the workspaces
+                D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso)
+                D.all_to_all_vdev_2d_offset(comm, out, oso, E, out=back, out_splits_offsets=bso)
+            D.synchronize(comm, s)
+            comm.barrier()
+            _begin(gpu, s)
+            D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso)
+            D.all_to_all_vdev_2d_offset(comm, out, oso, E, out=back, out_splits_offsets=bso)
+            with pytest.raises(varcomm.InvalidArgument, match="cannot be captured in a CUDA graph"):
+                comm._c.send(1 - r if n == 2 else (r + 1) % n, 0, x.ptr, 16, dtypes_u8(), (16,), 5.0, s)
+            graph = _end(gpu, s)
+            for rep in range(6):
+                g = np.random.default_rng([seed, rep])
+                splits = np.stack([g.multinomial(rows, np.ones(n * E) / (n * E)) for _ in range(n)])
+                if rep == 3:
+                    splits[:] = 0
+                    splits[:, 0] = rows  # all to one rank's first expert
+                xs = [_x(seed, rep, q, rows, W, "float32") for q in range(n)]
+                x.host[...] = xs[r]
+                sp.host[...] = splits[r]
+                back.host[...] = 0
+                assert gpu.lib.cuGraphLaunch(graph, ctypes.c_void_p(s)) == 0
+                D.synchronize(comm, s)
+                cnt = [int(splits[q][r * E + e]) for e in range(E) for q in range(n)]
+                assert oso.host[0].tolist() == cnt, (seed, rep)
+                assert np.array_equal(back.host, xs[r]), f"seed {seed} replay {rep}"
+            comm.barrier()
+
+    body()
+
+
+def dtypes_u8() -> int:
+    from varcomm import dtypes
+
+    return dtypes.word(dtypes.UINT, 8)
+
+
+def _expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Local expert e's function (global expert id e): differentiable and expert-specific."""
+    return rows * (1.0 + 0.5 * e) + 0.25 * e
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
+    """moe_device.dispatch/combine (routing on the device, all_to_all_vdev_2d
+    underneath) on torch tensors with an explicit stream: y and the gradients
+    of tokens, expert computation and topk_weights equal one process's."""
+
+    @world(n, timeout=180)
+    def body():
+        from varcomm.collectives import moe_device
+
+        seed = seeded()
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, s = comm.rank, gpu.stream()
+        T, H, K, E = 12, 6, 2, 2 * n
+        with comm:
+            for it in range(3):
+                g = torch.Generator().manual_seed(seed * 10 + it)
+                toks = [torch.randn(T, H, generator=g) for _ in range(n)]
+                ids = [torch.randint(0, E, (T, K), generator=g) for _ in range(n)]
+                if it == 2:
+                    ids = [torch.zeros(T, K, dtype=torch.int64) for _ in range(n)]  # all to expert 0 (rank 0)
+                ws = [torch.rand(T, K, generator=g) for _ in range(n)]
+                tok = toks[r].clone().requires_grad_(True)
+                w = ws[r].clone().requires_grad_(True)
+                et, tpe, h = moe_device.dispatch(comm, tok, ids[r], w, E, stream=s)
+                assert isinstance(h, moe_device.DeviceMoEHandle)
+                off = torch.cumsum(tpe, 0) - tpe
+                outs = torch.zeros_like(et)
+                pieces = []
+                for e in range(E // n):
+                    a, b = int(off[e]), int(off[e] + tpe[e])
+                    pieces.append((a, b, _expert(r * (E // n) + e, et[a:b])))
+                for a, b, v in pieces:
+                    outs = outs.index_copy(0, torch.arange(a, b), v)
+                y = moe_device.combine(comm, outs, h)
+                (y * (1 + torch.arange(H))).sum().backward()
+                # one process
+                tok_ref = toks[r].clone().requires_grad_(True)
+                w_ref = ws[r].clone().requires_grad_(True)
+                per = torch.stack([torch.stack([_expert(int(ids[r][t, k]), tok_ref[t]) for k in range(K)])
+                                   for t in range(T)])
+                y_ref = (per * w_ref[..., None]).sum(1)
+                (y_ref * (1 + torch.arange(H))).sum().backward()
+                assert torch.allclose(y, y_ref, atol=1e-5), (seed, it)
+                assert torch.allclose(tok.grad, tok_ref.grad, atol=1e-5), (seed, it, "tokens' gradient")
+                assert torch.allclose(w.grad, w_ref.grad, atol=1e-5), (seed, it, "weights' gradient")
+                want = sum(int((ids[q] // (E // n) == r).sum()) for q in range(n))
+                assert int(tpe.sum()) == want
+            comm.barrier()
+
+    body()
+
+
+@world(2, timeout=120, expect_exit={1: None})
+def test_fake_dead_peer_aborts_the_kernels(fake_cuda):
+    """Rank 1 dies after set-up; rank 0's kernels (no timeout of their own)
+    spin on its flag until synchronize notices the death and aborts them:
+    PeerFailure within seconds, the path stays failed, close does not hang."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    x = FakeArray(gpu, (4, 4), "float32", s)
+    sp = FakeArray(gpu, (2,), "int64", s)
+    sp.host[...] = [2, 2]
+    out = FakeArray(gpu, (64, 4), "float32", s)
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    D.synchronize(comm, s)
+    comm.barrier()
+    if r == 1:
+        os._exit(3)
+    import time
+
+    time.sleep(0.5)
+    D.all_to_all_vdev(comm, x, sp, out=out)  # the kernels would wait 30 s (the timeout): the abort comes first
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="aborted while waiting for rank 1"):
+        D.synchronize(comm, s)
+    assert time.monotonic() - t0 < 15, "the dead peer took too long to notice"
+    with pytest.raises(varcomm.PeerFailure):
+        D.all_to_all_vdev(comm, x, sp, out=out)
+    comm.close()
+
+
+# ---------------------------------------------------------------------------
+# torch CUDA tensors on a real GPU
+
+
+def _gpu_comm(**kw):
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return varcomm.init(transport="shm", timeout=60, **kw)
+
+
+@world(2, timeout=180, requires=GPU_REQ)
+def test_gpu_vdev_matches_reference_without_host_sync():
+    """CUDA splits: all_to_all_v returns the bound-sized out and the device
+    counts/offsets; torch's sync debug mode (error) proves nothing in the
+    call synchronizes the host."""
+    seed = seeded()
+    with _gpu_comm(bound=BOUND) as comm:
+        r, n, W = comm.rank, comm.world_size, 8
+        for it, kind in enumerate(["random", "skewed", "zero", "all-to-one"] * 2):
+            g = np.random.default_rng([seed, it])
+            splits = _routing(g, n, kind, it)
+            dt = torch.bfloat16 if it % 2 else torch.float32
+            xs = [torch.from_numpy(_x(seed, it, q, int(splits[q].sum()), W, "float32")).to(dt) for q in range(n)]
+            x = xs[r].cuda()
+            sp = torch.tensor(splits[r], device="cuda", dtype=torch.int64 if it % 3 else torch.int32)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out, oso = comm.all_to_all_v(x, sp)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            D.synchronize(comm)
+            want_rows = splits[:, r]
+            assert oso.cpu()[0].tolist() == want_rows.tolist(), (seed, it)
+            total = int(want_rows.sum())
+            want = torch.cat([xs[q][int(splits[q][:r].sum()):int(splits[q][:r + 1].sum())] for q in range(n)])
+            assert torch.equal(out[:total].cpu(), want), f"seed {seed} iteration {it} ({kind}, {dt})"
+        comm.barrier()
+
+
+@world(2, timeout=180, requires=GPU_REQ)
+def test_gpu_moe_device_autograd_and_graph_replay():
+    """moe.dispatch/combine with CUDA topk_ids take the device path: y and
+    every gradient equal one process's; then the forward is captured in a
+    CUDA graph once and replayed with new routing copied into its input."""
+    from varcomm import moe
+    from varcomm.collectives import moe_device
+
+    seed = seeded()
+    with _gpu_comm(bound=1 << 20) as comm:
+        r, n = comm.rank, comm.world_size
+        T, H, K, E = 64, 32, 2, 4
+        g = torch.Generator().manual_seed(seed)
+        toks = [torch.randn(T, H, generator=g) for _ in range(n)]
+        ids = [torch.randint(0, E, (T, K), generator=g) for _ in range(n)]
+        ws = [torch.rand(T, K, generator=g) for _ in range(n)]
+        tok = toks[r].cuda().requires_grad_(True)
+        w = ws[r].cuda().requires_grad_(True)
+        et, tpe, h = moe.dispatch(comm, tok, ids[r].cuda(), w, E)
+        assert isinstance(h, moe_device.DeviceMoEHandle) and tpe.is_cuda
+        off = (torch.cumsum(tpe, 0) - tpe).tolist()
+        outs = torch.zeros_like(et)
+        for e, (a, c) in enumerate(zip(off, tpe.tolist())):
+            outs = outs.index_copy(0, torch.arange(a, a + c, device="cuda"), _expert(r * (E // n) + e, et[a:a + c]))
+        y = moe.combine(comm, outs, h)
+        (y * (1 + torch.arange(H, device="cuda"))).sum().backward()
+        tok_ref = toks[r].clone().requires_grad_(True)
+        w_ref = ws[r].clone().requires_grad_(True)
+        per = torch.stack([torch.stack([_expert(int(ids[r][t, k]), tok_ref[t]) for k in range(K)]) for t in range(T)])
+        y_ref = (per * w_ref[..., None]).sum(1)
+        (y_ref * (1 + torch.arange(H))).sum().backward()
+        assert torch.allclose(y.cpu(), y_ref, atol=1e-4), seed
+        assert torch.allclose(tok.grad.cpu(), tok_ref.grad, atol=1e-4), seed
+        assert torch.allclose(w.grad.cpu(), w_ref.grad, atol=1e-4), seed
+        # graph: dispatch + identity experts + combine, replayed with new routing
+        static_ids = ids[r].cuda()
+        static_tok = toks[r].cuda()
+        static_w = torch.ones(T, K, device="cuda") / K
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm-up outside the capture
+                et, tpe, h = moe.dispatch(comm, static_tok, static_ids, static_w, E)
+                moe.combine(comm, et, h)
+        torch.cuda.current_stream().wait_stream(s)
+        D.synchronize(comm)
+        comm.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            et, tpe, h = moe.dispatch(comm, static_tok, static_ids, static_w, E)
+            y_static = moe.combine(comm, et, h)
+        for rep in range(5):
+            gg = torch.Generator().manual_seed(seed * 100 + rep)
+            new_ids = torch.randint(0, E, (n, T, K), generator=gg)[r]
+            static_ids.copy_(new_ids)
+            static_tok.copy_(torch.randn(n, T, H, generator=gg)[r])
+            graph.replay()
+            D.synchronize(comm)
+            assert torch.allclose(y_static, static_tok, atol=1e-5), (seed, rep)  # identity experts, weights sum to 1
+        comm.barrier()
+
+
+def test_moe_bench_is_there_without_a_gpu():
+    """`varcomm-bench moe --help` works on a CPU-only machine (the bench itself needs CUDA)."""
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT / "bench"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "varcomm_bench", "moe", "--help"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "nccl two-phase" in r.stdout and "host-blocked" in r.stdout, r.stdout
+
+
+@world(2, timeout=120)
+def test_fake_p2p_device_size_and_graph_replay(fake_cuda):
+    """send_rows / recv_rows: the row count lives on the device on both
+    sides; eager messages (0 rows, a self-send, one over the bound: refused
+    and reported on both sides), then a send and a receive captured once and
+    replayed with new sizes and data (the pair's sequence numbers, flags and
+    credits advance on the device)."""
+    seed = seeded()
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 4
+    cap = BOUND // (W * 4)
+    with comm:
+        D.setup_p2p(comm)
+        x = FakeArray(gpu, (cap + 5, W), "float32", s)
+        rows = FakeArray(gpu, (1,), "int64", s)
+        out = FakeArray(gpu, (cap, W), "float32", s)
+        got = FakeArray(gpu, (1,), "int64", s)
+
+        def data(i, n):
+            return np.random.default_rng([seed, i]).standard_normal((n, W)).astype(np.float32)
+
+        for i, n in enumerate([7, 0, cap, cap + 1, 3]):
+            if r == 0:
+                x.host[:n] = data(i, n)
+                rows.host[0] = n
+                D.send_rows(comm, x, rows, 1)
+                if n > cap:
+                    with pytest.raises(varcomm.MessageTooLarge, match="over the device slot capacity"):
+                        D.synchronize(comm, s)
+                D.synchronize(comm, s)
+            else:
+                out.host.view(np.uint8)[...] = 0xAB
+                D.recv_rows(comm, out, got, 0)
+                if n > cap:
+                    with pytest.raises(varcomm.VarcommError, match="received 0 rows"):
+                        D.synchronize(comm, s)
+                    assert got.host[0] == 0 and (out.host.view(np.uint8) == 0xAB).all()
+                    continue
+                D.synchronize(comm, s)
+                assert got.host[0] == n and np.array_equal(out.host[:n], data(i, n)), (seed, i, n)
+                assert (out.host[n:].view(np.uint8) == 0xAB).all()
+        # self-send
+        x.host[:2] = data(50, 2)
+        rows.host[0] = 2
+        D.send_rows(comm, x, rows, r)
+        D.recv_rows(comm, out, got, r)
+        D.synchronize(comm, s)
+        assert got.host[0] == 2 and np.array_equal(out.host[:2], data(50, 2))
+        comm.barrier()
+        # captured once, replayed with new sizes
+        _begin(gpu, s)
+        if r == 0:
+            D.send_rows(comm, x, rows, 1)
+        else:
+            D.recv_rows(comm, out, got, 0)
+        graph = _end(gpu, s)
+        for rep in range(6):
+            n = int(np.random.default_rng([seed, 100 + rep]).integers(0, cap + 1))
+            if r == 0:
+                x.host[:n] = data(100 + rep, n)
+                rows.host[0] = n
+            assert gpu.lib.cuGraphLaunch(graph, ctypes.c_void_p(s)) == 0
+            D.synchronize(comm, s)
+            if r == 1:
+                assert got.host[0] == n and np.array_equal(out.host[:n], data(100 + rep, n)), (seed, rep, n)
+        comm.barrier()
+
+
+@world(2, timeout=180, requires=GPU_REQ)
+def test_gpu_p2p_device_size_graph_replay():
+    """send_rows / recv_rows captured in a CUDA graph on both ranks, replayed
+    with new row counts written on the device."""
+    seed = seeded()
+    with _gpu_comm(bound=BOUND) as comm:
+        r, W = comm.rank, 16
+        cap = BOUND // (W * 4)
+        D.setup_p2p(comm)
+        x = torch.zeros(cap, W, device="cuda")
+        rows = torch.zeros(1, dtype=torch.int64, device="cuda")
+        out = torch.zeros(cap, W, device="cuda")
+        got = torch.zeros(1, dtype=torch.int64, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside the capture
+            D.send_rows(comm, x, rows, 1 - r)
+            D.recv_rows(comm, out, got, 1 - r)
+        torch.cuda.current_stream().wait_stream(s)
+        D.synchronize(comm)
+        comm.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            D.send_rows(comm, x, rows, 1 - r)
+            D.recv_rows(comm, out, got, 1 - r)
+        for rep in range(8):
+            g = torch.Generator().manual_seed(seed * 10 + rep)
+            n = [int(v) for v in torch.randint(0, cap + 1, (2,), generator=g)]
+            data = torch.randn(2, cap, W, generator=g)
+            x.copy_(data[r])
+            rows.fill_(n[r])
+            graph.replay()
+            D.synchronize(comm)
+            assert int(got.item()) == n[1 - r], (seed, rep)
+            assert torch.equal(out[:n[1 - r]].cpu(), data[1 - r][:n[1 - r]]), (seed, rep)
+        comm.barrier()

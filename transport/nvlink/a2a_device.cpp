@@ -1,0 +1,511 @@
+// The device-split all-to-all over CUDA IPC (a2a_device.h). Host side only:
+// set-up (workspace, IPC exchange through the engine's host path, the error
+// record), launches, error reporting. The protocol is the kernels'
+// (a2a_kernels.cuh).
+#include "a2a_device.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "a2a_kernels.cuh"
+#include "collectives.h"
+#include "cuda_driver.h"
+#include "dtypes.h"
+#include "errors.h"
+#include "kernels.h"
+
+namespace varcomm {
+namespace {
+
+using namespace cu;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kDescBytes = 256;  // fixed, so every rank posts an exact-size receive
+constexpr uint32_t kU8 = (1u << 16) | (8u << 8) | 1u;
+
+std::string hex(const void* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  const auto* b = static_cast<const unsigned char*>(p);
+  std::string s;
+  for (size_t i = 0; i < n; ++i) s += d[b[i] >> 4], s += d[b[i] & 15];
+  return s;
+}
+bool unhex(const std::string& s, void* out, size_t n) {
+  if (s.size() != 2 * n) return false;
+  auto nib = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; };
+  auto* b = static_cast<unsigned char*>(out);
+  for (size_t i = 0; i < n; ++i) {
+    int hi = nib(s[2 * i]), lo = nib(s[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    b[i] = static_cast<unsigned char>(hi << 4 | lo);
+  }
+  return true;
+}
+
+class Ctx {
+ public:
+  Ctx(const Driver& d, CUcontext c) : d_(d) {
+    CUcontext cur = nullptr;
+    d_.CtxGetCurrent(&cur);
+    if (cur != c) pushed_ = d_.CtxPushCurrent(c) == CUDA_SUCCESS;
+  }
+  ~Ctx() {
+    CUcontext old;
+    if (pushed_) d_.CtxPopCurrent(&old);
+  }
+
+ private:
+  const Driver& d_;
+  bool pushed_ = false;
+};
+
+}  // namespace
+
+bool device_a2a_built() {
+#ifdef VARCOMM_HAVE_FATBIN
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string device_a2a_unavailable_reason() {
+#ifndef VARCOMM_HAVE_FATBIN
+  return "varcomm was built without nvcc: the device-split all-to-all needs its kernels (rebuild with CUDA's nvcc)";
+#else
+  std::string why;
+  if (!cu::driver(&why)) return why;
+  return "";
+#endif
+}
+
+struct DeviceA2A::Impl {
+  Engine& e;
+  const Driver& d;
+  int rank, world;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  bool retained = false;
+  CUmodule module = nullptr;
+  CUfunction send = nullptr, recv = nullptr, p2p_send = nullptr, p2p_recv = nullptr;
+  CUdeviceptr ws = 0;
+  uint64_t ws_bytes = 0;
+  std::vector<CUdeviceptr> peer_ws, opened;
+  a2a::ErrorRecord* err = nullptr;  // host memory, registered (device-mapped)
+  CUdeviceptr err_dev = 0;
+  std::mutex mu;
+  std::set<uintptr_t> streams;  // every stream launched on (close waits for them)
+  bool closed = false;
+  std::vector<std::pair<uintptr_t, uintptr_t>> pending;  // (allocation, stream) to free once the stream is idle
+
+  // Frees what free() deferred, where its stream has drained (never querying
+  // a stream that is capturing a graph: that would invalidate the capture).
+  void sweep(bool all = false) {
+    for (size_t i = 0; i < pending.size();) {
+      CUstream s = reinterpret_cast<CUstream>(pending[i].second);
+      CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+      bool idle = all;
+      if (!idle && d.StreamIsCapturing(s, &st) == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_NONE)
+        idle = d.StreamQuery(s) != CUDA_ERROR_NOT_READY;
+      if (idle) {
+        d.MemFree(CUdeviceptr(pending[i].first));
+        pending[i] = pending.back();
+        pending.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  Impl(Engine& e, const Driver& d) : e(e), d(d), rank(e.rank()), world(e.world()) {}
+
+  void check(CUresult r, const char* what) const {
+    if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, "device all-to-all: " + cu::error_string(d, r, what));
+  }
+
+  uint64_t record(uint64_t* code_out, a2a::ErrorRecord* snap) const {
+    uint64_t c = __atomic_load_n(&err->code, __ATOMIC_ACQUIRE);
+    if (c == a2a::kErrBusy) return 0;  // being written: the next look sees it
+    *snap = *err;
+    *code_out = c;
+    return c;
+  }
+
+  // The recorded error as the exception the host raises.
+  Error describe(const a2a::ErrorRecord& r) const {
+    const std::string me = "rank " + std::to_string(rank), call = " (device all-to-all call " +
+                                                                      std::to_string(r.call) + ")";
+    auto rk = [](uint64_t v) { return "rank " + std::to_string(v); };
+    switch (r.code) {
+      case a2a::kErrTooLarge:
+        return Error(ErrorKind::TooLarge, me + "'s chunk for " + rk(r.a) + " has " + std::to_string(r.b) + " rows (" +
+                                              std::to_string(r.c) + " bytes), over the device slot capacity of " +
+                                              std::to_string(r.d) + " bytes" + call +
+                                              ": nothing of it was sent; raise the bound (VARCOMM_BOUND)",
+                     int(r.a));
+      case a2a::kErrPeerTooLarge:
+        return Error(ErrorKind::Refused, rk(r.a) + "'s chunk for " + me + " had " + std::to_string(r.b) + " rows (" +
+                                             std::to_string(r.c) + " bytes), over the device slot capacity of " +
+                                             std::to_string(r.d) + " bytes" + call + ": it received 0 rows from it",
+                     int(r.a));
+      case a2a::kErrMismatch:
+        return Error(ErrorKind::Mismatch,
+                     rk(r.a) + " sent rows of " + dtype_name(uint32_t(r.b)) + ", " + std::to_string(r.c) +
+                         " bytes each, but " + me + " receives " + dtype_name(uint32_t(r.d >> 32)) + ", " +
+                         std::to_string(r.d & 0xffffffffu) + " bytes each" + call +
+                         ": its chunk was dropped (0 rows); every rank must pass the same dtype and trailing shape",
+                     int(r.a));
+      case a2a::kErrOutFull:
+        return Error(ErrorKind::TooLarge, rk(r.a) + "'s " + std::to_string(r.b) + " rows do not fit out after " +
+                                              std::to_string(r.c) + " rows of " + std::to_string(r.d) + call +
+                                              ": dropped (0 rows from it); pass a larger out",
+                     int(r.a));
+      case a2a::kErrBadSplits:
+        return Error(ErrorKind::Invalid, me + "'s send_splits for " + rk(r.a) + " give rows [" +
+                                             std::to_string(int64_t(r.b)) + ", " +
+                                             std::to_string(int64_t(r.b) + int64_t(r.c)) + ") of an input of " +
+                                             std::to_string(r.d) + " rows" + call +
+                                             ": negative, or past the input; nothing sent to it");
+      case a2a::kErrPeerSplits:
+        return Error(ErrorKind::Refused, rk(r.a) + " passed send_splits outside its input" + call +
+                                             ": 0 rows from it", int(r.a));
+      case a2a::kErrTimeout:
+        return Error(ErrorKind::Timeout, me + "'s device all-to-all kernel timed out waiting for " + rk(r.a) +
+                                             (r.b ? "'s data" : "'s credit (it has not consumed the last call)") +
+                                             call + "; is every rank calling it? The device path of this "
+                                             "communicator stays failed",
+                     int(r.a));
+      case a2a::kErrAborted:
+        return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted while waiting for " + rk(r.a) +
+                                                 call + " (a peer failed or the communicator closed); the "
+                                                 "device path of this communicator stays failed",
+                     int(r.a));
+      default:
+        return Error(ErrorKind::Invalid, "device all-to-all: unknown error code " + std::to_string(r.code));
+    }
+  }
+
+  void raise_recorded() {
+    uint64_t code = 0;
+    a2a::ErrorRecord snap{};
+    if (!record(&code, &snap) || code == a2a::kErrNone) return;
+    if (code < a2a::kHard) __atomic_compare_exchange_n(&err->code, &code, a2a::kErrNone, false, __ATOMIC_ACQ_REL,
+                                                       __ATOMIC_ACQUIRE);
+    throw describe(snap);
+  }
+
+  void abort() { __atomic_store_n(&err->abort, 1ull, __ATOMIC_RELEASE); }
+
+  void release() {
+    if (!retained) return;
+    {
+      Ctx scope(d, ctx);
+      // Calls still on their streams finish first (peers may be in the same
+      // call); after 10 s, or once a peer is gone, their waits are aborted.
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      for (bool busy = true; busy && err;) {
+        busy = false;
+        for (uintptr_t s : streams) busy |= d.StreamQuery(reinterpret_cast<CUstream>(s)) == CUDA_ERROR_NOT_READY;
+        bool dead = false;
+        for (int q = 0; q < world && busy; ++q) dead |= q != rank && !e.peer_error(q).empty();
+        if (busy && (dead || Clock::now() > deadline)) break;
+        if (busy) std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (err) abort();
+      for (uintptr_t s : streams) d.StreamSynchronize(reinterpret_cast<CUstream>(s));
+      for (auto& p : pending) d.StreamSynchronize(reinterpret_cast<CUstream>(p.second));
+      sweep(true);
+      for (CUdeviceptr p : opened)
+        if (p) d.IpcCloseMemHandle(p);
+      if (ws) d.MemFree(ws);
+      if (module) d.ModuleUnload(module);
+      if (err_dev) d.MemHostUnregister(err);
+    }
+    std::free(err);
+    err = nullptr;
+    d.DevicePrimaryCtxRelease(dev);
+    retained = false;
+  }
+};
+
+DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> timeout) : cap_(cap) {
+  const std::string why = device_a2a_unavailable_reason();
+  if (!why.empty()) throw Error(ErrorKind::Invalid, "device all-to-all unavailable: " + why);
+  const Driver& d = *cu::driver();
+  impl_ = std::make_unique<Impl>(e, d);
+  Impl& m = *impl_;
+  if (m.world > a2a::kMaxRanks)
+    throw Error(ErrorKind::Invalid, "device all-to-all: at most " + std::to_string(a2a::kMaxRanks) + " ranks, not " +
+                                        std::to_string(m.world));
+  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, "device all-to-all: the slot capacity must be a positive "
+                                                            "multiple of 16 bytes");
+  int count = 0;
+  d.DeviceGetCount(&count);
+  if (device < 0 || device >= count)
+    throw Error(ErrorKind::Invalid, "device all-to-all: CUDA device " + std::to_string(device) + " does not exist");
+  try {
+    m.check(d.DeviceGet(&m.dev, device), "cuDeviceGet");
+    m.check(d.DevicePrimaryCtxRetain(&m.ctx, m.dev), "cuDevicePrimaryCtxRetain");
+    m.retained = true;
+    Ctx scope(d, m.ctx);
+#ifdef VARCOMM_HAVE_FATBIN
+    CUresult r = d.ModuleLoadData(&m.module, varcomm_fatbin);
+    if (r != CUDA_SUCCESS) {
+      m.module = nullptr;
+      throw Error(ErrorKind::Invalid, "device all-to-all: " + cu::error_string(d, r, "cuModuleLoadData") +
+                                          " (this build has kernels for " + varcomm_fatbin_archs +
+                                          "; rebuild with VARCOMM_CUDA_ARCHS including this GPU)");
+    }
+#endif
+    m.check(d.ModuleGetFunction(&m.send, m.module, VARCOMM_KERNEL_A2A_SEND), "cuModuleGetFunction(send)");
+    m.check(d.ModuleGetFunction(&m.recv, m.module, VARCOMM_KERNEL_A2A_RECV), "cuModuleGetFunction(recv)");
+    m.check(d.ModuleGetFunction(&m.p2p_send, m.module, VARCOMM_KERNEL_P2P_SEND), "cuModuleGetFunction(p2p send)");
+    m.check(d.ModuleGetFunction(&m.p2p_recv, m.module, VARCOMM_KERNEL_P2P_RECV), "cuModuleGetFunction(p2p recv)");
+    m.ws_bytes = a2a::ws_bytes(m.world, cap);
+    CUresult ra = d.MemAlloc(&m.ws, m.ws_bytes);
+    if (ra != CUDA_SUCCESS) {
+      m.ws = 0;
+      throw Error(ErrorKind::Invalid, "device all-to-all: cannot allocate its " + std::to_string(m.ws_bytes) +
+                                          " bytes of GPU memory (world_size x bound): " +
+                                          cu::error_string(d, ra, "cuMemAlloc") + "; lower the bound");
+    }
+    CUstream s = nullptr;
+    m.check(d.StreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    // Every flag, credit and the epoch start at 0 (calls count from 1).
+    CUresult rz = d.MemsetD8Async(m.ws, 0, m.ws_bytes, s);
+    if (rz == CUDA_SUCCESS) rz = d.StreamSynchronize(s);
+    d.StreamDestroy(s);
+    m.check(rz, "cuMemsetD8Async");
+    void* host = std::aligned_alloc(4096, 4096);
+    if (!host) throw Error(ErrorKind::Invalid, "device all-to-all: out of host memory");
+    std::memset(host, 0, 4096);
+    m.err = static_cast<a2a::ErrorRecord*>(host);
+    m.check(d.MemHostRegister(host, 4096, cu::kHostRegisterDeviceMap | cu::kHostRegisterPortable),
+            "cuMemHostRegister");
+    CUresult rp = d.MemHostGetDevicePointer(&m.err_dev, host, 0);
+    if (rp != CUDA_SUCCESS) {
+      d.MemHostUnregister(host);
+      m.err_dev = 0;
+      m.check(rp, "cuMemHostGetDevicePointer");
+    }
+    CUipcMemHandle h;
+    m.check(d.IpcGetMemHandle(&h, m.ws), "cuIpcGetMemHandle");
+
+    // Every rank's descriptor to every other, over the engine's host path.
+    std::ostringstream o;
+    o << "a2adev1 " << getpid() << ' ' << m.ws_bytes << ' ' << cap << ' ' << hex(&h, sizeof h);
+    std::string mine = o.str();
+    mine.resize(kDescBytes, ' ');
+    std::vector<std::string> theirs(m.world, std::string(kDescBytes, ' '));
+    A2APlan p;
+    p.op = A2AOp::List;
+    p.send.resize(m.world);
+    p.outs.resize(m.world);
+    for (int q = 0; q < m.world; ++q) {
+      A2AChunk& c = p.send[q];
+      c.data = mine.data();
+      c.nbytes = kDescBytes;
+      c.dtype = kU8;
+      c.ndim = 1;
+      c.shape[0] = kDescBytes;
+      A2AChunk& oc = p.outs[q];
+      oc = c;
+      oc.data = theirs[q].data();
+    }
+    {
+      AllToAll x(e, std::move(p));
+      x.start();
+      const auto deadline = timeout ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                         std::chrono::duration<double>(*timeout))
+                                    : Clock::time_point::max();
+      if (!x.wait_headers(deadline) || !x.wait_done(deadline)) x.timeout(timeout ? *timeout : 0);
+      if (auto er = x.error()) throw *er;
+    }
+    m.peer_ws.assign(m.world, 0);
+    m.opened.assign(m.world, 0);
+    for (int q = 0; q < m.world; ++q) {
+      if (q == m.rank) {
+        m.peer_ws[q] = m.ws;
+        continue;
+      }
+      std::istringstream in(theirs[q]);
+      std::string magic, handle;
+      int pid = 0;
+      uint64_t bytes = 0, pcap = 0;
+      in >> magic >> pid >> bytes >> pcap >> handle;
+      CUipcMemHandle ph;
+      if (!in || magic != "a2adev1" || !unhex(handle, &ph, sizeof ph))
+        throw Error(ErrorKind::Invalid, "device all-to-all: bad descriptor from rank " + std::to_string(q));
+      if (pcap != cap || bytes != m.ws_bytes)
+        throw Error(ErrorKind::Invalid, "device all-to-all: rank " + std::to_string(q) + " has a slot capacity of " +
+                                            std::to_string(pcap) + " bytes, this rank " + std::to_string(cap) +
+                                            ": set the same bound on every rank");
+      CUresult ro = d.IpcOpenMemHandle(&m.opened[q], ph, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+      if (ro != CUDA_SUCCESS) {
+        m.opened[q] = 0;
+        throw Error(ErrorKind::Invalid, "device all-to-all: cannot open rank " + std::to_string(q) +
+                                            "'s GPU memory: " + cu::error_string(d, ro, "cuIpcOpenMemHandle") +
+                                            " (every rank must be on this host, with peer access between the GPUs)",
+                    q);
+      }
+      m.peer_ws[q] = m.opened[q];
+    }
+  } catch (...) {
+    m.release();
+    throw;
+  }
+}
+
+DeviceA2A::~DeviceA2A() {
+  if (impl_) impl_->release();
+}
+
+void DeviceA2A::check() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  if (impl_->closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  impl_->raise_recorded();
+}
+
+namespace {
+
+a2a::Args args_of(const DeviceA2ACall& c, int rank, int world, uint64_t cap, CUdeviceptr ws,
+                  const std::vector<CUdeviceptr>& peer_ws, CUdeviceptr err) {
+  a2a::Args a{};
+  a.rank = unsigned(rank);
+  a.world = unsigned(world);
+  a.ne = c.ne;
+  a.in_layout = c.in_layout;
+  a.out_layout = c.out_layout;
+  a.splits_bytes = c.splits_bytes;
+  a.dtype = c.dtype;
+  a.cap = cap;
+  a.row_bytes = c.row_bytes;
+  a.x_rows = c.x_rows;
+  a.out_rows = c.out_rows;
+  a.timeout_ns = c.timeout ? uint64_t(*c.timeout * 1e9) : 0;
+  if (c.timeout && !a.timeout_ns) a.timeout_ns = 1;
+  a.x = reinterpret_cast<const unsigned char*>(c.x);
+  a.splits = reinterpret_cast<const void*>(c.splits);
+  a.out = reinterpret_cast<unsigned char*>(c.out);
+  a.out_splits_offsets = reinterpret_cast<a2a::i64*>(c.out_splits_offsets);
+  a.ws = reinterpret_cast<unsigned char*>(ws);
+  for (int q = 0; q < world; ++q) a.peer_ws[q] = reinterpret_cast<unsigned char*>(peer_ws[q]);
+  a.err = reinterpret_cast<a2a::ErrorRecord*>(err);
+  return a;
+}
+
+}  // namespace
+
+void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (m.closed) throw Error(ErrorKind::Closed, "device point-to-point: the communicator is closed");
+  m.raise_recorded();
+  if (peer < 0 || peer >= m.world)
+    throw Error(ErrorKind::Invalid, "peer " + std::to_string(peer) + " out of range [0, " +
+                                        std::to_string(m.world) + ")");
+  if (c.splits_bytes != 4 && c.splits_bytes != 8)
+    throw Error(ErrorKind::Invalid, "device point-to-point: the row count must be int32 or int64");
+  a2a::Args a = args_of(c, m.rank, m.world, cap_, m.ws, m.peer_ws, m.err_dev);
+  a.ne = 1;
+  a.peer = unsigned(peer);
+  Ctx scope(m.d, m.ctx);
+  if (!m.pending.empty()) m.sweep();
+  void* params[] = {&a};
+  m.check(m.d.LaunchKernel(send ? m.p2p_send : m.p2p_recv, 1, 1, 1, a2a::kThreads, 1, 1, 0,
+                           reinterpret_cast<CUstream>(c.stream), params, nullptr),
+          send ? "cuLaunchKernel(p2p send)" : "cuLaunchKernel(p2p recv)");
+  m.streams.insert(c.stream);
+}
+
+void DeviceA2A::launch(const DeviceA2ACall& c) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  m.raise_recorded();
+  if (c.ne < 1 || c.ne > unsigned(a2a::kMaxLocal))
+    throw Error(ErrorKind::Invalid, "device all-to-all: experts per rank must be in [1, " +
+                                        std::to_string(a2a::kMaxLocal) + "], not " + std::to_string(c.ne));
+  if (c.splits_bytes != 4 && c.splits_bytes != 8)
+    throw Error(ErrorKind::Invalid, "device all-to-all: splits must be int32 or int64");
+  a2a::Args a = args_of(c, m.rank, m.world, cap_, m.ws, m.peer_ws, m.err_dev);
+  Ctx scope(m.d, m.ctx);
+  if (!m.pending.empty()) m.sweep();
+  CUstream s = reinterpret_cast<CUstream>(c.stream);
+  void* params[] = {&a};
+  m.check(m.d.LaunchKernel(m.send, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
+          "cuLaunchKernel(send)");
+  m.check(m.d.LaunchKernel(m.recv, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
+          "cuLaunchKernel(recv)");
+  m.streams.insert(c.stream);
+}
+
+void DeviceA2A::synchronize(uintptr_t stream, std::optional<double> timeout) {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  }
+  Ctx scope(m.d, m.ctx);
+  CUstream s = reinterpret_cast<CUstream>(stream);
+  const auto start = Clock::now();
+  for (int i = 0;; ++i) {
+    CUresult r = m.d.StreamQuery(s);
+    if (r == CUDA_SUCCESS) break;
+    if (r != CUDA_ERROR_NOT_READY) m.check(r, "cuStreamQuery");
+    if (i % 256 == 255) {
+      // A dead peer never writes its flag or credit: end the kernels' waits now.
+      for (int q = 0; q < m.world; ++q)
+        if (q != m.rank && !m.e.peer_error(q).empty()) m.abort();
+      if (timeout && Clock::now() - start > std::chrono::duration<double>(*timeout)) m.abort();
+    }
+    if (i > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    if (!m.pending.empty()) m.sweep();
+  }
+  check();
+}
+
+void DeviceA2A::close() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  if (impl_->closed) return;
+  impl_->closed = true;
+  impl_->release();
+}
+
+uintptr_t DeviceA2A::alloc(uint64_t nbytes) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  Ctx scope(m.d, m.ctx);
+  CUdeviceptr p = 0;
+  CUresult r = m.d.MemAlloc(&p, nbytes ? nbytes : 1);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorKind::Invalid, "device all-to-all: cannot allocate " + std::to_string(nbytes) +
+                                        " bytes of GPU memory for an output: " + cu::error_string(m.d, r, "cuMemAlloc"));
+  return uintptr_t(p);
+}
+
+void DeviceA2A::free(uintptr_t p, uintptr_t stream) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  if (!m.retained) return;  // closed: the driver frees it with the process
+  Ctx scope(m.d, m.ctx);
+  m.pending.push_back({p, stream});
+  m.sweep();
+}
+
+std::string DeviceA2A::describe() const {
+  return "device all-to-all over CUDA IPC: " + std::to_string(impl_->world) + " slots of " + std::to_string(cap_) +
+         " bytes, kernels " VARCOMM_KERNEL_A2A_SEND " / " VARCOMM_KERNEL_A2A_RECV;
+}
+
+}  // namespace varcomm
