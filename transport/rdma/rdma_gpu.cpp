@@ -227,8 +227,8 @@ class RdmaGpuTransport final : public Transport {
     if (hdr_len > kHeaderBytes || ready_off < r.rings_off || (ready_off - r.rings_off) % r.slot_bytes ||
         n > r.bound)
       throw Error(ErrorKind::Invalid, "rdma-gpu: a write that does not fit rank " + std::to_string(peer) + "'s slots");
-    const int k = int((ready_off - r.rings_off) / r.slot_bytes);
-    if (k >= r.nslots) throw Error(ErrorKind::Invalid, "rdma-gpu: slot out of range");
+    // Our ring in the peer's region: its slots (ours) k = 0 .. nslots-1.
+    const int k = int((ready_off - r.rings_off) / r.slot_bytes % size_t(r.nslots));
     const size_t nch = chunks(n, r.chunk);
     if (nch) {
       stage_for(peer, r);
