@@ -137,12 +137,12 @@ class RdmaGpuTransport final : public Transport {
 
   ~RdmaGpuTransport() override {
     {
-      std::unique_lock<std::recursive_mutex> g(port_->mutex());
+      std::unique_lock<std::mutex> g(mu_);
       stop_ = true;
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
-    std::unique_lock<std::recursive_mutex> g(port_->mutex());
+    std::unique_lock<std::mutex> g(mu_);
     port_->attach(nullptr);
     // Streams may still wait on a receive's data (its sender closed first):
     // let them go rather than hang a process that closed.
@@ -199,7 +199,7 @@ class RdmaGpuTransport final : public Transport {
       throw Error(ErrorKind::Invalid, "bad rdma-gpu descriptor from rank " + std::to_string(peer) + ": " + desc);
     r.sbase.assign(size_t(r.nslots), 0);
     r.connected = true;
-    std::lock_guard<std::recursive_mutex> g(port_->mutex());
+    std::lock_guard<std::mutex> g(mu_);
     remotes_.at(size_t(peer)) = std::move(r);
   }
 
@@ -212,7 +212,7 @@ class RdmaGpuTransport final : public Transport {
   std::string peer_error(int peer) override { return host_->peer_error(peer); }
 
   bool flushed(int peer) override {
-    std::lock_guard<std::recursive_mutex> g(port_->mutex());
+    std::lock_guard<std::mutex> g(mu_);
     for (const SendJob& j : sends_)
       if (j.peer == peer) return false;
     return true;
@@ -220,7 +220,7 @@ class RdmaGpuTransport final : public Transport {
 
   uint64_t write_message_async(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload,
                                size_t n, uint64_t seq, uintptr_t stream) override {
-    std::lock_guard<std::recursive_mutex> g(port_->mutex());
+    std::lock_guard<std::mutex> g(mu_);
     Remote& r = remotes_.at(size_t(peer));
     if (!r.connected) throw Error(ErrorKind::Invalid, "rdma-gpu: send to rank " + std::to_string(peer) + " before connect");
     if (r.dead) return 0;  // the engine learns why from peer_error()
@@ -270,7 +270,7 @@ class RdmaGpuTransport final : public Transport {
 
   void read_and_free_async(int peer, size_t payload_off, void* dst, size_t n, uint64_t seq, size_t credit_off,
                            uintptr_t stream) override {
-    std::unique_lock<std::recursive_mutex> g(port_->mutex());
+    std::unique_lock<std::mutex> g(mu_);
     const size_t ready_off = payload_off - kPayloadOff;
     const size_t j = (ready_off - L_.rings_off()) / L_.slot_bytes();
     const auto* h = reinterpret_cast<const MsgHeader*>(local_.base() + ready_off + kHeaderOff);
@@ -447,7 +447,7 @@ class RdmaGpuTransport final : public Transport {
     wake();
   }
 
-  // A remote completion at `off` in our region (under the endpoint's mutex).
+  // A remote completion at `off` in our region (under the endpoint's mutex, not mu_).
   bool sink(size_t off) {
     const size_t rings = L_.rings_off();
     if (off < rings) return false;
@@ -457,7 +457,7 @@ class RdmaGpuTransport final : public Transport {
     return true;
   }
 
-  // Caller holds the endpoint's mutex.
+  // Caller holds mu_.
   void wake() {
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
     cv_.notify_all();
@@ -465,12 +465,12 @@ class RdmaGpuTransport final : public Transport {
   bool active() { return !sends_.empty() || !credits_.empty() || waiting_ || port_->busy(); }
 
   void run() {
-    std::unique_lock<std::recursive_mutex> g(port_->mutex());
+    std::unique_lock<std::mutex> g(mu_);
     int idle = 0;
     while (!stop_) {
       bool moved = false;
       try {
-        moved = step();
+        moved = step(g);
       } catch (const std::exception& e) {
         fprintf(stderr, "varcomm rdma-gpu: progress thread: %s\n", e.what());
       }
@@ -479,14 +479,15 @@ class RdmaGpuTransport final : public Transport {
         idle = 0;
         continue;
       }
+      // Let the protocol engine at the endpoint between passes (the mutex is
+      // not fair: relocking at once would starve a caller enqueueing); then
+      // look again, at once after progress, else after a yield (a chunk is
+      // often only microseconds away), then sleeping.
+      g.unlock();
       if (moved) {
         idle = 0;
-        continue;
-      }
-      // Waiting for a stream or the wire: let the engine at the endpoint, then
-      // look again (yield first: a chunk is often only microseconds away).
-      g.unlock();
-      if (++idle < 200) {
+        sched_yield();
+      } else if (++idle < 200) {
         sched_yield();
       } else {
         timespec ts{0, 20000};
@@ -496,10 +497,12 @@ class RdmaGpuTransport final : public Transport {
     }
   }
 
-  // One pass (under the endpoint's mutex); true when something moved.
-  bool step() {
+  // One pass (under mu_, released around the endpoint's progress); true when something moved.
+  bool step(std::unique_lock<std::mutex>& g) {
     bool moved = false;
+    g.unlock();
     host_->progress();
+    g.lock();
     const bool look = Clock::now() - last_check_ > kPeerCheck;
     if (look) {
       last_check_ = Clock::now();
@@ -547,7 +550,11 @@ class RdmaGpuTransport final : public Transport {
       }
       ++it;
     }
-    if (moved) host_->progress();  // credits and chunks go out now, not on the next pass
+    if (moved) {  // credits and chunks go out now, not on the next pass
+      g.unlock();
+      host_->progress();
+      g.lock();
+    }
     return moved;
   }
 
@@ -599,7 +606,11 @@ class RdmaGpuTransport final : public Transport {
   uint64_t* flags_ = nullptr;  // landed[world x nslots] | creq[world x nslots] | sent[world x kMaxPeerSlots]
   size_t nflags_ = 0, flags_bytes_ = 0;
   CUdeviceptr flags_dev_ = 0;
-  // Everything below: under the endpoint's mutex (port_->mutex()).
+  // Everything below: under mu_. Lock order: mu_, then the endpoint's mutex
+  // (taken inside each host_/port_ call); the sink runs under the endpoint's
+  // mutex alone and touches only the flag words. So the endpoint's progress
+  // (on tcp, reading whole chunks off the socket) never holds up an enqueue.
+  std::mutex mu_;
   std::vector<uint64_t> rbase_;  // per slot of ours: chunks its messages carried so far
   std::vector<Remote> remotes_;
   std::deque<SendJob> sends_;
@@ -607,7 +618,7 @@ class RdmaGpuTransport final : public Transport {
   int waiting_ = 0;
   bool stop_ = false;
   Clock::time_point last_check_{};
-  std::condition_variable_any cv_;
+  std::condition_variable cv_;
   std::thread thread_;
 };
 
