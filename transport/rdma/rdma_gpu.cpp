@@ -487,7 +487,7 @@ class RdmaGpuTransport final : public Transport {
       if (moved) {
         idle = 0;
         sched_yield();
-      } else if (++idle < 200) {
+      } else if (++idle < 16) {
         sched_yield();
       } else {
         timespec ts{0, 20000};
