@@ -43,6 +43,23 @@ missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("nump
 if [ -n "$missing" ]; then finish 2 "$PY lacks: $missing (carry them as wheels)"; fi
 command -v "${CXX:-g++}" >/dev/null || finish 2 "no ${CXX:-g++} to build the extension"
 
+# ---- libfabric for the cross-host GPU block (rdma-gpu) ----------------------
+# The build takes libfabric's headers from pkg-config; where the machine has no
+# libfabric-dev, one shipped next to the checkout (shared/libfabric, ../libfabric,
+# or LIBFABRIC_DIR: include/, lib/, lib/pkgconfig/) is used instead.
+if ! pkg-config --exists libfabric 2>/dev/null; then
+  for d in ${LIBFABRIC_DIR:-} "$ROOT/shared/libfabric" "$ROOT/../libfabric"; do
+    if [ -n "$d" ] && [ -f "$d/lib/pkgconfig/libfabric.pc" ]; then
+      export PKG_CONFIG_PATH="$d/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+      export LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      say "libfabric: using the one shipped at $d"
+      break
+    fi
+  done
+fi
+pkg-config --exists libfabric 2>/dev/null && say "libfabric: $(pkg-config --modversion libfabric) (pkg-config)" \
+  || say "libfabric: NOT FOUND (no libfabric-dev, none shipped): the build has no rdma, the cross-host GPU block is skipped"
+
 # ---- build ----------------------------------------------------------------
 say "building: $PY setup.py build_ext --inplace"
 if ! "$PY" setup.py build_ext --inplace >"$LOG.build" 2>&1; then
@@ -77,7 +94,29 @@ else
   timeout "$left" "$PY" bench/gpu_p2p.py --timeout "$((left - 5))" ${OUT:+--out "$OUT"} 2>&1 | tee -a "$LOG"
   bench_rc=${PIPESTATUS[0]}
 fi
+# ---- cross-host GPU tensors (rdma-gpu), on this one machine -------------------
+# VARCOMM_TRANSPORT=rdma with the tcp provider (no NIC needed): real streams,
+# pinned staging memory, cuStreamWaitValue64 on host-mapped flags.
+xhost_rc=0
+if "$PY" -c "import sys, varcomm; sys.exit(0 if 'rdma-gpu' in varcomm.build_info()['transports'] else 1)"; then
+  say "cross-host GPU: tests/test_rdma_gpu.py (fake-driver and real-GPU tests, 2 ranks, route forced to rdma)"
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_rdma_gpu.py >"$LOG.xhost" 2>&1
+  xhost_rc=$?
+  tail -15 "$LOG.xhost" | tee -a "$LOG"
+  if [ -n "${OUT:-}" ]; then cp "$LOG.xhost" "$OUT/pytest_rdma_gpu.log"; fi
+  if [ "$xhost_rc" -eq 0 ] && grep "SKIPPED" "$LOG.xhost" | grep -q "needs gpu"; then
+    say "the real-GPU rdma tests were skipped: failing the check"; xhost_rc=1
+  fi
+  say "cross-host GPU bench: varcomm_bench p2p --device cuda --transport rdma"
+  (cd "$ROOT/bench" && VARCOMM_FI_PROVIDER="${VARCOMM_FI_PROVIDER:-tcp;ofi_rxm}" timeout 240 "$PY" -m varcomm_bench p2p \
+     --device cuda --transport rdma --quick ${OUT:+--md "$OUT/p2p_cuda_rdma.md"}) 2>&1 | tail -25 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || xhost_rc=1
+else
+  say "cross-host GPU: skipped: this build has no rdma-gpu (libfabric missing at build time, see above)"
+fi
+
 say "took $(($(date +%s) - t_start)) s"
+[ "$xhost_rc" -eq 0 ] || finish 1 "cross-host GPU (rdma-gpu) tests or bench failed"
 [ "$test_rc" -eq 0 ] || finish 1 "GPU tests failed (pytest exit $test_rc)"
 [ "$bench_rc" -eq 0 ] || finish 1 "bench failed (exit $bench_rc)"
 finish 0 "ok"

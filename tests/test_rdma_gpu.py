@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import test_gpu
 import varcomm
 from netns import IFACE, Netns, require_netns
-from test_gpu import U8, FakeGpu, _payload, fake_cuda, nvlink_built  # noqa: F401  (fake_cuda: a fixture)
+from test_gpu import U8, FakeGpu, _payload, nvlink_built
 from varcomm import dtypes
 from varcomm.testing import seeded, world
 
@@ -36,6 +37,12 @@ NOT_READY = 600    # CUDA_ERROR_NOT_READY from cuStreamQuery
 
 pytestmark = pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"],
                                 reason="needs the rdma transport (libfabric-dev at build time)")
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(tmp_path_factory) -> str:
+    """The fake driver, built as tests/test_gpu.py builds it."""
+    return str(test_gpu.fake_cuda.__wrapped__(tmp_path_factory))
 
 
 def _comm(path: str, **kw):
@@ -369,3 +376,70 @@ def test_device_peer_lost_mid_stream_fails_promptly(tmp_path, fake_cuda, how):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
     took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
     assert took < 15, f"dead peer detected only after {took} s"
+
+
+# ---------------------------------------------------------------------------
+# torch CUDA tensors on a real GPU: two ranks (which may share one GPU) with the
+# route forced to rdma, tcp;ofi_rxm on loopback unless VARCOMM_FI_PROVIDER says
+# otherwise: real streams, pinned memory, cuStreamWaitValue64 on host-mapped flags.
+
+GPU_REQ = ("gpu", "libfabric", nvlink_built)
+
+
+def _gpu_rdma_comm(**kw):
+    import torch
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.zeros(1, device="cuda")  # CUDA in use before init: the GPU transports open
+    comm = varcomm.init(transport="rdma", timeout=60, **kw)
+    peer = 1 - comm.rank
+    assert comm.device_transport_for(peer) == "rdma-gpu", comm.describe_transport(peer)
+    return torch, comm
+
+
+@world(2, timeout=240, requires=GPU_REQ)
+def test_gpu_rdma_tensors_byte_exact():
+    """Random sizes and dtypes, new tensors and out=, chunked and not; the
+    receiver's consumer on the current stream sees each message."""
+    torch, comm = _gpu_rdma_comm(bound=4 << 20, slots=4, rdma_chunk=256 << 10)
+    rng = np.random.default_rng(seeded())
+    sizes = [0, 1, 4095, 256 << 10, (256 << 10) + 1] + [int(x) for x in rng.integers(1, 1 << 20, 20)]
+    with comm:
+        for i, n in enumerate(sizes):
+            if comm.rank == 0:
+                x = torch.arange(n, device="cuda", dtype=torch.int32) * (i + 1)
+                comm.send(x, dst=1, tag=i % 3)
+            else:
+                y = comm.recv(src=0, tag=i % 3)
+                assert y.is_cuda and y.shape == (n,) and y.dtype == torch.int32
+                want = torch.arange(n, device="cuda", dtype=torch.int32) * (i + 1)
+                assert bool((y == want).all()), f"message {i} ({n} ints) differs"
+            if comm.rank == 0:
+                comm.send(torch.arange(n, device="cuda", dtype=torch.int32), dst=1, tag=9)
+            else:
+                out = torch.full((1 << 20,), -1, device="cuda", dtype=torch.int32)
+                z = comm.recv(src=0, tag=9, out=out)
+                assert z.shape == (n,) and bool((z == torch.arange(n, device="cuda", dtype=torch.int32)).all())
+        comm.barrier()
+
+
+@world(2, timeout=240, requires=GPU_REQ)
+def test_gpu_rdma_enqueue_does_not_wait_for_the_stream():
+    """Sends and receives enqueued behind 0.5 s of GPU work return while the
+    stream is still busy; the data is right once it ran; the source is
+    overwritten later on the stream without leaking into the message."""
+    torch, comm = _gpu_rdma_comm(bound=1 << 20, slots=4)
+    with comm:
+        if comm.rank == 0:
+            x = torch.full((1 << 18,), 7, device="cuda", dtype=torch.int32)
+            torch.cuda._sleep(int(0.5 * 1e9))  # ~0.5 s of spinning at 1 GHz clocks or more
+            comm.send(x, dst=1)
+            assert not torch.cuda.current_stream().query(), "send waited for its stream"
+            x.fill_(-1)
+            torch.cuda.synchronize()
+        else:
+            torch.cuda._sleep(int(0.5 * 1e9))
+            y = comm.recv(src=0)
+            assert not torch.cuda.current_stream().query(), "recv waited for its stream"
+            assert bool((y == 7).all())
+        comm.barrier()

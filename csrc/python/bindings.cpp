@@ -680,6 +680,9 @@ PYBIND11_MODULE(_C, m) {
 #else
   build["cuda"] = false;
 #endif
+#if defined(VARCOMM_HAVE_RDMA) && defined(VARCOMM_HAVE_CUDA)
+  have.append("rdma-gpu");
+#endif
   build["transports"] = have;
   build["max_dims"] = kMaxDims;
   m.attr("build_info") = build;

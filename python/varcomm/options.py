@@ -347,8 +347,8 @@ class Options(_Declared):
     debug: bool = _opt("VARCOMM_DEBUG", _BOOL, False, "print transport choices and why, to stderr", "`0`")
     nvlink: str = _opt("VARCOMM_NVLINK", _choice("auto", "on", "off", aliases=(
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
-        "GPU tensors between same-host ranks over CUDA IPC; `auto`: when this process used CUDA before init "
-        "(1/0 mean on/off)")
+        "GPU tensors on GPU transports (nvlink: same host, CUDA IPC; rdma-gpu: over rdma); `auto`: when this "
+        "process used CUDA before init; off: staged through host memory (1/0 mean on/off)")
     nvlink_device: int | None = _opt("VARCOMM_NVLINK_DEVICE", _int(0, auto=True), None,
                                      "GPU ordinal holding this rank's device receive slots",
                                      "torch's current device")

@@ -158,6 +158,27 @@ fi_info* query(const std::string& prov, const std::string& iface, std::string* w
   return out;
 }
 
+// Does `prov` take device memory (FI_HMEM) on domain `iface`? Asked with the
+// hints we run on plus FI_HMEM / FI_MR_HMEM (fi_getinfo(3)); *why says what
+// it answered either way.
+bool hmem_offered(const std::string& prov, const std::string& iface, std::string* why) {
+  fi_info* h = hints_for(prov, iface);
+  h->caps |= FI_HMEM;
+  h->domain_attr->mr_mode = kMrModes | FI_MR_HMEM;
+  fi_info* list = nullptr;
+  int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, h, &list);
+  fab::api().freeinfo(h);
+  if (rc) {
+    *why = prov + " does not offer FI_HMEM (" + fab::api().strerror(-rc) + ")";
+    return false;
+  }
+  bool ok = false;
+  for (fi_info* i = list; i && !ok; i = i->next) ok = (i->caps & FI_HMEM) && iface == i->domain_attr->name;
+  fab::api().freeinfo(list);
+  *why = ok ? prov + " offers FI_HMEM on domain " + iface : prov + " lists FI_HMEM, but not on domain " + iface;
+  return ok;
+}
+
 void set_keepalive(int fd, int timeout_s) {
   int one = 1, idle = 1, intvl = 1, cnt = timeout_s > 1 ? timeout_s - 1 : 1;
   unsigned user_ms = unsigned(timeout_s) * 1000;
@@ -777,25 +798,8 @@ void* RdmaTransport::reg_source(void* p, size_t n, int iface_cuda, void** handle
   return fi_mr_desc(mr);
 }
 
-// Does this provider, on our domain, take CUDA memory (FI_HMEM)? Asked once,
-// with the hints we run on plus FI_HMEM / FI_MR_HMEM (fi_getinfo(3)).
 void RdmaTransport::probe_hmem(const std::string& iface) {
-  fi_info* h = hints_for(info_->fabric_attr->prov_name, iface);
-  h->caps |= FI_HMEM;
-  h->domain_attr->mr_mode = kMrModes | FI_MR_HMEM;
-  fi_info* list = nullptr;
-  int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, h, &list);
-  fab::api().freeinfo(h);
-  hmem_cuda_ = false;
-  if (rc) {
-    hmem_why_ = std::string("the provider does not offer FI_HMEM (") + fab::api().strerror(-rc) + ")";
-    return;
-  }
-  for (fi_info* i = list; i && !hmem_cuda_; i = i->next)
-    hmem_cuda_ = (i->caps & FI_HMEM) && iface == i->domain_attr->name;
-  hmem_why_ = hmem_cuda_ ? "the provider offers FI_HMEM on domain " + iface
-                         : "the provider lists FI_HMEM but not on domain " + iface;
-  fab::api().freeinfo(list);
+  hmem_cuda_ = hmem_offered(info_->fabric_attr->prov_name, iface, &hmem_why_);
 }
 
 uint64_t RdmaTransport::start(uint32_t idx, int peer) {
@@ -1021,17 +1025,23 @@ std::string rdma_info(const std::string& provider, const std::string& iface) {
     o << "  no RDM providers found\n";
   }
   fab::api().freeinfo(hints);
-  std::string choice;
+  std::string choice, hmem;
   for (const char* p : kDefaultProviders) {
     fi_info* i = query(p, iface, nullptr);
     if (!i) continue;
     choice = std::string(p) + " (domain " + i->domain_attr->name + ")";
+    hmem_offered(p, i->domain_attr->name, &hmem);
     fab::api().freeinfo(i);
     break;
   }
   o << "default provider: " << (choice.empty() ? "none usable" : choice);
   if (!provider.empty()) o << "; VARCOMM_FI_PROVIDER=" << provider;
   o << "\n";
+  // What rdma-gpu's GPUDirect choice (rdma_gpu.cpp) will see.
+  if (!hmem.empty())
+    o << "GPU memory (FI_HMEM, GPUDirect RDMA): " << hmem
+      << "; rdma-gpu selects it with VARCOMM_RDMA_HMEM=1, or auto on verbs/efa/cxi (its zero-copy data path is not "
+         "implemented yet: GPU messages are staged through pinned host memory)\n";
   return o.str();
 }
 
