@@ -12,7 +12,8 @@ fake driver's stream threads. Two measurements, each in its own 2-rank run:
              messages, with every fake stream operation delayed by
              FAKE_CUDA_DELAY_US (--delays): the host time must not grow with
              the delay (the target: <= 20 us per call whatever the delay).
-             `stream busy` says the calls returned before their streams ran.
+             `stream busy` says the calls returned before their streams ran;
+             the last column is the same receive of host memory, same run.
   bandwidth  one-way stream of --iters messages of --size bytes, device memory
              (rdma-gpu, each --chunks value) against host memory (numpy, the
              host rdma path) in the same run, interleaved, best of 3; the
@@ -104,7 +105,29 @@ def _enqueue(comm: Any, gpu: _Fake, n: int = 64, size: int = 16384) -> dict[str,
         busy = gpu.busy(s)
     gpu.sync(s)
     comm.barrier()
-    return {"median_us": statistics.median(us), "max_us": max(us), "stream_busy": busy}
+    # The baseline, in the same run: the same receive of host memory (numpy), landed first too.
+    import numpy as np
+
+    host_us: list[float] = []
+    buf = np.zeros(size, dtype=np.uint8)
+    if comm.rank == 0:
+        for _ in range(n):
+            c.send_buffer(1, 1, buf, 60.0, 1)
+        while c.unflushed():
+            time.sleep(0.001)
+        comm.barrier()
+    else:
+        comm.barrier()
+        until = time.monotonic() + 0.3
+        while time.monotonic() < until:
+            c.progress()
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            c.recv_buffer(0, 1, buf, 60.0)
+            host_us.append((time.perf_counter_ns() - t) / 1e3)
+    comm.barrier()
+    return {"median_us": statistics.median(us), "max_us": max(us), "stream_busy": busy,
+            "host_median_us": statistics.median(host_us) if host_us else 0.0}
 
 
 def _bandwidth(comm: Any, gpu: _Fake, size: int, iters: int) -> dict[str, float]:
@@ -196,12 +219,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "-lpthread"], check=True)
     base = {"VARCOMM_BENCH_FAKE": fake, "VARCOMM_FI_PROVIDER": "tcp;ofi_rxm", "OMP_NUM_THREADS": "1"}
     print("## enqueue: host time per call, 16 KiB device messages (64 in a row)\n")
-    print("| FAKE_CUDA_DELAY_US | send median | send max | recv median | recv max | stream busy after (send, recv) |")
-    print("|---|---|---|---|---|---|")
+    print("| FAKE_CUDA_DELAY_US | send median | send max | recv median | recv max | stream busy after (send, recv) "
+          "| host-memory recv median (baseline) |")
+    print("|---|---|---|---|---|---|---|")
     for d in a.delays.split(","):
         s, r = _launch({**base, "FAKE_CUDA_DELAY_US": d}, "enqueue", os.path.join(tmp, f"enq{d}"), size, a.iters)
         print(f"| {d} | {s['median_us']:.1f} us | {s['max_us']:.1f} us | {r['median_us']:.1f} us | "
-              f"{r['max_us']:.1f} us | {s['stream_busy']}, {r['stream_busy']} |", flush=True)
+              f"{r['max_us']:.1f} us | {s['stream_busy']}, {r['stream_busy']} | {r['host_median_us']:.1f} us |",
+              flush=True)
     print(f"\n## bandwidth: one-way, {a.iters} x {a.size} messages, best of 3, GB/s\n")
     print("| VARCOMM_RDMA_CHUNK | device (rdma-gpu) | host (numpy, rdma) | device / host |")
     print("|---|---|---|---|")
