@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check for the nvlink transport, on one machine with a GPU, in a few
-# minutes: build, the GPU tests (2 ranks, which may share one GPU), the p2p bench.
+# minutes: build, the GPU tests (2 ranks, which may share one GPU), the p2p bench;
+# then the cross-host GPU block (rdma-gpu: tests/test_rdma_gpu.py and
+# `varcomm_bench p2p --device cuda --transport rdma`, tcp;ofi_rxm on loopback).
 #
 #   bash bench/gpu_check.sh                 from anywhere in the repository
 #   OUT=/some/dir bash bench/gpu_check.sh   also writes gpu_check.log, pytest.log,

@@ -162,6 +162,32 @@ def test_fake_rdma_stream_order_and_enqueue_never_waits(fake_cuda):
 
 
 @world(2, timeout=120, requires=("libfabric",))
+def test_fake_rdma_close_flushes_staged_sends(fake_cuda):
+    """The sender closes right after its sends returned, while its late stream
+    has not yet staged their data: close keeps flushing until every chunk is
+    on the wire, and the receiver gets every message intact."""
+    os.environ["FAKE_CUDA_DELAY_US"] = "20000"
+    gpu, comm = _comm(fake_cuda, slots=4)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    n = 2 * CHUNK + 3
+    if r == 0:
+        for i in range(4):
+            p = gpu.alloc(n)
+            gpu.put(p, _payload(40 + i, n))
+            c.send(1, 0, p, n, U8, (n,), 30.0, s)
+        assert _query(gpu, s) == NOT_READY
+        comm.close()
+    else:
+        out = gpu.alloc(BOUND)
+        for i in range(4):
+            c.recv_into(0, 0, out, BOUND, U8, 30.0, s)
+            gpu.sync(s)
+            assert gpu.get(out, n) == _payload(40 + i, n), f"message {i} differs"
+        comm.close()
+
+
+@world(2, timeout=120, requires=("libfabric",))
 def test_fake_rdma_errors_as_on_the_host_path(fake_cuda):
     """A device message over the receiver's bound is refused before anything
     is sent; an out too small or of another dtype is refused with the message

@@ -143,12 +143,15 @@ class RdmaGpuTransport final : public Transport {
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
     std::unique_lock<std::mutex> g(mu_);
-    port_->attach(nullptr);
+    // Chunks still arriving (a sender's last ones) are swallowed, not taken for headers.
+    port_->attach([L = L_](size_t off) { return chunk_slot(L, off) >= 0; });
     // Streams may still wait on a receive's data (its sender closed first):
     // let them go rather than hang a process that closed.
     const bool pending = !sends_.empty() || !credits_.empty();
-    if (pending)
+    if (pending) {
+      std::lock_guard<std::recursive_mutex> pg(port_->mutex());
       for (size_t j = 0; j < rbase_.size(); ++j) store(landed(j), rbase_[j] + kRelease);
+    }
     // The NIC may still read staging memory: let our writes finish (bounded,
     // a dead peer's never do).
     for (auto until = Clock::now() + std::chrono::seconds(2); port_->busy() && Clock::now() < until;) {
@@ -447,13 +450,21 @@ class RdmaGpuTransport final : public Transport {
     wake();
   }
 
+  // The slot (sender x nslots + k) of a chunk completion at `off` in a region
+  // laid out as L, or -1 for anything else (a header lands at a slot start).
+  static long chunk_slot(const Layout& L, size_t off) {
+    const size_t rings = L.rings_off();
+    if (off < rings) return -1;
+    const size_t j = (off - rings) / L.slot_bytes();
+    if (j >= size_t(L.world) * size_t(L.nslots) || (off - rings) % L.slot_bytes() < kPayloadOff) return -1;
+    return long(j);
+  }
+
   // A remote completion at `off` in our region (under the endpoint's mutex, not mu_).
   bool sink(size_t off) {
-    const size_t rings = L_.rings_off();
-    if (off < rings) return false;
-    const size_t j = (off - rings) / L_.slot_bytes();
-    if (j >= rbase_.size() || (off - rings) % L_.slot_bytes() < kPayloadOff) return false;  // a header
-    store(landed(j), load(landed(j)) + 1);
+    long j = chunk_slot(L_, off);
+    if (j < 0) return false;
+    store(landed(size_t(j)), load(landed(size_t(j))) + 1);
     return true;
   }
 
@@ -563,6 +574,9 @@ class RdmaGpuTransport final : public Transport {
     Remote& r = remotes_[size_t(peer)];
     if (r.dead) return;
     r.dead = true;
+    // Under the endpoint's mutex too: a late completion's sink must not
+    // overwrite the jump with its own increment.
+    std::lock_guard<std::recursive_mutex> pg(port_->mutex());
     for (int k = 0; k < L_.nslots; ++k) {
       size_t j = size_t(peer) * size_t(L_.nslots) + size_t(k);
       store(landed(j), rbase_[j] + kRelease);
