@@ -60,13 +60,16 @@ def _query(gpu: FakeGpu, s: int) -> int:
 
 
 @world(2, timeout=180, requires=("libfabric",))
-@pytest.mark.parametrize("delay_us", ["0", "30"])
-def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us):
+@pytest.mark.parametrize(("delay_us", "strict"), [("0", "0"), ("30", "0"), ("30", "1")])
+def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
     """Randomized sizes 0..bound (chunk edges included), more messages than
-    slots, with and without a late stream: each arrives byte-exact into a
-    device out, a new buffer (irecv, copy_out), host memory; one is dropped
-    unread and its slot still comes back; a host message lands in device memory."""
+    slots, with and without a late stream, and with the staging memory
+    registered as verbs/efa require (VARCOMM_RDMA_STRICT): each arrives
+    byte-exact into a device out, a new buffer (irecv, copy_out), host memory;
+    one is dropped unread and its slot still comes back; a host message lands
+    in device memory."""
     os.environ["FAKE_CUDA_DELAY_US"] = delay_us
+    os.environ["VARCOMM_RDMA_STRICT"] = strict
     gpu, comm = _comm(fake_cuda, slots=3)
     rng = np.random.default_rng(seeded())
     edges = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, BOUND - 1, BOUND]
