@@ -176,6 +176,9 @@ class NinjaBuildExt(build_ext):
         else:
             notes.append("nvlink: no sources" if not src["nvlink"] else "nvlink: no (VARCOMM_NO_CUDA)")
 
+        if fab and src["rdma"] and "-DVARCOMM_HAVE_CUDA" in defines:
+            parts.append("rdma-gpu (CUDA tensors over rdma: staged through pinned memory, pipelined; "
+                         "GPUDirect RDMA chosen at run time from the provider's FI_HMEM)")
         print(f"varcomm: building transports: {', '.join(parts)}" + (f"; {'; '.join(notes)}" if notes else ""),
               flush=True)
 

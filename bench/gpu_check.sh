@@ -2,7 +2,8 @@
 # The GPU check for the nvlink transport, on one machine with a GPU, in a few
 # minutes: build, the real-GPU tests (2-4 ranks, which may share one GPU; the
 # fake-driver tests of the same files run in `make test`), then the benches,
-# each in its share of the 5 minutes: all-to-all, MoE (device splits), p2p.
+# each in its share of the 5 minutes: all-to-all, MoE (device splits), p2p over
+# nvlink, p2p over rdma-gpu (cross-host GPU path, tcp;ofi_rxm on loopback).
 #
 #   bash bench/gpu_check.sh                 from anywhere in the repository
 #   OUT=/some/dir bash bench/gpu_check.sh   also writes gpu_check.log, pytest.log,
@@ -46,6 +47,23 @@ missing=$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("nump
 if [ -n "$missing" ]; then finish 2 "$PY lacks: $missing (carry them as wheels)"; fi
 command -v "${CXX:-g++}" >/dev/null || finish 2 "no ${CXX:-g++} to build the extension"
 
+# ---- libfabric for the cross-host GPU block (rdma-gpu) ----------------------
+# The build takes libfabric's headers from pkg-config; where the machine has no
+# libfabric-dev, one shipped next to the checkout (shared/libfabric, ../libfabric,
+# or LIBFABRIC_DIR: include/, lib/, lib/pkgconfig/) is used instead.
+if ! pkg-config --exists libfabric 2>/dev/null; then
+  for d in ${LIBFABRIC_DIR:-} "$ROOT/shared/libfabric" "$ROOT/../libfabric"; do
+    if [ -n "$d" ] && [ -f "$d/lib/pkgconfig/libfabric.pc" ]; then
+      export PKG_CONFIG_PATH="$d/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+      export LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      say "libfabric: using the one shipped at $d"
+      break
+    fi
+  done
+fi
+pkg-config --exists libfabric 2>/dev/null && say "libfabric: $(pkg-config --modversion libfabric) (pkg-config)" \
+  || say "libfabric: NOT FOUND (no libfabric-dev, none shipped): the build has no rdma, the cross-host GPU block is skipped"
+
 # ---- build ----------------------------------------------------------------
 say "building: $PY setup.py build_ext --inplace"
 if ! "$PY" setup.py build_ext --inplace >"$LOG.build" 2>&1; then
@@ -60,8 +78,18 @@ export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 
 # ---- tests ----------------------------------------------------------------
 GPU_TESTS="tests/test_gpu.py tests/test_gpu_alltoall.py tests/test_gpu_alltoall_device.py"
-say "tests: $GPU_TESTS, real-GPU cases only (-k 'not fake')"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs -k "not fake" $GPU_TESTS >"$LOG.pytest" 2>&1
+# rdma-gpu (VARCOMM_TRANSPORT=rdma with the tcp provider, no NIC needed): real
+# streams, pinned staging memory, cuStreamWaitValue64 on host-mapped flags.
+if "$PY" -c "import sys, varcomm; sys.exit(0 if 'rdma-gpu' in varcomm.build_info()['transports'] else 1)"; then
+  GPU_TESTS="$GPU_TESTS tests/test_rdma_gpu.py"; have_rdma_gpu=1
+else
+  say "cross-host GPU: skipped: this build has no rdma-gpu (libfabric missing at build time, see above)"; have_rdma_gpu=0
+fi
+left=$((290 - ($(date +%s) - t_start)))
+test_s=$((left - 130)); [ "$test_s" -gt 150 ] && test_s=150; [ "$test_s" -lt 60 ] && test_s=60
+say "tests: $GPU_TESTS, real-GPU cases only (at most ${test_s} s)"
+timeout "$test_s" "$PY" -m pytest -q -p no:cacheprovider -rs -k "not fake and not namespaces and not mid_stream and not without_a_gpu" \
+  $GPU_TESTS >"$LOG.pytest" 2>&1
 test_rc=$?
 tail -30 "$LOG.pytest" | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then cp "$LOG.pytest" "$OUT/pytest.log"; fi
@@ -74,7 +102,7 @@ fi
 # ---- all-to-all bench: CUDA tensors, against NCCL's two-phase form and a D2D copy ----
 # At most 45 s, leaving the MoE and p2p benches theirs.
 left=$((290 - ($(date +%s) - t_start)))
-a2a_s=$((left - 85)); [ "$a2a_s" -gt 45 ] && a2a_s=45
+a2a_s=$((left - 90)); [ "$a2a_s" -gt 40 ] && a2a_s=40
 if [ "$a2a_s" -lt 30 ]; then
   say "no all-to-all bench: only ${left}s left of the 5 minutes"
   a2a_rc=1
@@ -88,7 +116,7 @@ fi
 
 # ---- MoE bench: device splits (no host sync) vs NCCL two-phase, symm_mem, d2d ----
 left=$((290 - ($(date +%s) - t_start)))
-moe_s=$((left - 40)); [ "$moe_s" -gt 45 ] && moe_s=45
+moe_s=$((left - 60)); [ "$moe_s" -gt 35 ] && moe_s=35
 if [ "$moe_s" -lt 20 ]; then
   say "no MoE bench: only ${left}s left of the 5 minutes"
   moe_rc=1
@@ -101,15 +129,27 @@ fi
 
 # ---- p2p bench --------------------------------------------------------------
 left=$((290 - ($(date +%s) - t_start)))
-if [ "$left" -lt 45 ]; then
+p2p_s=$left; [ "$have_rdma_gpu" -eq 1 ] && p2p_s=$((left - 30)); [ "$p2p_s" -gt 60 ] && p2p_s=60
+if [ "$p2p_s" -lt 30 ]; then
   say "no bench: only ${left}s left of the 5 minutes"
   bench_rc=1
 else
-  say "bench: bench/gpu_p2p.py (${left}s left)"
-  timeout "$left" "$PY" bench/gpu_p2p.py --timeout "$((left - 5))" ${OUT:+--out "$OUT"} 2>&1 | tee -a "$LOG"
+  say "bench: bench/gpu_p2p.py (at most ${p2p_s} s)"
+  timeout "$p2p_s" "$PY" bench/gpu_p2p.py --timeout "$((p2p_s - 5))" ${OUT:+--out "$OUT"} 2>&1 | tee -a "$LOG"
   bench_rc=${PIPESTATUS[0]}
 fi
+# ---- cross-host GPU bench (rdma-gpu), on this one machine -------------------
+xhost_rc=0
+if [ "$have_rdma_gpu" -eq 1 ]; then
+  left=$((295 - ($(date +%s) - t_start))); [ "$left" -lt 20 ] && left=20
+  say "bench: varcomm_bench p2p --device cuda --transport rdma (at most ${left} s)"
+  (cd "$ROOT/bench" && VARCOMM_FI_PROVIDER="${VARCOMM_FI_PROVIDER:-tcp;ofi_rxm}" timeout "$left" "$PY" -m varcomm_bench p2p \
+     --device cuda --transport rdma --quick ${OUT:+--md "$OUT/p2p_cuda_rdma.md"}) 2>&1 | tail -25 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || xhost_rc=1
+fi
+
 say "took $(($(date +%s) - t_start)) s"
+[ "$xhost_rc" -eq 0 ] || finish 1 "cross-host GPU (rdma-gpu) tests or bench failed"
 [ "$test_rc" -eq 0 ] || finish 1 "GPU tests failed (pytest exit $test_rc)"
 [ "$a2a_rc" -eq 0 ] || finish 1 "all-to-all bench failed (exit $a2a_rc)"
 [ "$moe_rc" -eq 0 ] || finish 1 "moe bench failed (exit $moe_rc)"

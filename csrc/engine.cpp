@@ -68,9 +68,10 @@ std::vector<int> Engine::unflushed() {
   if (closed_) return peers;
   progress_locked();
   for (int q = 0; q < world_; ++q) {
-    if (peers_[q].sendq.empty()) continue;
+    Peer& p = peers_[q];
+    if (p.sendq.empty() && (!p.tdev || p.tdev->flushed(q))) continue;
     check_peer(q, false);  // a dead peer's sends fail here instead
-    if (!peers_[q].sendq.empty()) peers.push_back(q);
+    if (!p.sendq.empty() || (p.dead.empty() && p.tdev && !p.tdev->flushed(q))) peers.push_back(q);
   }
   return peers;
 }

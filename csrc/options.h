@@ -18,6 +18,8 @@ struct Options {
   double peer_timeout = 5;       // seconds of silence before an rdma peer counts as gone
   bool rdma_strict = false;      // take the verbs/efa memory-registration path on any provider (tests)
   bool rdma_eager_credits = false;  // post each rdma credit at once instead of riding on messages
+  uint64_t rdma_chunk = 1ull << 20;   // GPU messages over rdma move in chunks of this many bytes (pipelined)
+  std::string rdma_hmem = "auto";     // auto | on | off: GPUDirect RDMA (FI_HMEM_CUDA) for GPU messages over rdma
   std::string liveness_addr;     // IP for the rdma liveness listener when the fabric address is none
   bool debug = false;            // transports print their set-up to stderr
   std::string nvlink = "auto";   // auto | on | off

@@ -39,6 +39,9 @@ struct TransportContext {
   const Layout& layout;
   const Options& options;
   bool any_remote;  // some rank runs on another host
+  // The host transports opened so far, by name (a device transport that rides
+  // on a host one, e.g. rdma-gpu on rdma, shares its endpoint).
+  const std::map<std::string, std::shared_ptr<Transport>>* opened = nullptr;
 };
 
 struct TransportFactory {
@@ -53,6 +56,9 @@ struct TransportFactory {
   // Reaches every peer (can_connect is always empty) and is chosen only when no
   // other host transport connects: opened on every rank, ordered last.
   bool last_resort = false;
+  // Device transports only: the host route whose pairs it serves ("rdma":
+  // GPU tensors to peers reached over rdma); "" for pairs on a same-host route.
+  std::string rides_on = "";
 };
 
 // Registered factories: host transports first (same-host, then any-host, then

@@ -199,26 +199,32 @@ void Setup::open_transports() {
       why_fallback_ = f.name + " unavailable: " + err.what();
     }
   }
-  const TransportFactory* dev = nullptr;
-  for (auto& f : transport_factories())
-    if (f.device && !dev) dev = &f;
-  if (!dev) {
-    device_note_ = "built without nvlink";
-  } else if (o_.nvlink == "off") {
-    device_note_ = "nvlink off (VARCOMM_NVLINK=0)";
-  } else if (o_.cuda_device < 0) {
-    device_note_ = "this process had not used CUDA at varcomm.init (call torch.cuda.set_device first, or set "
-                   "VARCOMM_NVLINK=1)";
-  } else {
-    try {
-      device_ = open(*dev);
-      device_name_ = dev->name;
-      device_ordinal_ = o_.cuda_device;
-    } catch (const Error& err) {
-      if (o_.nvlink != "auto") throw;
-      device_note_ = err.what();
+  ctx.opened = &open_;
+  // Every device transport (nvlink for same-host pairs, rdma-gpu for pairs on
+  // rdma) opens when this process uses CUDA; each pair then takes the one that
+  // serves its host route.
+  bool any_dev = false;
+  for (auto& f : transport_factories()) {
+    if (!f.device) continue;
+    any_dev = true;
+    if (o_.nvlink == "off") {
+      device_notes_[f.name] = "off (VARCOMM_NVLINK=0)";
+    } else if (o_.cuda_device < 0) {
+      device_notes_[f.name] = "this process had not used CUDA at varcomm.init (call torch.cuda.set_device first, or "
+                              "set VARCOMM_NVLINK=1)";
+    } else if (!f.rides_on.empty() && !open_.count(f.rides_on)) {
+      device_notes_[f.name] = "no " + f.rides_on + " endpoint on this rank";
+    } else {
+      try {
+        devices_[f.name] = open(f);
+        device_ordinal_ = o_.cuda_device;
+      } catch (const Error& err) {
+        if (o_.nvlink != "auto") throw;
+        device_notes_[f.name] = err.what();
+      }
     }
   }
+  if (!any_dev) device_notes_[""] = "built without CUDA support";
 }
 
 std::string Setup::connect_peers() {
@@ -248,19 +254,33 @@ std::string Setup::connect_peers() {
     for (int j = i + 1; j < world && !any_fallback_; ++j)
       any_fallback_ = find_transport(choose_route(peers_[size_t(i)], peers_[size_t(j)], o_))->last_resort;
   std::string acks;
-  if (device_) {
-    const TransportFactory* f = find_transport(device_name_);
-    for (int r = 0; r < world; ++r) {
-      const std::string& host_route = routes_[size_t(r)];
-      if (!find_transport(host_route)->same_host_only) continue;
-      if (!f->can_connect(me_, peers_[size_t(r)], o_).empty()) continue;
-      try {
-        device_->connect(r, peers_[size_t(r)].desc.at(device_name_));
-        device_ok_.push_back(r);
-        acks += std::to_string(r) + ",";
-      } catch (const Error& err) {
-        device_note_ = "rank " + std::to_string(r) + ": " + err.what();
-      }
+  device_why_.assign(size_t(world), "");
+  for (int r = 0; r < world; ++r) {
+    const std::string& host_route = routes_[size_t(r)];
+    const bool same_host = find_transport(host_route)->same_host_only;
+    const TransportFactory* f = nullptr;
+    for (auto& g : transport_factories())
+      if (g.device && (g.rides_on.empty() ? same_host : g.rides_on == host_route)) f = f ? f : &g;
+    if (!f) {
+      device_why_[size_t(r)] = device_notes_.count("") ? device_notes_[""] : "no GPU transport serves " + host_route;
+      continue;
+    }
+    auto d = devices_.find(f->name);
+    if (d == devices_.end()) {
+      device_why_[size_t(r)] = "no " + f->name + " (" + device_notes_[f->name] + ")";
+      continue;
+    }
+    std::string why = f->can_connect(me_, peers_[size_t(r)], o_);
+    if (!why.empty()) {
+      device_why_[size_t(r)] = "no " + f->name + " (" + why + ")";
+      continue;
+    }
+    try {
+      d->second->connect(r, peers_[size_t(r)].desc.at(f->name));
+      device_ok_.push_back({r, f->name});
+      acks += std::to_string(r) + ",";
+    } catch (const Error& err) {
+      device_why_[size_t(r)] = "no " + f->name + " (rank " + std::to_string(r) + ": " + err.what() + ")";
     }
   }
   return "acks:" + acks;
@@ -271,21 +291,26 @@ void Setup::agree_device(const std::vector<std::string>& acks) {
   // after connecting): the segments can be let go.
   e_.connected();
   const std::string me = std::to_string(e_.rank());
-  for (int r : device_ok_) {
+  for (auto& [r, name] : device_ok_) {
     std::istringstream in(acks[size_t(r)].substr(acks[size_t(r)].find(':') + 1));
     bool both = false;
     for (std::string x; std::getline(in, x, ',');) both |= x == me;
-    if (!both) continue;  // a pair uses device memory only if both sides could open the other's
-    e_.set_device_transport(r, device_);
-    device_routes_[size_t(r)] = device_name_;
+    if (!both) {  // a pair uses device memory only if both sides could open the other's
+      device_why_[size_t(r)] = "no " + name + " (rank " + std::to_string(r) + " could not open this rank's)";
+      continue;
+    }
+    e_.set_device_transport(r, devices_.at(name));
+    device_routes_[size_t(r)] = name;
   }
 }
 
 std::string Setup::describe(int peer) const {
   std::string d = e_.transport_describe(peer);
   if (find_transport(routes_.at(size_t(peer)))->last_resort) d += "; " + why_fallback_;
-  if (!device_routes_[size_t(peer)].empty()) return d + "; GPU tensors: " + device_->describe();
-  return device_note_.empty() ? d : d + "; GPU tensors: no nvlink (" + device_note_ + ")";
+  const std::string& dev = device_routes_.at(size_t(peer));
+  if (!dev.empty()) return d + "; GPU tensors: " + devices_.at(dev)->describe();
+  const std::string& why = device_why_.at(size_t(peer));
+  return why.empty() ? d : d + "; GPU tensors: staged through host memory: " + why;
 }
 
 std::map<std::string, std::string> Setup::route_info(int peer) const {

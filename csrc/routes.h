@@ -72,11 +72,14 @@ class Setup {
   PeerInfo me_;
   std::vector<PeerInfo> peers_;
   std::map<std::string, std::shared_ptr<Transport>> open_;  // by factory name
-  std::shared_ptr<Transport> device_;
-  std::string device_name_;
-  std::vector<int> device_ok_;  // peers whose device memory we opened
+  // Device transports opened, by factory name, and why each one that is not
+  // open is not (both shown by describe()).
+  std::map<std::string, std::shared_ptr<Transport>> devices_;
+  std::map<std::string, std::string> device_notes_;
+  std::vector<std::pair<int, std::string>> device_ok_;  // peers whose device memory we opened, and with what
+  std::vector<std::string> device_why_;                 // per peer without a device route: why not
   std::vector<std::string> routes_, device_routes_;
-  std::string why_fallback_, device_note_;
+  std::string why_fallback_;
   bool any_fallback_ = false, close_waits_ = false;
   int device_ordinal_ = -1;
 };

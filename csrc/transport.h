@@ -43,6 +43,10 @@ class Transport {
   virtual uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                                  const void* payload, size_t n, uint64_t seq) = 0;
   virtual bool complete(int /*peer*/, uint64_t /*ticket*/) { return true; }
+  // Nothing this transport accepted for `peer` is still waiting to go out
+  // (a device transport whose sends complete at enqueue, stream-ordered, may
+  // still hold their data: close() keeps flushing until this is true).
+  virtual bool flushed(int /*peer*/) { return true; }
   // One-sided store of an 8-byte value into the peer's region (credits).
   virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
   // Drive completions; a transport whose peers write memory directly does nothing.

@@ -122,7 +122,8 @@ struct Buf {
 Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
-      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "job_key"};
+      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "job_key",
+      "rdma_chunk", "rdma_hmem"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -164,6 +165,9 @@ Options options_from_dict(const py::dict& d) {
   get("nvlink_flags", &o.nvlink_flags);
   get("nvlink_kernel_max", &o.nvlink_kernel_max);
   get("job_key", &o.job_key);
+  get("rdma_chunk", &o.rdma_chunk);
+  get("rdma_hmem", &o.rdma_hmem);
+  one_of("rdma_hmem", o.rdma_hmem, {"auto", "on", "off"});
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
   one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});
@@ -796,6 +800,9 @@ PYBIND11_MODULE(_C, m) {
 #else
   build["cuda"] = false;
   build["device_a2a"] = false;
+#endif
+#if defined(VARCOMM_HAVE_RDMA) && defined(VARCOMM_HAVE_CUDA)
+  have.append("rdma-gpu");
 #endif
   build["transports"] = have;
   build["max_dims"] = kMaxDims;

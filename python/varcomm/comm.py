@@ -634,9 +634,10 @@ def _cuda_device(options: Options) -> int:
 
 
 def _stage(tensor: Any) -> Any:
-    """The staging path for a CUDA tensor to a peer with no GPU transport (another
-    host: rdma without GPUDirect yet; or no nvlink): a host copy, sent as usual.
-    The receiver gets a host tensor unless it receives into a CUDA out=."""
+    """The staging path for a CUDA tensor to a peer with no GPU transport (no
+    nvlink or rdma-gpu for the pair: the fallback route, a build without CUDA, a
+    peer that does not use CUDA): a host copy, sent as usual. The receiver gets
+    a host tensor unless it receives into a CUDA out=."""
     return tensor.detach().to("cpu")
 
 

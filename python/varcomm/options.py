@@ -241,6 +241,8 @@ class CoreOptions(TypedDict):
     nvlink_flags: str
     nvlink_kernel_max: int
     job_key: str
+    rdma_chunk: int
+    rdma_hmem: str
 
 
 class _Declared:
@@ -332,14 +334,21 @@ class Options(_Declared):
                              "rdma: register local buffers as verbs/efa require, on any provider (tests)", "`0`")
     rdma_eager_credits: bool = _opt("VARCOMM_RDMA_EAGER_CREDITS", _BOOL, False,
                                     "rdma: post each credit at once instead of with the next write", "`0`")
+    rdma_chunk: int = _opt("VARCOMM_RDMA_CHUNK", _bytes(4096), 1 * MiB,
+                           "rdma: GPU messages move in chunks of this size, so the device-to-host copy, the wire "
+                           "and the host-to-device copy overlap", "1 MiB")
+    rdma_hmem: str = _opt("VARCOMM_RDMA_HMEM", _choice("auto", "on", "off", aliases=(
+        ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
+        "rdma: GPUDirect RDMA for GPU messages (NIC reads and writes GPU memory); `auto`: when the provider is "
+        "verbs/efa/cxi and offers FI_HMEM for CUDA, else staged through pinned host memory (1/0 mean on/off)")
     liveness_addr: str = _opt("VARCOMM_LIVENESS_ADDR", _TEXT, "",
                               "rdma: IP of the liveness socket when the fabric address is not one (efa, cxi)",
                               "the first non-loopback IPv4 address")
     debug: bool = _opt("VARCOMM_DEBUG", _BOOL, False, "print transport choices and why, to stderr", "`0`")
     nvlink: str = _opt("VARCOMM_NVLINK", _choice("auto", "on", "off", aliases=(
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
-        "GPU tensors between same-host ranks over CUDA IPC; `auto`: when this process used CUDA before init "
-        "(1/0 mean on/off)")
+        "GPU tensors on GPU transports (nvlink: same host, CUDA IPC; rdma-gpu: over rdma); `auto`: when this "
+        "process used CUDA before init; off: staged through host memory (1/0 mean on/off)")
     nvlink_device: int | None = _opt("VARCOMM_NVLINK_DEVICE", _int(0, auto=True), None,
                                      "GPU ordinal holding this rank's device receive slots",
                                      "torch's current device")
@@ -376,6 +385,7 @@ class Options(_Declared):
             "liveness_addr": self.liveness_addr, "debug": self.debug, "nvlink": self.nvlink,
             "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
             "nvlink_kernel_max": self.nvlink_kernel_max, "job_key": self.job_key,
+            "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem,
         }
 
 

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <initializer_list>
+#include <map>
 #include <mutex>
 
 namespace varcomm {
@@ -65,6 +66,53 @@ const Driver* driver(std::string* why) {
   std::call_once(once, [] { loaded = new Loaded(load()); });
   if (why) *why = loaded->why;
   return loaded->why.empty() ? &loaded->d : nullptr;
+}
+
+namespace {
+struct HostReg {
+  size_t len;
+  CUdeviceptr dev;
+  int refs;
+};
+std::mutex g_reg_mu;
+std::map<void*, HostReg> g_regs;  // guarded by g_reg_mu
+}  // namespace
+
+CUdeviceptr host_register(const Driver& d, void* base, size_t len, std::string* why) {
+  std::lock_guard<std::mutex> g(g_reg_mu);
+  auto it = g_regs.find(base);
+  if (it != g_regs.end()) {
+    if (it->second.len < len) {
+      *why = "host memory already registered with the GPU with a smaller size (" + std::to_string(it->second.len) +
+             " < " + std::to_string(len) + " bytes)";
+      return 0;
+    }
+    it->second.refs++;
+    return it->second.dev;
+  }
+  CUresult r = d.MemHostRegister(base, len, kHostRegisterDeviceMap | kHostRegisterPortable);
+  if (r != CUDA_SUCCESS) {
+    *why = "cannot register " + std::to_string(len) + " bytes of host memory with the GPU: " +
+           error_string(d, r, "cuMemHostRegister");
+    return 0;
+  }
+  CUdeviceptr dp = 0;
+  r = d.MemHostGetDevicePointer(&dp, base, 0);
+  if (r != CUDA_SUCCESS) {
+    d.MemHostUnregister(base);
+    *why = error_string(d, r, "cuMemHostGetDevicePointer");
+    return 0;
+  }
+  g_regs[base] = {len, dp, 1};
+  return dp;
+}
+
+void host_unregister(const Driver& d, void* base) {
+  std::lock_guard<std::mutex> g(g_reg_mu);
+  auto it = g_regs.find(base);
+  if (it == g_regs.end() || --it->second.refs > 0) return;
+  d.MemHostUnregister(base);
+  g_regs.erase(it);
 }
 
 std::string error_string(const Driver& d, CUresult r, const char* what) {

@@ -119,8 +119,38 @@ struct Driver {
 // forks CUDA-using children afterwards.
 const Driver* driver(std::string* why = nullptr);
 
+// Host memory registered with the driver (cuMemHostRegister, device-mapped)
+// once per process, whoever asks first: nvlink and rdma-gpu may both need the
+// same region, and the driver refuses a second registration of one range.
+// Counted; the device address of `base`, or 0 with *why on failure (also when
+// an earlier registration of `base` is shorter than len).
+CUdeviceptr host_register(const Driver& d, void* base, size_t len, std::string* why);
+void host_unregister(const Driver& d, void* base);
+
 // "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
 std::string error_string(const Driver& d, CUresult r, const char* what);
+
+// Makes `ctx` current for the scope when another (or none) is, and restores it.
+class CtxScope {
+ public:
+  CtxScope(const Driver& d, CUcontext ctx) : d_(d) {
+    CUcontext cur = nullptr;
+    d_.CtxGetCurrent(&cur);
+    if (cur != ctx) pushed_ = d_.CtxPushCurrent(ctx) == CUDA_SUCCESS;
+  }
+  ~CtxScope() {
+    if (pushed_) {
+      CUcontext old;
+      d_.CtxPopCurrent(&old);
+    }
+  }
+  CtxScope(const CtxScope&) = delete;
+  CtxScope& operator=(const CtxScope&) = delete;
+
+ private:
+  const Driver& d_;
+  bool pushed_ = false;
+};
 
 }  // namespace cu
 }  // namespace varcomm

@@ -323,8 +323,14 @@ API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsi
 API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
   if (CUresult r = need_ctx()) return r;
   if (!find(uintptr_t(addr), nullptr)) return 1;
+  // A GPU waits without a host core; a stream thread spinning here would take
+  // one from the threads it waits for, so after a short spin it sleeps.
   stream_of(s)->push([=] {
-    while (int64_t(__atomic_load_n(reinterpret_cast<uint64_t*>(addr), __ATOMIC_ACQUIRE) - v) < 0) sched_yield();
+    for (int i = 0; int64_t(__atomic_load_n(reinterpret_cast<uint64_t*>(addr), __ATOMIC_ACQUIRE) - v) < 0; ++i)
+      if (i < 100)
+        sched_yield();
+      else
+        usleep(20);
   });
   return 0;
 }

@@ -128,28 +128,6 @@ void note_kernel(const std::string& s) {
   g_kernel_note = s;
 }
 
-// Makes `ctx` current for the scope when another (or none) is, and restores it.
-class CtxScope {
- public:
-  CtxScope(const cu::Driver& d, CUcontext ctx) : d_(d) {
-    CUcontext cur = nullptr;
-    d_.CtxGetCurrent(&cur);
-    if (cur != ctx) pushed_ = d_.CtxPushCurrent(ctx) == CUDA_SUCCESS;
-  }
-  ~CtxScope() {
-    if (pushed_) {
-      CUcontext old;
-      d_.CtxPopCurrent(&old);
-    }
-  }
-  CtxScope(const CtxScope&) = delete;
-  CtxScope& operator=(const CtxScope&) = delete;
-
- private:
-  const cu::Driver& d_;
-  bool pushed_ = false;
-};
-
 class NvlinkTransport : public Transport {
  public:
   // Options: nvlink_flags (where data flags live), nvlink_kernel_max (the
@@ -489,17 +467,9 @@ class NvlinkTransport : public Transport {
       if (it->second.len < len) throw Error(ErrorKind::Invalid, "nvlink: host region registered with a smaller size");
       return it->second.dev;
     }
-    CUresult r = d_.MemHostRegister(base, len, cu::kHostRegisterDeviceMap | cu::kHostRegisterPortable);
-    if (r != CUDA_SUCCESS)
-      throw Error(ErrorKind::Invalid, "nvlink: cannot register " + std::to_string(len) +
-                                          " bytes of shared host memory with the GPU: " +
-                                          cu::error_string(d_, r, "cuMemHostRegister"));
-    CUdeviceptr dp = 0;
-    r = d_.MemHostGetDevicePointer(&dp, base, 0);
-    if (r != CUDA_SUCCESS) {
-      d_.MemHostUnregister(base);
-      check(r, "cuMemHostGetDevicePointer");
-    }
+    std::string why;
+    CUdeviceptr dp = cu::host_register(d_, base, len, &why);  // shared with rdma-gpu, which maps the same region
+    if (!dp) throw Error(ErrorKind::Invalid, "nvlink: " + why);
     regs_[base] = {len, dp};
     return dp;
   }
@@ -534,7 +504,7 @@ class NvlinkTransport : public Transport {
       }
       for (auto& kv : peers_)
         if (kv.second.opened) d_.IpcCloseMemHandle(kv.second.opened);
-      for (auto& kv : regs_) d_.MemHostUnregister(kv.first);
+      for (auto& kv : regs_) cu::host_unregister(d_, kv.first);
       regs_.clear();
       for (auto& kv : peers_)
         if (kv.second.mapped) unmap_region(kv.second.host, kv.second.host_size);

@@ -58,7 +58,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -68,6 +70,7 @@
 #include "fabric_lib.h"
 #include "protocol.h"
 #include "registry.h"
+#include "rdma_port.h"
 
 namespace varcomm {
 namespace {
@@ -155,6 +158,27 @@ fi_info* query(const std::string& prov, const std::string& iface, std::string* w
   return out;
 }
 
+// Does `prov` take device memory (FI_HMEM) on domain `iface`? Asked with the
+// hints we run on plus FI_HMEM / FI_MR_HMEM (fi_getinfo(3)); *why says what
+// it answered either way.
+bool hmem_offered(const std::string& prov, const std::string& iface, std::string* why) {
+  fi_info* h = hints_for(prov, iface);
+  h->caps |= FI_HMEM;
+  h->domain_attr->mr_mode = kMrModes | FI_MR_HMEM;
+  fi_info* list = nullptr;
+  int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, h, &list);
+  fab::api().freeinfo(h);
+  if (rc) {
+    *why = prov + " does not offer FI_HMEM (" + fab::api().strerror(-rc) + ")";
+    return false;
+  }
+  bool ok = false;
+  for (fi_info* i = list; i && !ok; i = i->next) ok = (i->caps & FI_HMEM) && iface == i->domain_attr->name;
+  fab::api().freeinfo(list);
+  *why = ok ? prov + " offers FI_HMEM on domain " + iface : prov + " lists FI_HMEM, but not on domain " + iface;
+  return ok;
+}
+
 void set_keepalive(int fd, int timeout_s) {
   int one = 1, idle = 1, intvl = 1, cnt = timeout_s > 1 ? timeout_s - 1 : 1;
   unsigned user_ms = unsigned(timeout_s) * 1000;
@@ -185,7 +209,7 @@ std::string host_ip(const std::string& forced) {
   return ip.empty() ? "127.0.0.1" : ip;
 }
 
-class RdmaTransport final : public Transport {
+class RdmaTransport final : public Transport, public rdma::Port {
  public:
   RdmaTransport(int rank, int world, std::string provider, std::string iface, const Options& o);
   ~RdmaTransport() override;
@@ -208,7 +232,41 @@ class RdmaTransport final : public Transport {
   std::string peer_error(int peer) override;
   size_t peer_bytes(int peer) const override { return size_t(peers_.at(size_t(peer)).size); }
 
+  // rdma::Port (rdma_port.h): the GPU message engine's use of this endpoint.
+  void attach(std::function<bool(size_t)> sink) override {
+    std::lock_guard<std::recursive_mutex> g(mu_);
+    sink_ = std::move(sink);
+    shared_ = true;
+  }
+  std::recursive_mutex& mutex() override { return mu_; }
+  uint64_t write_data(int peer, size_t off, const void* src, size_t n, void* desc) override;
+  bool done(uint64_t ticket) override { return complete(-1, ticket); }
+  bool busy() override {
+    Lock g(*this);
+    return free_ops_.size() < ops_.size() || queued_credits_;
+  }
+  void* reg_source(void* p, size_t n, int iface_cuda, void** handle) override;
+  void unreg(void* handle) override {
+    Lock g(*this);
+    if (handle) fi_close(&static_cast<fid_mr*>(handle)->fid);
+  }
+  bool hmem_cuda(std::string* why) const override {
+    if (why) *why = hmem_why_;
+    return hmem_cuda_;
+  }
+  std::string provider() const override { return info_->fabric_attr->prov_name; }
+
  private:
+  // Every entry point takes the endpoint's mutex once a GPU engine shares it
+  // (attach); a host-only endpoint, called under the protocol engine's mutex
+  // alone, pays nothing.
+  struct Lock {
+    std::unique_lock<std::recursive_mutex> g;
+    explicit Lock(RdmaTransport& t) : g(t.mu_, std::defer_lock) {
+      if (t.shared_) g.lock();
+    }
+  };
+  void probe_hmem(const std::string& iface);
   struct Op {
     fi_context2 ctx;  // first: the provider's scratch space (FI_CONTEXT2)
     uint64_t ticket = 0;
@@ -288,6 +346,11 @@ class RdmaTransport final : public Transport {
   int listen_fd_ = -1;
   std::string live_ip_;
   int live_port_ = 0;
+  std::recursive_mutex mu_;
+  bool shared_ = false;
+  std::function<bool(size_t)> sink_;  // remote completions inside a slot's payload (GPU message chunks)
+  bool hmem_cuda_ = false;
+  std::string hmem_why_;
 };
 
 RdmaTransport::RdmaTransport(int rank, int world, std::string provider, std::string iface, const Options& o)
@@ -405,6 +468,7 @@ void RdmaTransport::init(std::string provider, std::string iface, const Options&
     << info_->domain_attr->name << "): " << reason << "; liveness via tcp keepalive " << live_ip_ << ", "
     << timeout_s_ << " s";
   describe_ = d.str();
+  probe_hmem(info_->domain_attr->name);
   if (debug_) fprintf(stderr, "[varcomm rank %d] %s\n", rank_, describe_.c_str());
 }
 
@@ -581,6 +645,7 @@ void RdmaTransport::accept_pending(int wait_ms) {
 }
 
 void RdmaTransport::connected() {
+  Lock g(*this);
   if (said_hello_) return;  // the engine calls this once per peer on this transport
   said_hello_ = true;
   accept_pending(30000);
@@ -620,6 +685,7 @@ void RdmaTransport::connected() {
 
 uint64_t RdmaTransport::write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                                       const void* payload, size_t n, uint64_t /*seq*/) {
+  Lock g(*this);
   Peer& p = peers_.at(size_t(peer));
   if (!p.connected) invalid("write to rank " + std::to_string(peer) + " before connect");
   if (!p.error.empty()) return 0;  // the engine learns why from peer_error()
@@ -687,6 +753,55 @@ uint64_t RdmaTransport::write_message(int peer, size_t ready_off, const void* hd
   return ticket;
 }
 
+uint64_t RdmaTransport::write_data(int peer, size_t off, const void* src, size_t n, void* desc) {
+  Lock g(*this);
+  Peer& p = peers_.at(size_t(peer));
+  if (!p.connected || !p.error.empty()) return 0;
+  if ((off & 255) || (off >> 8) > 0xffffffffull || off + n > p.size)
+    invalid("data write of " + std::to_string(n) + " bytes at offset " + std::to_string(off) + " does not fit rank " +
+            std::to_string(peer) + "'s region or the 32-bit immediate");
+  if (free_ops_.empty()) progress();
+  if (free_ops_.empty()) return 0;
+  uint32_t idx = free_ops_.back();
+  ssize_t rc = fi_writedata(ep_, src, n, desc, off >> 8, p.addr, p.raddr + off, p.key, &ops_[idx].ctx);
+  if (rc == 0) return start(idx, peer);
+  if (rc != -FI_EAGAIN)
+    p.error = "rank " + std::to_string(peer) + " unreachable: fi_writedata: " + fab::api().strerror(int(-rc));
+  return 0;
+}
+
+void* RdmaTransport::reg_source(void* p, size_t n, int iface_cuda, void** handle) {
+  Lock g(*this);
+  *handle = nullptr;
+  if (iface_cuda < 0) {
+    if (!(mr_mode_ & FI_MR_LOCAL)) return nullptr;
+    fid_mr* mr = reg(p, n, FI_WRITE);
+    *handle = mr;
+    return fi_mr_desc(mr);
+  }
+  // GPUDirect: device memory registered for the NIC to read (fi_mr(3), FI_HMEM_CUDA).
+  iovec iov{p, n};
+  fi_mr_attr a{};
+  a.mr_iov = &iov;
+  a.iov_count = 1;
+  a.access = FI_WRITE;
+  a.requested_key = next_key_++;
+  a.iface = FI_HMEM_CUDA;
+  a.device.cuda = iface_cuda;
+  fid_mr* mr = nullptr;
+  FI_CHECK(fi_mr_regattr(domain_, &a, 0, &mr));
+  if (mr_mode_ & FI_MR_ENDPOINT) {
+    FI_CHECK(fi_mr_bind(mr, &ep_->fid, 0));
+    FI_CHECK(fi_mr_enable(mr));
+  }
+  *handle = mr;
+  return fi_mr_desc(mr);
+}
+
+void RdmaTransport::probe_hmem(const std::string& iface) {
+  hmem_cuda_ = hmem_offered(info_->fabric_attr->prov_name, iface, &hmem_why_);
+}
+
 uint64_t RdmaTransport::start(uint32_t idx, int peer) {
   free_ops_.pop_back();
   Op& op = ops_[idx];
@@ -697,6 +812,7 @@ uint64_t RdmaTransport::start(uint32_t idx, int peer) {
 }
 
 bool RdmaTransport::complete(int /*peer*/, uint64_t ticket) {
+  Lock g(*this);
   Op& op = ops_[(ticket & 0xffff) % ops_.size()];
   if (op.ticket != ticket || !op.busy) return true;
   progress();
@@ -704,6 +820,7 @@ bool RdmaTransport::complete(int /*peer*/, uint64_t ticket) {
 }
 
 void RdmaTransport::write_u64(int peer, size_t off, uint64_t value) {
+  Lock g(*this);
   Peer& p = peers_.at(size_t(peer));
   if (!p.error.empty()) return;
   if (off + 8 > p.size) invalid("write_u64 beyond rank " + std::to_string(peer) + "'s region");
@@ -745,6 +862,7 @@ void RdmaTransport::flush_credits(int peer) {
 }
 
 void RdmaTransport::progress() {
+  Lock g(*this);
   flush_all();
   fi_cq_data_entry e[32];
   for (;;) {
@@ -772,6 +890,7 @@ void RdmaTransport::land(uint64_t imm) {
     fprintf(stderr, "varcomm rdma: rank %d ignored a completion for offset %zu outside its region\n", rank_, off);
     return;
   }
+  if (sink_ && sink_(off)) return;  // a chunk of a GPU message (rdma_gpu.cpp), not a header
   // The completion says header and payload have landed; publish them.
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
   uint64_t seq = __atomic_load_n(&reinterpret_cast<const MsgHeader*>(base_ + off + kHeaderOff)->seq, __ATOMIC_RELAXED);
@@ -826,6 +945,7 @@ void RdmaTransport::check_sock(int peer) {
 }
 
 std::string RdmaTransport::peer_error(int peer) {
+  Lock g(*this);
   flush_all();
   if (peer < 0 || peer >= world_ || peer == rank_) return "";
   Peer& p = peers_[size_t(peer)];
@@ -868,6 +988,8 @@ TransportRegistrar rdma_registrar({
 
 }  // namespace
 
+rdma::Port* rdma::port_of(Transport* t) { return dynamic_cast<RdmaTransport*>(t); }
+
 std::vector<std::string> rdma_default_providers() {
   return std::vector<std::string>(std::begin(kDefaultProviders), std::end(kDefaultProviders));
 }
@@ -903,17 +1025,23 @@ std::string rdma_info(const std::string& provider, const std::string& iface) {
     o << "  no RDM providers found\n";
   }
   fab::api().freeinfo(hints);
-  std::string choice;
+  std::string choice, hmem;
   for (const char* p : kDefaultProviders) {
     fi_info* i = query(p, iface, nullptr);
     if (!i) continue;
     choice = std::string(p) + " (domain " + i->domain_attr->name + ")";
+    hmem_offered(p, i->domain_attr->name, &hmem);
     fab::api().freeinfo(i);
     break;
   }
   o << "default provider: " << (choice.empty() ? "none usable" : choice);
   if (!provider.empty()) o << "; VARCOMM_FI_PROVIDER=" << provider;
   o << "\n";
+  // What rdma-gpu's GPUDirect choice (rdma_gpu.cpp) will see.
+  if (!hmem.empty())
+    o << "GPU memory (FI_HMEM, GPUDirect RDMA): " << hmem
+      << "; rdma-gpu selects it with VARCOMM_RDMA_HMEM=1, or auto on verbs/efa/cxi (its zero-copy data path is not "
+         "implemented yet: GPU messages are staged through pinned host memory)\n";
   return o.str();
 }
 

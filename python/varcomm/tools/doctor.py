@@ -433,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
             remote = ("the fallback: this build has no rdma (pkg-config found no libfabric at build time, "
                       "or VARCOMM_NO_RDMA was set)")
         w(f"  other host:              {remote}")
+        if "rdma-gpu" in transports:
+            w("  other host, GPU memory:  rdma-gpu (staged through pinned memory in VARCOMM_RDMA_CHUNK chunks, "
+              "stream-ordered, one progress thread; GPUDirect per the FI_HMEM line above and VARCOMM_RDMA_HMEM)")
+        elif "rdma" in transports:
+            w("  other host, GPU memory:  staged through host memory (this build has no CUDA support)")
         w(f"  nothing fits:            {fallback}")
         w("  (VARCOMM_TRANSPORT=shm|rdma|fallback forces one; rdma: VARCOMM_FI_PROVIDER, VARCOMM_FI_IFACE)")
     rc = 0
