@@ -104,7 +104,7 @@ void AllToAll::start() {
       const A2AChunk& c = plan_.send[d];
       if (!two) {
         try {
-          sends_.push_back(e_.isend(d, tag_, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem));
+          sends_.push_back(e_.isend(d, tag_, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem, 0, true));
           continue;
         } catch (const Error& x) {
           if (x.kind != ErrorKind::TooLarge) throw;
@@ -277,7 +277,7 @@ void AllToAll::post_payloads() {
     int d = (r + k) % n;
     const A2AChunk& c = plan_.send[d];
     try {
-      sends_.push_back(e_.isend(d, tag_ + 1, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem));
+      sends_.push_back(e_.isend(d, tag_ + 1, c.data, c.nbytes, c.dtype, c.shape, c.ndim, c.mem, 0, true));
     } catch (const Error& x) {
       if (x.kind != ErrorKind::TooLarge) throw;
       too_large_.push_back({d, x.what()});  // d saw the count: it expects nothing

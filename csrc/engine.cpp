@@ -87,6 +87,8 @@ void Engine::close() {
                "one in flight may or may not have arrived)");
     fail_queue(p.posted, ErrorKind::Closed, "communicator closed before a message arrived for this recv");
   }
+  for (int q = 0; q < world_; ++q)
+    fail_streams(q, ErrorKind::Closed, "communicator closed while this message was streaming in");
   sending_ = 0;
   transports_.clear();
   for (auto& p : peers_) {
@@ -103,6 +105,7 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   check_fits(peer, *t, pl);
   auto& p = peers_.at(peer);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
+  p.pulls = t->read_refused(peer).empty();
   p.t = std::move(t);
   p.layout = pl;
   p.written.assign(pl.nslots, 0);
@@ -183,17 +186,19 @@ void Engine::recycle(uint64_t id) {
 
 // ---- posting --------------------------------------------------------------
 
-void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem) {
+void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
-  if (nbytes > p.layout.bound)
+  // Host messages of any size travel (by rendezvous over the bound); device
+  // payloads are still held to the slot they are copied into.
+  if ((mem.device || eager) && nbytes > p.layout.bound)
     throw Error(ErrorKind::TooLarge,
                 "message of " + std::to_string(nbytes) + " bytes exceeds the receive bound of " +
                     std::to_string(p.layout.bound) + " bytes on " + peer_str(peer) +
-                    "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
+                    (mem.device ? " (GPU memory is sent into one slot)" : "") + "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
                 peer);
   if (ndim > uint32_t(kMaxDims))
     throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
@@ -209,7 +214,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
   Peer& p = peers_[peer];
-  if (!p.sendq.empty()) return 0;
+  if (!p.sendq.empty() || rendezvous(peer, nbytes, mem)) return 0;
   Request& r = scratch_;
   r.mem = mem;
   r.hflags = (uint64_t(array) << kArrayShift) & kArrayMask;
@@ -234,23 +239,24 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 }
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array) {
+                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager) {
   std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, nbytes, ndim, mem);
-  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask);
+  check_send(peer, nbytes, ndim, mem, eager);
+  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask,
+                    !eager && rendezvous(peer, nbytes, mem));
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                                   uint32_t ndim) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, 0, ndim, Mem{});
-  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor);
+  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor, false);
 }
 
 // Every queued send goes through here: sending_ counts what is in the sendqs
 // (a blocking recv drives them only while it is nonzero).
 uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                            const int64_t* shape, uint32_t ndim, Mem mem, uint64_t hflags) {
+                            const int64_t* shape, uint32_t ndim, Mem mem, uint64_t hflags, bool rndv) {
   Peer& p = peers_[peer];
   uint64_t id = alloc(ReqKind::Send);
   Request& r = reqs_[uint32_t(id)];
@@ -262,6 +268,7 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   r.ndim = ndim;
   r.mem = mem;
   r.hflags = hflags;
+  r.rndv = rndv;
   std::copy(shape, shape + ndim, r.shape);
   r.state = ReqState::Queued;
   p.sendq.push_back(id);
@@ -344,6 +351,16 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
   return false;
 }
 
+bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {
+  if (mem.device) return false;
+  const Peer& p = peers_[peer];
+  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && p.pulls);
+}
+
+bool Engine::streams_in(int peer, const MsgHeader& h) const {
+  return (h.flags & kRendezvous) && !peers_[peer].pulls;
+}
+
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                          Mem mem, int* claim) {
   Peer& p = peers_[peer];
@@ -351,10 +368,11 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
     if (a->claimed) continue;
     const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
-    if (h->tag != tag) continue;
+    if (h->tag != tag || (h->flags & kChunk)) continue;
     *hdr = *h;
     if (!sane(peer, *hdr, a->seq))
       throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    if (streams_in(peer, *hdr)) return -1;  // its data streams into a request: the irecv path
     if (claim) {
       a->claimed = true;
       *claim = a->slot;
@@ -365,7 +383,10 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     if (!why.empty()) throw Error(kind, why, peer);
     int k = a->slot;
     p.ready.erase(a);
-    consume(peer, k, *hdr, out, mem);
+    if (consume(peer, k, *hdr, out, mem, 0, &why) < 0) {
+      fail_peer(peer, why);
+      throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    }
     return 1;
   }
   return 0;
@@ -399,8 +420,8 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
           p.t->progress();
         }
         progress_recvs(peer);
-        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
-          result = 1;
+        if (int m = match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
+          result = m;
           return true;
         }
         if (slow) {
@@ -458,6 +479,8 @@ bool Engine::spin(F&& done, Clock::time_point deadline) {
 
 // ---- progress -------------------------------------------------------------
 
+// Writes r's next message into a free slot of the peer's ring: r's own (eager,
+// or a rendezvous head), or, while r streams, its next chunk.
 bool Engine::try_write(int peer, Request& r) {
   Peer& p = peers_[peer];
   const Layout& L = p.layout;
@@ -467,14 +490,32 @@ bool Engine::try_write(int peer, Request& r) {
     if (load_acquire(credits + layout_.credit_off(peer, k)) != p.written[k]) continue;
     MsgHeader h{};
     h.seq = p.next_seq;
+    h.auth = p.auth_out;
+    uint64_t ticket;
+    if (r.streaming) {
+      h.flags = kChunk;
+      h.tag = int64_t(r.head_seq);
+      h.nbytes = std::min<uint64_t>(L.bound, r.nbytes - r.sent);
+      ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h),
+                                  static_cast<const char*>(r.data) + r.sent, h.nbytes, h.seq);
+      if (!ticket) return false;
+      r.sent += h.nbytes;
+      r.tickets.push_back(ticket);
+      p.written[k] = h.seq;
+      p.next_seq++;
+      p.next_slot = (k + 1) % L.nslots;
+      return true;
+    }
     h.nbytes = r.nbytes;
     h.tag = r.tag;
     h.dtype = r.dtype;
     h.ndim = r.ndim;
     h.flags = r.hflags;
-    h.auth = p.auth_out;
     std::copy(r.shape, r.shape + r.ndim, h.shape);
-    uint64_t ticket;
+    if (r.rndv) {
+      h.flags |= kRendezvous;
+      h.src = uint64_t(uintptr_t(r.data));
+    }
     if (r.mem.device) {
       h.flags |= kDevicePayload;
       ticket = device_transport(peer).write_message_async(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data,
@@ -487,6 +528,8 @@ bool Engine::try_write(int peer, Request& r) {
     p.next_seq++;
     p.next_slot = (k + 1) % L.nslots;
     r.ticket = ticket;
+    r.head_slot = k;
+    r.head_seq = h.seq;
     r.state = ReqState::InFlight;
     return true;
   }
@@ -499,6 +542,32 @@ void Engine::progress_sends(int peer) {
   for (auto it = p.sendq.begin(); it != p.sendq.end();) {
     Request& r = reqs_[uint32_t(*it)];
     if (r.state == ReqState::Queued && !try_write(peer, r)) break;
+    if (r.state == ReqState::InFlight && r.rndv && !r.streaming) {
+      // The receiver answers a head through its slot's credit: the seq when
+      // it has copied the data (or dropped the message), seq | kStreamCredit
+      // when the data is to stream through the ring.
+      uint64_t c = load_acquire(region_->base() + layout_.credit_off(peer, r.head_slot));
+      if (c == (r.head_seq | kStreamCredit)) {
+        p.written[r.head_slot] = c;  // the head's slot is free again
+        r.streaming = true;
+      } else if (c != r.head_seq) {
+        ++it;
+        continue;
+      }
+    }
+    if (r.streaming) {
+      while (r.sent < r.nbytes && try_write(peer, r)) {
+      }
+      auto& t = *p.t;
+      r.tickets.erase(std::remove_if(r.tickets.begin(), r.tickets.end(),
+                                     [&](uint64_t tk) { return t.complete(peer, tk); }),
+                      r.tickets.end());
+      if (r.sent < r.nbytes) break;  // the ring is full: what follows waits behind it
+      if (!r.tickets.empty()) {
+        ++it;
+        continue;
+      }
+    }
     if (r.state == ReqState::InFlight && (r.mem.device ? *p.tdev : *p.t).complete(peer, r.ticket)) {
       r.state = ReqState::Done;
       if (r.detached) recycle(*it);
@@ -518,15 +587,37 @@ Transport& Engine::device_transport(int peer) {
   return *p.tdev;
 }
 
-void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem) {
+int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id, std::string* why) {
+  if (h.flags & kRendezvous) {
+    Peer& p = peers_[peer];
+    if (mem.device) {
+      // Not a path this rank takes: a device out is refused by the sender's
+      // bound (rendezvous is host memory only); land it, then say so.
+      if (why) *why = "a rendezvous message cannot land in device memory";
+      return -1;
+    }
+    if (p.pulls) {
+      std::string err = p.t->read_peer(peer, h.src, dst, h.nbytes);
+      if (!err.empty()) {
+        if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
+        return -1;
+      }
+      free_slot(peer, slot, h.seq);  // the sender's send completes
+      return 1;
+    }
+    p.streams[h.seq] = {id, static_cast<char*>(dst), 0, h.nbytes};
+    if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), h.seq | kStreamCredit);
+    return 0;
+  }
   if ((h.flags & kDevicePayload) || mem.device) {
     Peer& p = peers_[peer];
     device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
                                                h.seq, p.layout.credit_off(rank_, slot), mem.stream);
-    return;
+    return 1;
   }
   if (uint64_t n = payload_bytes(h)) std::memcpy(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n);
   free_slot(peer, slot, h.seq);
+  return 1;
 }
 
 void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
@@ -571,13 +662,14 @@ void Engine::progress_recvs(int peer) {
       }
     }
   }
+  if (!p.streams.empty() && !route_chunks(peer)) return;
   for (auto it = p.posted.begin(); it != p.posted.end();) {
     Request& r = reqs_[uint32_t(*it)];
     auto m = p.ready.end();
     for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
       if (a->claimed) continue;
       const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
-      if (h->tag == r.tag) {
+      if (h->tag == r.tag && !(h->flags & kChunk)) {
         m = a;
         break;
       }
@@ -599,7 +691,18 @@ void Engine::progress_recvs(int peer) {
       }
       int k = m->slot;
       p.ready.erase(m);
-      consume(peer, k, r.hdr, r.out, r.mem);
+      std::string why;
+      int got = consume(peer, k, r.hdr, r.out, r.mem, *it, &why);
+      if (got < 0) {
+        fail_peer(peer, why);  // this recv with it: it is still posted
+        return;
+      }
+      if (got == 0) {
+        r.state = ReqState::Streaming;  // finished (or failed) through p.streams
+        it = p.posted.erase(it);
+        if (!route_chunks(peer)) return;
+        continue;
+      }
       r.state = ReqState::Done;
     } else {
       r.slot = m->slot;
@@ -618,6 +721,61 @@ void Engine::progress_recvs(int peer) {
     }
     it = p.posted.erase(it);
   }
+}
+
+bool Engine::route_chunks(int peer) {
+  Peer& p = peers_[peer];
+  const char* base = region_->base();
+  for (auto a = p.ready.begin(); a != p.ready.end();) {
+    const char* slot = base + layout_.slot_off(peer, a->slot);
+    const auto* hp = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    if (!(hp->flags & kChunk)) {
+      ++a;
+      continue;
+    }
+    MsgHeader h = *hp;
+    if (!sane(peer, h, a->seq)) return false;
+    auto s = p.streams.find(uint64_t(h.tag));
+    if (s == p.streams.end() || h.nbytes > s->second.total - s->second.got) {
+      fail_peer(peer, peer_str(peer) + " wrote a chunk of " + std::to_string(h.nbytes) +
+                          " bytes for a rendezvous message this rank did not ask it to stream (seq " +
+                          std::to_string(h.tag) + "); it is treated as failed");
+      return false;
+    }
+    Peer::Stream& st = s->second;
+    if (st.dst) std::memcpy(st.dst + st.got, slot + kPayloadOff, h.nbytes);
+    st.got += h.nbytes;
+    int k = a->slot;
+    a = p.ready.erase(a);
+    free_slot(peer, k, h.seq);
+    if (st.got == st.total) {
+      if (st.id) {
+        Request& r = reqs_[uint32_t(st.id)];
+        r.state = ReqState::Done;
+        if (r.detached) recycle(st.id);
+      }
+      p.streams.erase(s);
+    }
+  }
+  return true;
+}
+
+void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
+  Peer& p = peers_[peer];
+  for (auto& kv : p.streams) {
+    uint64_t id = kv.second.id;
+    if (!id) continue;
+    Request& r = reqs_[uint32_t(id)];
+    if (r.detached) {
+      recycle(id);
+      continue;
+    }
+    r.state = ReqState::Failed;
+    r.err = kind;
+    r.error = why + " (" + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
+              " bytes had arrived)";
+  }
+  p.streams.clear();
 }
 
 void Engine::discard_forged(int peer, int k, uint64_t ready) {
@@ -646,7 +804,7 @@ void Engine::progress_locked() {
     Peer& p = peers_[peer];
     if (!p.t) continue;
     if (!p.sendq.empty()) progress_sends(peer);
-    if (!p.posted.empty()) progress_recvs(peer);
+    if (!p.posted.empty() || !p.streams.empty()) progress_recvs(peer);
   }
 }
 
@@ -677,6 +835,7 @@ void Engine::fail_peer(int peer, const std::string& why) {
   sending_ -= p.sendq.size();
   fail_queue(p.sendq, ErrorKind::PeerFailure, "send to " + peer_str(peer) + " failed: " + p.dead);
   fail_queue(p.posted, ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead);
+  fail_streams(peer, ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed mid-message: " + p.dead);
 }
 
 // Every request in `q` fails with `why`; detached ones (nobody will read the
@@ -710,9 +869,18 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   char secs[32];
   snprintf(secs, sizeof secs, "%.3g", seconds);
   std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
-  if (r.kind == ReqKind::Send)
+  if (r.kind == ReqKind::Send && r.rndv && r.state == ReqState::InFlight && !r.streaming)
+    msg += "; the receiver has not received it (a message of " + std::to_string(r.nbytes) +
+           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?)";
+  else if (r.kind == ReqKind::Send)
     msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
-  else
+  else if (r.state == ReqState::Streaming) {
+    auto& st = peers_[r.peer].streams;
+    for (auto& kv : st)
+      if (kv.second.id == id)
+        msg += " mid-message: " + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
+               " bytes had arrived; the rest of that message is dropped (the channel stays usable)";
+  } else
     msg += "; nothing arrived (is the peer sending with this tag?)";
   return msg;
 }
@@ -722,7 +890,8 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
 bool Engine::test(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
-  if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted) {
+  if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted ||
+      r.state == ReqState::Streaming) {
     progress_locked();
     check_peer(r.peer, false);
   }
@@ -737,10 +906,11 @@ bool Engine::wait(uint64_t id, Clock::time_point deadline) {
         Request& r = get(id);
         if (closed_ && r.state != ReqState::Done && r.state != ReqState::Matched && r.state != ReqState::Failed)
           throw Error(ErrorKind::Closed, "communicator is closed");
-        if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted)
+        if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted ||
+            r.state == ReqState::Streaming)
           progress_locked();
         if (r.state == ReqState::Done || r.state == ReqState::Matched) {
-          if (r.kind == ReqKind::Send) recycle(id);
+          if (r.kind == ReqKind::Send || r.copied) recycle(id);
           return true;
         }
         throw_if_failed(r, id);
@@ -778,7 +948,11 @@ void Engine::consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst
       p.ready.erase(a);
       break;
     }
-  consume(peer, slot, hdr, dst, Mem{});
+  std::string why;
+  if (consume(peer, slot, hdr, dst, Mem{}, 0, &why) < 0) {  // never 0: match_direct leaves streams to irecv
+    fail_peer(peer, why);
+    throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+  }
 }
 
 void Engine::unclaim(int peer, uint64_t seq) {
@@ -787,7 +961,7 @@ void Engine::unclaim(int peer, uint64_t seq) {
     if (a.seq == seq) a.claimed = false;
 }
 
-void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
+bool Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to copy");
@@ -799,8 +973,22 @@ void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
       p.ready.erase(a);
       break;
     }
-  consume(r.peer, r.slot, r.hdr, dst, mem);
+  std::string why;
+  int got = consume(r.peer, r.slot, r.hdr, dst, mem, id, &why);
+  if (got < 0) {
+    int peer = r.peer;
+    recycle(id);
+    fail_peer(peer, why);
+    throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + peers_[peer].dead, peer);
+  }
+  if (got == 0) {
+    r.state = ReqState::Streaming;
+    r.out = dst;
+    r.copied = true;
+    return false;
+  }
   recycle(id);
+  return true;
 }
 
 const void* Engine::payload(uint64_t id) {
@@ -810,6 +998,7 @@ const void* Engine::payload(uint64_t id) {
   if (r.hdr.flags & kDevicePayload)
     throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
   if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
+  if (r.hdr.flags & kRendezvous) return nullptr;  // its data is not in the slot: the caller copies it out
   return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
 }
 
@@ -854,6 +1043,11 @@ bool Engine::cancel(uint64_t id, bool report) {
     // Matched but unread: put the message back for the next receive.
     for (auto& a : p.ready)
       if (a.seq == r.hdr.seq) a.claimed = false;
+  } else if (r.state == ReqState::Streaming) {
+    // Part of its data is in the caller's buffer: the rest is dropped as it
+    // arrives (never written there), and the pair goes on.
+    for (auto& kv : p.streams)
+      if (kv.second.id == id) kv.second = {0, nullptr, kv.second.got, kv.second.total};
   } else if (r.state != ReqState::InFlight) {
     // Done or failed already: nothing to give up, but nobody will read it.
     recycle(id);

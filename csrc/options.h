@@ -9,7 +9,8 @@
 namespace varcomm {
 
 struct Options {
-  uint64_t bound = 8ull << 20;   // max payload bytes per message (per slot)
+  uint64_t bound = 8ull << 20;   // payload bytes per slot: larger messages go by rendezvous
+  uint64_t eager_max = 256ull << 10;  // larger messages go by rendezvous where the pair copies once (shm CMA)
   int slots = 8;                 // ring depth per sending peer
   int spin_us = 50;              // busy-poll before yielding; 0 when ranks outnumber cores
   std::string transport = "auto";  // auto | shm | rdma | fallback

@@ -121,7 +121,7 @@ struct Buf {
 Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
-      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "job_key"};
+      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "eager_max", "job_key"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -162,6 +162,7 @@ Options options_from_dict(const py::dict& d) {
   get("cuda_device", &o.cuda_device);
   get("nvlink_flags", &o.nvlink_flags);
   get("nvlink_kernel_max", &o.nvlink_kernel_max);
+  get("eager_max", &o.eager_max);
   get("job_key", &o.job_key);
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
@@ -928,8 +929,9 @@ PYBIND11_MODULE(_C, m) {
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
       .def("info", [](Comm& c, uint64_t id) { return status_of(c.engine->info(id)); })
       .def("copy_out",
+           // False: a rendezvous message whose data streams in; wait(id) for it.
            [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {
-             c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));
+             return c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));
            },
            py::arg("id"), py::arg("dst"), py::arg("stream") = -1)
       .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })

@@ -409,8 +409,9 @@ class Communicator:
                     if not copy:
                         raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the "
                                               "GPU: receive with copy=True, or as numpy")
-                if not copy:
-                    return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))
+                # A rendezvous message has no slot to lend (payload 0): it is copied out once instead.
+                if not copy and (view := c.payload(rid)):
+                    return arrays.loan(kind, view, st.nbytes, word, shape, lambda: _release(c, rid))
                 dev = None
                 if kind in ("torch", "cupy") and self._cuda_device is not None and st.device:
                     # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
@@ -424,7 +425,8 @@ class Communicator:
                 # (one with out=, or another array kind).
                 c.cancel(rid)
                 raise
-            c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream)
+            if not c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream):
+                c.wait(rid, self._timeout)  # a rendezvous streaming in through the slots
             return arrays.to_cupy(arr) if kind == "cupy" else arr
 
         return P2PWork(self, rid, finish, src, "recv")
