@@ -192,6 +192,12 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool 
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
+  if (opt_.max_message && nbytes > opt_.max_message)
+    throw Error(ErrorKind::TooLarge,
+                "message of " + std::to_string(nbytes) + " bytes is over this rank's max_message of " +
+                    std::to_string(opt_.max_message) +
+                    " bytes (varcomm.init(max_message=...) / VARCOMM_MAX_MESSAGE); nothing was sent",
+                peer);
   // Host messages of any size travel (by rendezvous over the bound); device
   // payloads are still held to the slot they are copied into.
   if ((mem.device || eager) && nbytes > p.layout.bound)
@@ -349,6 +355,12 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
                       ", ndim " + std::to_string(h.ndim) +
                       "); it is treated as failed (a different varcomm version on that rank, or memory corruption)");
   return false;
+}
+
+uint64_t Engine::send_limit(int peer, bool device) const {
+  uint64_t b = peers_.at(peer).layout.bound;
+  uint64_t cap = opt_.max_message ? opt_.max_message : UINT64_MAX;
+  return device ? std::min(b, cap) : cap;
 }
 
 bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {

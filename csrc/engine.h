@@ -172,6 +172,9 @@ class Engine {
   uint64_t forged_headers();
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
+  // The largest message a send to `peer` may carry: a device payload goes
+  // into one slot (its bound); host memory is held only to Options::max_message.
+  uint64_t send_limit(int peer, bool device) const;
   // Collective number n of this communicator (every rank calls collectives
   // in the same order, so n names the same collective everywhere).
   uint64_t next_collective() { return coll_seq_.fetch_add(1); }

@@ -35,7 +35,7 @@ def test_over_bound_messages_arrive_every_way(transport):
     """Messages of up to 40x the bound: recv with out=, without (a new array,
     torch and numpy), copy=False, irecv, isend, interleaved with small ones."""
     with _init(transport, bound=BOUND, slots=4) as comm:
-        r, peer = comm.rank, 1 - comm.rank
+        r = comm.rank
         sizes = [BOUND + 1, 3 * BOUND, 40 * BOUND + 5]
         if r == 0:
             for i, n in enumerate(sizes):

@@ -121,7 +121,7 @@ struct Buf {
 Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
-      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "eager_max", "job_key"};
+      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "eager_max", "max_message", "job_key"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -163,6 +163,7 @@ Options options_from_dict(const py::dict& d) {
   get("nvlink_flags", &o.nvlink_flags);
   get("nvlink_kernel_max", &o.nvlink_kernel_max);
   get("eager_max", &o.eager_max);
+  get("max_message", &o.max_message);
   get("job_key", &o.job_key);
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
@@ -939,6 +940,8 @@ PYBIND11_MODULE(_C, m) {
       // keep: what the request's buffer belongs to, held if a send is in flight.
       .def("cancel", [](Comm& c, uint64_t id, py::handle keep) { c.give_up(id, keep.is_none() ? py::handle() : keep); },
            py::arg("id"), py::arg("keep") = py::none())
+      // The largest message a send to `peer` may carry (host memory: max_message, else no limit; device: its bound).
+      .def("send_limit", [](Comm& c, int peer, bool device) { return c.engine->send_limit(peer, device); })
       .def("peer_bound", [](Comm& c, int peer) {
              c.check_peer(peer);
              return c.engine->peer_bound(peer);

@@ -458,10 +458,12 @@ class Communicator:
             tensor = arrays.native(op.tensor, f"ops[{i}].tensor")
             d = self._describe_send(tensor, op.peer)
             sends[i] = (tensor, d, arrays.kind_of(op.tensor))
-            if d[1] > self._c.peer_bound(int(op.peer)):
-                raise MessageTooLarge(f"ops[{i}]: message of {d[1]} bytes exceeds the receive bound of "
-                                      f"{self._c.peer_bound(int(op.peer))} bytes on rank {op.peer}; raise it with "
-                                      "varcomm.init(bound=...) or VARCOMM_BOUND on the receiver (nothing was posted)")
+            if d[1] > (limit := self._c.send_limit(int(op.peer), d[5] >= 0)):
+                why = (f"the receive bound of {limit} bytes on rank {op.peer} (a GPU payload goes into one slot; "
+                       "raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver)" if d[5] >= 0 and
+                       limit == self._c.peer_bound(int(op.peer)) else
+                       f"this rank's max_message of {limit} bytes (VARCOMM_MAX_MESSAGE)")
+                raise MessageTooLarge(f"ops[{i}]: message of {d[1]} bytes exceeds {why} (nothing was posted)")
         works: list[Work | None] = [None] * len(ops)
         try:
             for i, op in enumerate(ops):
