@@ -308,7 +308,8 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   return id;
 }
 
-std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind) {
+std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind,
+                           bool device) {
   std::string head = "recv from " + peer_str(peer) + " tag " + std::to_string(h.tag) + ": ";
   const char* kept = "; the message was kept for the next recv";
   if (out_dtype && out_dtype != h.dtype) {
@@ -323,6 +324,15 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
                                                : "";
     return head + "message of " + std::to_string(h.nbytes) + " bytes" + what + " does not fit out (" +
            std::to_string(out_cap) + " bytes)" + kept;
+  }
+  // A rendezvous message reaches GPU memory through its head's host slot
+  // (copied there once, then by the device transport): within the bound, and
+  // where this rank copies from the sender itself.
+  if (device && (h.flags & kRendezvous) && (h.nbytes > layout_.bound || !peers_[peer].pulls)) {
+    *kind = ErrorKind::Invalid;
+    return head + "a message of " + std::to_string(h.nbytes) + " bytes from host memory over this rank's bound (" +
+           std::to_string(layout_.bound) + " bytes) cannot land in GPU memory: receive it into host memory, or "
+           "raise the bound" + kept;
   }
   if (h.flags & kDescriptor) {
     *kind = ErrorKind::Mismatch;
@@ -391,7 +401,7 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
       return 1;
     }
     ErrorKind kind;
-    std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind);
+    std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind, mem.device);
     if (!why.empty()) throw Error(kind, why, peer);
     int k = a->slot;
     p.ready.erase(a);
@@ -603,10 +613,20 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
   if (h.flags & kRendezvous) {
     Peer& p = peers_[peer];
     if (mem.device) {
-      // Not a path this rank takes: a device out is refused by the sender's
-      // bound (rendezvous is host memory only); land it, then say so.
-      if (why) *why = "a rendezvous message cannot land in device memory";
-      return -1;
+      // misfit() let it through: within our bound, and we pull. Into the
+      // head's own slot, then the device transport takes it from there as
+      // any host payload (and its credit, the seq, completes the send).
+      char* slot_payload = region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
+      std::string err = h.nbytes <= layout_.bound && p.pulls
+                            ? p.t->read_peer(peer, h.src, slot_payload, h.nbytes)
+                            : "over this rank's bound, it cannot land in GPU memory";
+      if (!err.empty()) {
+        if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
+        return -1;
+      }
+      device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
+                                                 h.seq, p.layout.credit_off(rank_, slot), mem.stream);
+      return 1;
     }
     if (p.pulls) {
       std::string err = p.t->read_peer(peer, h.src, dst, h.nbytes);
@@ -694,7 +714,7 @@ void Engine::progress_recvs(int peer) {
     if (!sane(peer, r.hdr, m->seq)) return;  // the peer is failed, and with it every posted recv
     if (r.out) {
       // Refuse without consuming: the message stays for the next receive.
-      r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err);
+      r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err, r.mem.device);
       if (!r.error.empty()) {
         r.state = ReqState::Failed;
         if (r.detached) recycle(*it);  // nobody will read the error

@@ -201,7 +201,9 @@ class Engine {
   int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                    Mem mem, int* claim);
   // Empty when a message fits a recv's out; else why not (and *kind).
-  std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
+  // (device: out is device memory.)
+  std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind,
+                     bool device = false);
   // False, with the peer failed, when a header it wrote cannot be trusted.
   bool sane(int peer, const MsgHeader& h, uint64_t seq);
   // An arrival in slot k whose header has the wrong pair tag: not delivered.

@@ -234,16 +234,29 @@ def test_dead_receiver_fails_a_rendezvous_send_within_seconds():
 
 @world(2, timeout=60)
 def test_shm_copies_once_over_eager_max_and_says_so():
+    """Under the bound but over eager_max, a shm pair with CMA sends by
+    rendezvous: the send completes only once the receiver has copied the data
+    out of the sender's memory (an eager send completes when written)."""
     with varcomm.init(transport="shm", bound=1 << 20, eager_max=64 << 10, timeout=30) as comm:
         peer = 1 - comm.rank
         d = comm.describe_transport(peer)
         assert "CMA" in d, d
-        props = comm.route_info(peer)
-        assert props.get("cma") in ("on", "off"), props
+        cma = comm.route_info(peer)["cma"]
+        assert cma in ("on", "off"), cma
+        if cma == "off":
+            assert comm.route_info(peer)["cma_refused"] in d
         n = 512 << 10
         if comm.rank == 0:
-            comm.send(_data(n, 1), 1)
+            w = comm.isend(_data(n, 1), 1)
+            small = comm.isend(torch.tensor([1]), 1, tag=5)  # not held up behind the large one
+            time.sleep(0.3)
+            assert w.is_completed() == (cma == "off")  # rendezvous: waits for rank 1's recv
+            small.wait()
+            comm.send(torch.tensor([2]), 1, tag=6)
+            w.wait()
             assert torch.equal(comm.recv(1), _data(n, 2))
         else:
+            assert comm.recv(0, tag=5).item() == 1
+            assert comm.recv(0, tag=6).item() == 2
             assert torch.equal(comm.recv(0), _data(n, 1))
             comm.send(_data(n, 2), 0)
