@@ -108,7 +108,7 @@ void AllToAll::start() {
         try {
           Mem m;
           const void* src = source(d, &m);
-          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m));
+          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true));
           continue;
         } catch (const Error& x) {
           if (x.kind != ErrorKind::TooLarge) throw;
@@ -294,7 +294,7 @@ void AllToAll::post_payloads() {
     try {
       Mem m;
       const void* src = source(d, &m);
-      sends_.push_back(e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m));
+      sends_.push_back(e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true));
     } catch (const Error& x) {
       if (x.kind != ErrorKind::TooLarge) throw;
       too_large_.push_back({d, x.what()});  // d saw the count: it expects nothing

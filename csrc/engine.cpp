@@ -88,6 +88,8 @@ void Engine::close() {
                "one in flight may or may not have arrived)");
     fail_queue(p.posted, ErrorKind::Closed, "communicator closed before a message arrived for this recv");
   }
+  for (int q = 0; q < world_; ++q)
+    fail_streams(q, ErrorKind::Closed, "communicator closed while this message was streaming in");
   sending_ = 0;
   transports_.clear();
   for (auto& p : peers_) {
@@ -104,6 +106,7 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   check_fits(peer, *t, pl);
   auto& p = peers_.at(peer);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
+  p.pulls = t->read_refused(peer).empty();
   p.t = std::move(t);
   p.layout = pl;
   p.written.assign(pl.nslots, 0);
@@ -184,17 +187,25 @@ void Engine::recycle(uint64_t id) {
 
 // ---- posting --------------------------------------------------------------
 
-void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem) {
+void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
-  if (nbytes > p.layout.bound)
+  if (opt_.max_message && nbytes > opt_.max_message)
+    throw Error(ErrorKind::TooLarge,
+                "message of " + std::to_string(nbytes) + " bytes is over this rank's max_message of " +
+                    std::to_string(opt_.max_message) +
+                    " bytes (varcomm.init(max_message=...) / VARCOMM_MAX_MESSAGE); nothing was sent",
+                peer);
+  // Host messages of any size travel (by rendezvous over the bound); device
+  // payloads are still held to the slot they are copied into.
+  if ((mem.device || eager) && nbytes > p.layout.bound)
     throw Error(ErrorKind::TooLarge,
                 "message of " + std::to_string(nbytes) + " bytes exceeds the receive bound of " +
                     std::to_string(p.layout.bound) + " bytes on " + peer_str(peer) +
-                    "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
+                    (mem.device ? " (GPU memory is sent into one slot)" : "") + "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
                 peer);
   if (ndim > uint32_t(kMaxDims))
     throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
@@ -210,7 +221,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
   Peer& p = peers_[peer];
-  if (!p.sendq.empty()) return 0;
+  if (!p.sendq.empty() || rendezvous(peer, nbytes, mem)) return 0;
   Request& r = scratch_;
   r.mem = mem;
   r.hflags = (uint64_t(array) << kArrayShift) & kArrayMask;
@@ -235,23 +246,24 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 }
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array) {
+                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager) {
   std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, nbytes, ndim, mem);
-  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask);
+  check_send(peer, nbytes, ndim, mem, eager);
+  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask,
+                    !eager && rendezvous(peer, nbytes, mem));
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                                   uint32_t ndim) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, 0, ndim, Mem{});
-  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor);
+  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor, false);
 }
 
 // Every queued send goes through here: sending_ counts what is in the sendqs
 // (a blocking recv drives them only while it is nonzero).
 uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                            const int64_t* shape, uint32_t ndim, Mem mem, uint64_t hflags) {
+                            const int64_t* shape, uint32_t ndim, Mem mem, uint64_t hflags, bool rndv) {
   Peer& p = peers_[peer];
   uint64_t id = alloc(ReqKind::Send);
   Request& r = reqs_[uint32_t(id)];
@@ -263,6 +275,7 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   r.ndim = ndim;
   r.mem = mem;
   r.hflags = hflags;
+  r.rndv = rndv;
   std::copy(shape, shape + ndim, r.shape);
   r.state = ReqState::Queued;
   p.sendq.push_back(id);
@@ -297,7 +310,8 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   return id;
 }
 
-std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind) {
+std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind,
+                           bool device) {
   std::string head = "recv from " + peer_str(peer) + " tag " + std::to_string(h.tag) + ": ";
   const char* kept = "; the message was kept for the next recv";
   if (out_dtype && out_dtype != h.dtype) {
@@ -312,6 +326,15 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
                                                : "";
     return head + "message of " + std::to_string(h.nbytes) + " bytes" + what + " does not fit out (" +
            std::to_string(out_cap) + " bytes)" + kept;
+  }
+  // A rendezvous message reaches GPU memory through its head's host slot
+  // (copied there once, then by the device transport): within the bound, and
+  // where this rank copies from the sender itself.
+  if (device && (h.flags & kRendezvous) && (h.nbytes > layout_.bound || !peers_[peer].pulls)) {
+    *kind = ErrorKind::Invalid;
+    return head + "a message of " + std::to_string(h.nbytes) + " bytes from host memory over this rank's bound (" +
+           std::to_string(layout_.bound) + " bytes) cannot land in GPU memory: receive it into host memory, or "
+           "raise the bound" + kept;
   }
   if (h.flags & kDescriptor) {
     *kind = ErrorKind::Mismatch;
@@ -346,6 +369,22 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
   return false;
 }
 
+uint64_t Engine::send_limit(int peer, bool device) const {
+  uint64_t b = peers_.at(peer).layout.bound;
+  uint64_t cap = opt_.max_message ? opt_.max_message : UINT64_MAX;
+  return device ? std::min(b, cap) : cap;
+}
+
+bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {
+  if (mem.device) return false;
+  const Peer& p = peers_[peer];
+  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && p.pulls);
+}
+
+bool Engine::streams_in(int peer, const MsgHeader& h) const {
+  return (h.flags & kRendezvous) && !peers_[peer].pulls;
+}
+
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                          Mem mem, int* claim) {
   Peer& p = peers_[peer];
@@ -353,21 +392,25 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
     if (a->claimed) continue;
     const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
-    if (h->tag != tag) continue;
+    if (h->tag != tag || (h->flags & kChunk)) continue;
     *hdr = *h;
     if (!sane(peer, *hdr, a->seq))
       throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    if (streams_in(peer, *hdr)) return -1;  // its data streams into a request: the irecv path
     if (claim) {
       a->claimed = true;
       *claim = a->slot;
       return 1;
     }
     ErrorKind kind;
-    std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind);
+    std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind, mem.device);
     if (!why.empty()) throw Error(kind, why, peer);
     int k = a->slot;
     p.ready.erase(a);
-    consume(peer, k, *hdr, out, mem);
+    if (consume(peer, k, *hdr, out, mem, 0, &why) < 0) {
+      fail_peer(peer, why);
+      throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+    }
     return 1;
   }
   return 0;
@@ -401,8 +444,8 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
           p.t->progress();
         }
         progress_recvs(peer);
-        if (match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
-          result = 1;
+        if (int m = match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
+          result = m;
           return true;
         }
         if (slow) {
@@ -460,6 +503,8 @@ bool Engine::spin(F&& done, Clock::time_point deadline) {
 
 // ---- progress -------------------------------------------------------------
 
+// Writes r's next message into a free slot of the peer's ring: r's own (eager,
+// or a rendezvous head), or, while r streams, its next chunk.
 bool Engine::try_write(int peer, Request& r) {
   Peer& p = peers_[peer];
   const Layout& L = p.layout;
@@ -469,14 +514,32 @@ bool Engine::try_write(int peer, Request& r) {
     if (load_acquire(credits + layout_.credit_off(peer, k)) != p.written[k]) continue;
     MsgHeader h{};
     h.seq = p.next_seq;
+    h.auth = p.auth_out;
+    uint64_t ticket;
+    if (r.streaming) {
+      h.flags = kChunk;
+      h.tag = int64_t(r.head_seq);
+      h.nbytes = std::min<uint64_t>(L.bound, r.nbytes - r.sent);
+      ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h),
+                                  static_cast<const char*>(r.data) + r.sent, h.nbytes, h.seq);
+      if (!ticket) return false;
+      r.sent += h.nbytes;
+      r.tickets.push_back(ticket);
+      p.written[k] = h.seq;
+      p.next_seq++;
+      p.next_slot = (k + 1) % L.nslots;
+      return true;
+    }
     h.nbytes = r.nbytes;
     h.tag = r.tag;
     h.dtype = r.dtype;
     h.ndim = r.ndim;
     h.flags = r.hflags;
-    h.auth = p.auth_out;
     std::copy(r.shape, r.shape + r.ndim, h.shape);
-    uint64_t ticket;
+    if (r.rndv) {
+      h.flags |= kRendezvous;
+      h.src = uint64_t(uintptr_t(r.data));
+    }
     if (r.mem.device) {
       h.flags |= kDevicePayload;
       ticket = device_transport(peer).write_message_async(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data,
@@ -489,6 +552,8 @@ bool Engine::try_write(int peer, Request& r) {
     p.next_seq++;
     p.next_slot = (k + 1) % L.nslots;
     r.ticket = ticket;
+    r.head_slot = k;
+    r.head_seq = h.seq;
     r.state = ReqState::InFlight;
     return true;
   }
@@ -519,6 +584,32 @@ void Engine::progress_sends(int peer) {
       }
       if (!wrote) break;
     }
+    if (r.state == ReqState::InFlight && r.rndv && !r.streaming) {
+      // The receiver answers a head through its slot's credit: the seq when
+      // it has copied the data (or dropped the message), seq | kStreamCredit
+      // when the data is to stream through the ring.
+      uint64_t c = load_acquire(region_->base() + layout_.credit_off(peer, r.head_slot));
+      if (c == (r.head_seq | kStreamCredit)) {
+        p.written[r.head_slot] = c;  // the head's slot is free again
+        r.streaming = true;
+      } else if (c != r.head_seq) {
+        ++it;
+        continue;
+      }
+    }
+    if (r.streaming) {
+      while (r.sent < r.nbytes && try_write(peer, r)) {
+      }
+      auto& t = *p.t;
+      r.tickets.erase(std::remove_if(r.tickets.begin(), r.tickets.end(),
+                                     [&](uint64_t tk) { return t.complete(peer, tk); }),
+                      r.tickets.end());
+      if (r.sent < r.nbytes) break;  // the ring is full: what follows waits behind it
+      if (!r.tickets.empty()) {
+        ++it;
+        continue;
+      }
+    }
     if (r.state == ReqState::InFlight && (r.mem.device ? *p.tdev : *p.t).complete(peer, r.ticket)) {
       r.state = ReqState::Done;
       if (r.detached) recycle(*it);
@@ -544,7 +635,38 @@ void Engine::copy_local(void* dst, const void* src, uint64_t n, Mem mem) {
   device_transport(rank_).copy_async(dst, src, n, mem.stream, false);
 }
 
-void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem) {
+int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id, std::string* why) {
+  if (h.flags & kRendezvous) {
+    Peer& p = peers_[peer];
+    if (mem.device) {
+      // misfit() let it through: within our bound, and we pull. Into the
+      // head's own slot, then the device transport takes it from there as
+      // any host payload (and its credit, the seq, completes the send).
+      char* slot_payload = region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
+      std::string err = h.nbytes <= layout_.bound && p.pulls
+                            ? p.t->read_peer(peer, h.src, slot_payload, h.nbytes)
+                            : "over this rank's bound, it cannot land in GPU memory";
+      if (!err.empty()) {
+        if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
+        return -1;
+      }
+      device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
+                                                 h.seq, p.layout.credit_off(rank_, slot), mem.stream);
+      return 1;
+    }
+    if (p.pulls) {
+      std::string err = p.t->read_peer(peer, h.src, dst, h.nbytes);
+      if (!err.empty()) {
+        if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
+        return -1;
+      }
+      free_slot(peer, slot, h.seq);  // the sender's send completes
+      return 1;
+    }
+    p.streams[h.seq] = {id, static_cast<char*>(dst), 0, h.nbytes};
+    if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), h.seq | kStreamCredit);
+    return 0;
+  }
   Peer& p = peers_[peer];
   if (mem.device && !(h.flags & kDevicePayload) && !p.tdev && peers_[rank_].tdev) {
     // A host message from a peer with no device route (staged by its sender),
@@ -555,15 +677,16 @@ void Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem)
       peers_[rank_].tdev->copy_async(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n,
                                      mem.stream, true);
     free_slot(peer, slot, h.seq);
-    return;
+    return 1;
   }
   if ((h.flags & kDevicePayload) || mem.device) {
     device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
                                                h.seq, p.layout.credit_off(rank_, slot), mem.stream);
-    return;
+    return 1;
   }
   if (uint64_t n = payload_bytes(h)) std::memcpy(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n);
   free_slot(peer, slot, h.seq);
+  return 1;
 }
 
 void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
@@ -608,13 +731,14 @@ void Engine::progress_recvs(int peer) {
       }
     }
   }
+  if (!p.streams.empty() && !route_chunks(peer)) return;
   for (auto it = p.posted.begin(); it != p.posted.end();) {
     Request& r = reqs_[uint32_t(*it)];
     auto m = p.ready.end();
     for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
       if (a->claimed) continue;
       const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
-      if (h->tag == r.tag) {
+      if (h->tag == r.tag && !(h->flags & kChunk)) {
         m = a;
         break;
       }
@@ -627,7 +751,7 @@ void Engine::progress_recvs(int peer) {
     if (!sane(peer, r.hdr, m->seq)) return;  // the peer is failed, and with it every posted recv
     if (r.out) {
       // Refuse without consuming: the message stays for the next receive.
-      r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err);
+      r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err, r.mem.device);
       if (!r.error.empty()) {
         r.state = ReqState::Failed;
         if (r.detached) recycle(*it);  // nobody will read the error
@@ -636,7 +760,18 @@ void Engine::progress_recvs(int peer) {
       }
       int k = m->slot;
       p.ready.erase(m);
-      consume(peer, k, r.hdr, r.out, r.mem);
+      std::string why;
+      int got = consume(peer, k, r.hdr, r.out, r.mem, *it, &why);
+      if (got < 0) {
+        fail_peer(peer, why);  // this recv with it: it is still posted
+        return;
+      }
+      if (got == 0) {
+        r.state = ReqState::Streaming;  // finished (or failed) through p.streams
+        it = p.posted.erase(it);
+        if (!route_chunks(peer)) return;
+        continue;
+      }
       r.state = ReqState::Done;
     } else {
       r.slot = m->slot;
@@ -655,6 +790,61 @@ void Engine::progress_recvs(int peer) {
     }
     it = p.posted.erase(it);
   }
+}
+
+bool Engine::route_chunks(int peer) {
+  Peer& p = peers_[peer];
+  const char* base = region_->base();
+  for (auto a = p.ready.begin(); a != p.ready.end();) {
+    const char* slot = base + layout_.slot_off(peer, a->slot);
+    const auto* hp = reinterpret_cast<const MsgHeader*>(slot + kHeaderOff);
+    if (!(hp->flags & kChunk)) {
+      ++a;
+      continue;
+    }
+    MsgHeader h = *hp;
+    if (!sane(peer, h, a->seq)) return false;
+    auto s = p.streams.find(uint64_t(h.tag));
+    if (s == p.streams.end() || h.nbytes > s->second.total - s->second.got) {
+      fail_peer(peer, peer_str(peer) + " wrote a chunk of " + std::to_string(h.nbytes) +
+                          " bytes for a rendezvous message this rank did not ask it to stream (seq " +
+                          std::to_string(h.tag) + "); it is treated as failed");
+      return false;
+    }
+    Peer::Stream& st = s->second;
+    if (st.dst) std::memcpy(st.dst + st.got, slot + kPayloadOff, h.nbytes);
+    st.got += h.nbytes;
+    int k = a->slot;
+    a = p.ready.erase(a);
+    free_slot(peer, k, h.seq);
+    if (st.got == st.total) {
+      if (st.id) {
+        Request& r = reqs_[uint32_t(st.id)];
+        r.state = ReqState::Done;
+        if (r.detached) recycle(st.id);
+      }
+      p.streams.erase(s);
+    }
+  }
+  return true;
+}
+
+void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
+  Peer& p = peers_[peer];
+  for (auto& kv : p.streams) {
+    uint64_t id = kv.second.id;
+    if (!id) continue;
+    Request& r = reqs_[uint32_t(id)];
+    if (r.detached) {
+      recycle(id);
+      continue;
+    }
+    r.state = ReqState::Failed;
+    r.err = kind;
+    r.error = why + " (" + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
+              " bytes had arrived)";
+  }
+  p.streams.clear();
 }
 
 void Engine::discard_forged(int peer, int k, uint64_t ready) {
@@ -683,7 +873,7 @@ void Engine::progress_locked() {
     Peer& p = peers_[peer];
     if (!p.t) continue;
     if (!p.sendq.empty()) progress_sends(peer);
-    if (!p.posted.empty()) progress_recvs(peer);
+    if (!p.posted.empty() || !p.streams.empty()) progress_recvs(peer);
   }
 }
 
@@ -714,6 +904,7 @@ void Engine::fail_peer(int peer, const std::string& why) {
   sending_ -= p.sendq.size();
   fail_queue(p.sendq, ErrorKind::PeerFailure, "send to " + peer_str(peer) + " failed: " + p.dead);
   fail_queue(p.posted, ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead);
+  fail_streams(peer, ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed mid-message: " + p.dead);
 }
 
 // Every request in `q` fails with `why`; detached ones (nobody will read the
@@ -747,9 +938,18 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   char secs[32];
   snprintf(secs, sizeof secs, "%.3g", seconds);
   std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
-  if (r.kind == ReqKind::Send)
+  if (r.kind == ReqKind::Send && r.rndv && r.state == ReqState::InFlight && !r.streaming)
+    msg += "; the receiver has not received it (a message of " + std::to_string(r.nbytes) +
+           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?)";
+  else if (r.kind == ReqKind::Send)
     msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
-  else
+  else if (r.state == ReqState::Streaming) {
+    auto& st = peers_[r.peer].streams;
+    for (auto& kv : st)
+      if (kv.second.id == id)
+        msg += " mid-message: " + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
+               " bytes had arrived; the rest of that message is dropped (the channel stays usable)";
+  } else
     msg += "; nothing arrived (is the peer sending with this tag?)";
   return msg;
 }
@@ -759,7 +959,8 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
 bool Engine::test(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
-  if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted) {
+  if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted ||
+      r.state == ReqState::Streaming) {
     progress_locked();
     check_peer(r.peer, false);
   }
@@ -774,10 +975,11 @@ bool Engine::wait(uint64_t id, Clock::time_point deadline) {
         Request& r = get(id);
         if (closed_ && r.state != ReqState::Done && r.state != ReqState::Matched && r.state != ReqState::Failed)
           throw Error(ErrorKind::Closed, "communicator is closed");
-        if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted)
+        if (r.state == ReqState::Queued || r.state == ReqState::InFlight || r.state == ReqState::Posted ||
+            r.state == ReqState::Streaming)
           progress_locked();
         if (r.state == ReqState::Done || r.state == ReqState::Matched) {
-          if (r.kind == ReqKind::Send) recycle(id);
+          if (r.kind == ReqKind::Send || r.copied) recycle(id);
           return true;
         }
         throw_if_failed(r, id);
@@ -815,7 +1017,11 @@ void Engine::consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst
       p.ready.erase(a);
       break;
     }
-  consume(peer, slot, hdr, dst, Mem{});
+  std::string why;
+  if (consume(peer, slot, hdr, dst, Mem{}, 0, &why) < 0) {  // never 0: match_direct leaves streams to irecv
+    fail_peer(peer, why);
+    throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
+  }
 }
 
 void Engine::unclaim(int peer, uint64_t seq) {
@@ -824,7 +1030,7 @@ void Engine::unclaim(int peer, uint64_t seq) {
     if (a.seq == seq) a.claimed = false;
 }
 
-void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
+bool Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to copy");
@@ -836,8 +1042,22 @@ void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
       p.ready.erase(a);
       break;
     }
-  consume(r.peer, r.slot, r.hdr, dst, mem);
+  std::string why;
+  int got = consume(r.peer, r.slot, r.hdr, dst, mem, id, &why);
+  if (got < 0) {
+    int peer = r.peer;
+    recycle(id);
+    fail_peer(peer, why);
+    throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + peers_[peer].dead, peer);
+  }
+  if (got == 0) {
+    r.state = ReqState::Streaming;
+    r.out = dst;
+    r.copied = true;
+    return false;
+  }
   recycle(id);
+  return true;
 }
 
 const void* Engine::payload(uint64_t id) {
@@ -847,6 +1067,7 @@ const void* Engine::payload(uint64_t id) {
   if (r.hdr.flags & kDevicePayload)
     throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
   if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
+  if (r.hdr.flags & kRendezvous) return nullptr;  // its data is not in the slot: the caller copies it out
   return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
 }
 
@@ -891,6 +1112,11 @@ bool Engine::cancel(uint64_t id, bool report) {
     // Matched but unread: put the message back for the next receive.
     for (auto& a : p.ready)
       if (a.seq == r.hdr.seq) a.claimed = false;
+  } else if (r.state == ReqState::Streaming) {
+    // Part of its data is in the caller's buffer: the rest is dropped as it
+    // arrives (never written there), and the pair goes on.
+    for (auto& kv : p.streams)
+      if (kv.second.id == id) kv.second = {0, nullptr, kv.second.got, kv.second.total};
   } else if (r.state != ReqState::InFlight) {
     // Done or failed already: nothing to give up, but nobody will read it.
     recycle(id);

@@ -38,7 +38,8 @@ struct Mem {
   bool device = false;
   uintptr_t stream = 0;
 };
-enum class ReqState : uint8_t { Free, Queued, InFlight, Posted, Matched, Done, Failed };
+// Streaming: a recv whose rendezvous data arrives in chunks (protocol.h kChunk).
+enum class ReqState : uint8_t { Free, Queued, InFlight, Posted, Matched, Streaming, Done, Failed };
 
 struct Request {
   ReqKind kind = ReqKind::Send;
@@ -55,6 +56,15 @@ struct Request {
   uint64_t ticket = 0;
   uint64_t hflags = 0;  // header flags the sender sets (kDescriptor, the array kind)
   Mem mem;
+  // rendezvous send (protocol.h kRendezvous): the head's slot and seq, once
+  // written; then, when the receiver asks for a stream, bytes written as
+  // chunks and the chunk writes the transport still reads
+  bool rndv = false;
+  bool streaming = false;
+  int head_slot = -1;
+  uint64_t head_seq = 0;
+  uint64_t sent = 0;
+  std::vector<uint64_t> tickets;
   // recv
   void* out = nullptr;  // nullptr: caller allocates after the match
   uint64_t out_cap = 0;
@@ -66,6 +76,7 @@ struct Request {
   std::string error;
   bool detached = false;  // nobody will wait: recycle when terminal
   bool reported = false;  // detached with a buffer kept alive by the caller: report its recycling
+  bool copied = false;    // a recv streaming into copy_out's dst: recycled when waited
 };
 
 class Engine {
@@ -89,8 +100,11 @@ class Engine {
 
   // Requests; ids encode (index, generation) so stale ids are rejected.
   // array: the sender's array kind for the header (protocol.h, kArrayShift).
+  // A host message over the receiver's bound (or over Options::eager_max
+  // where the pair copies once) goes by rendezvous (protocol.h kRendezvous);
+  // `eager`: never (the collectives: their chunks are held to the bound).
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                 const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0);
+                 const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false);
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -124,7 +138,9 @@ class Engine {
   std::string peer_error(int peer);
   // A recv matched without an output buffer: its header, then copy or view.
   MsgInfo info(uint64_t id);
-  void copy_out(uint64_t id, void* dst, Mem mem = {});  // copies payload and frees the slot
+  // Copies the payload and frees the slot: true. False when the message is a
+  // rendezvous whose data streams in (protocol.h kChunk): wait(id) then.
+  bool copy_out(uint64_t id, void* dst, Mem mem = {});
   const void* payload(uint64_t id);       // zero-copy view; free with release()
   void release(uint64_t id);
   // Give up on a request that has not started (send not written, recv not
@@ -165,6 +181,9 @@ class Engine {
   void copy_local(void* dst, const void* src, uint64_t n, Mem mem);
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
+  // The largest message a send to `peer` may carry: a device payload goes
+  // into one slot (its bound); host memory is held only to Options::max_message.
+  uint64_t send_limit(int peer, bool device) const;
   // Collective number n of this communicator (every rank calls collectives
   // in the same order, so n names the same collective everywhere).
   uint64_t next_collective() { return coll_seq_.fetch_add(1); }
@@ -183,21 +202,34 @@ class Engine {
   void fail_queue(std::deque<uint64_t>& q, ErrorKind kind, const std::string& why);
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);
-  void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem);
+  void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager = false);
   void check_fits(int peer, const Transport& t, const Layout& pl) const;
   uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                      uint32_t ndim, Mem mem, uint64_t hflags);
+                      uint32_t ndim, Mem mem, uint64_t hflags, bool rndv);
   // 1: message copied into out; 0: none yet; throws when it does not fit.
   int match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                    Mem mem, int* claim);
   // Empty when a message fits a recv's out; else why not (and *kind).
-  std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind);
+  // (device: out is device memory.)
+  std::string misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind,
+                     bool device = false);
   // False, with the peer failed, when a header it wrote cannot be trusted.
   bool sane(int peer, const MsgHeader& h, uint64_t seq);
   // An arrival in slot k whose header has the wrong pair tag: not delivered.
   void discard_forged(int peer, int k, uint64_t ready);
-  // Copy a message out of our slot into dst and give the slot back.
-  void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
+  // Copy a message out of our slot (or, a rendezvous, out of the sender's
+  // memory) into dst and give the slot back: 1. 0: a rendezvous whose data
+  // now streams into dst for request `id`. -1: the copy failed, *why says why
+  // (the caller fails the peer).
+  int consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id = 0, std::string* why = nullptr);
+  // A rendezvous head this rank cannot copy from the sender itself: its data
+  // must stream in, which needs a request (the request-free paths step aside).
+  bool streams_in(int peer, const MsgHeader& h) const;
+  // Route arrived kChunk messages into their streams.
+  bool route_chunks(int peer);
+  void fail_streams(int peer, ErrorKind kind, const std::string& why);
+  // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
+  bool rendezvous(int peer, uint64_t nbytes, Mem mem) const;
   Transport& device_transport(int peer);
   template <class F>
   bool spin(F&& done, std::chrono::steady_clock::time_point deadline);
@@ -227,6 +259,15 @@ class Engine {
     uint32_t sends_unchecked = 0;
     uint64_t auth_out = 0, auth_in = 0;  // pair tags (set_pair_tags)
     uint64_t forged = 0;                 // discarded arrivals with a wrong tag
+    // rendezvous messages from peer streaming in, by head seq: the request
+    // (0: given up, the rest is dropped), where the bytes go, how far
+    struct Stream {
+      uint64_t id;
+      char* dst;
+      uint64_t got, total;
+    };
+    std::map<uint64_t, Stream> streams;
+    bool pulls = false;  // this rank can copy straight out of peer's memory (Transport::read_refused)
   };
 
   int rank_, world_;

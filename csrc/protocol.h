@@ -37,6 +37,9 @@ struct MsgHeader {
   // write by anyone outside the job is recognised and discarded (engine.cpp,
   // progress_recvs). Checking it is one compare per arrival.
   uint64_t auth;
+  // kRendezvous: where the data waits in the sender's address space (the
+  // receiver copies it from there once, transport.h read_peer).
+  uint64_t src;
 };
 // The payload is in the receiver's device slot.
 constexpr uint64_t kDevicePayload = 1;
@@ -46,13 +49,27 @@ constexpr uint64_t kDevicePayload = 1;
 // own, so nbytes may exceed the bound. One header type for every "size first"
 // framing.
 constexpr uint64_t kDescriptor = 2;
+// A rendezvous head: nbytes, dtype and shape describe data that stays in the
+// sender's memory (at `src`) until the receiver has a buffer for it. The
+// receiver then either copies it from there itself (transport.h read_peer:
+// one copy, shm with CMA) and frees the head's slot with its seq, or frees it
+// with seq | kStreamCredit: "stream it", and the sender writes the data as
+// kChunk messages through the ring. The send completes when the receiver has
+// the data, so nbytes is not held to the bound (protocol below the bound is
+// eager: header and payload in one slot).
+constexpr uint64_t kRendezvous = 4;
+// A piece of a rendezvous message's data, in order: `tag` is the head's seq
+// (which message it belongs to); it is never matched by a receive.
+constexpr uint64_t kChunk = 8;
+// The credit value that asks a rendezvous sender to stream (see kRendezvous).
+constexpr uint64_t kStreamCredit = 1ull << 63;
 // Bits 8-15: the kind of array the sender passed (python/varcomm/arrays.py
 // KINDS: 1 numpy, 2 torch, 3 cupy; 0 unknown), so a receiver may answer in
 // kind (array="auto"). The core carries it and never acts on it.
 constexpr int kArrayShift = 8;
 constexpr uint64_t kArrayMask = 0xFFull << kArrayShift;
 // Payload bytes a message occupies in its slot.
-inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & kDescriptor) ? 0 : h.nbytes; }
+inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & (kDescriptor | kRendezvous)) ? 0 : h.nbytes; }
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");
 
 // The start of every region: what a peer that maps it checks it mapped

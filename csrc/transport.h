@@ -49,6 +49,15 @@ class Transport {
   virtual bool flushed(int /*peer*/) { return true; }
   // One-sided store of an 8-byte value into the peer's region (credits).
   virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
+  // Single-copy reads of a peer's memory (rendezvous, protocol.h kRendezvous):
+  // empty when this rank can copy straight out of `peer`'s address space, else
+  // why not (then rendezvous data streams through the slots).
+  virtual std::string read_refused(int /*peer*/) const { return "this transport has no single-copy read"; }
+  // Copy n bytes at address `src` of `peer`'s address space into dst; empty
+  // when done, else why not (the peer is gone, or the address is not mapped).
+  virtual std::string read_peer(int /*peer*/, uint64_t /*src*/, void* /*dst*/, size_t /*n*/) {
+    return "this transport has no single-copy read";
+  }
   // Drive completions; a transport whose peers write memory directly does nothing.
   virtual void progress() {}
   // Empty when the peer is reachable; otherwise why not (process gone, link down).

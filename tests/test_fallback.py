@@ -53,8 +53,8 @@ AUTH = {"tag": 0}  # rank 1 -> 0's pair tag in the engine receiver() made last
 def frame(kind: int, off: int, n: int, seq: int, *, nbytes: int | None = None, hdr_seq: int | None = None,
           ndim: int = 1, flags: int = 0, tag: int = 7) -> bytes:
     shape = [n] + [0] * 7
-    hdr = struct.pack("<QQqII8qQQ", seq if hdr_seq is None else hdr_seq, n if nbytes is None else nbytes, tag,
-                      U8, ndim, *shape, flags, AUTH["tag"])
+    hdr = struct.pack("<QQqII8qQQQ", seq if hdr_seq is None else hdr_seq, n if nbytes is None else nbytes, tag,
+                      U8, ndim, *shape, flags, AUTH["tag"], 0)  # csrc/protocol.h MsgHeader; src 0
     return struct.pack("<IIQQQ", kind, len(hdr) if kind == WRITE else 0, off, n, seq) + hdr.ljust(128, b"\0")
 
 

@@ -494,3 +494,35 @@ def test_gpu_cupy_in_and_out():
             t = comm.irecv(src=0, array="torch").wait()  # the caller's kind wins
             assert isinstance(t, torch.Tensor) and t.is_cuda and t.tolist() == list(range(7))
         comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_host_rendezvous_into_device_memory(fake_cuda):
+    """A host message sent by rendezvous (shm with CMA, over eager_max) lands in
+    device memory through its head's host slot; one over the bound is refused
+    for a device out (InvalidArgument, message kept) and taken into host memory."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2, eager_max=1024)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    with comm:
+        if r == 0:
+            a = np.frombuffer(_payload(1, 5000), dtype=np.uint8).copy()
+            b = np.frombuffer(_payload(2, 2 * BOUND), dtype=np.uint8).copy()
+            w1, w2 = comm.isend(a, 1), comm.isend(b, 1)
+            w1.wait()
+            w2.wait()
+        else:
+            cma = comm.route_info(0)["cma"] == "on"
+            dev = gpu.alloc(2 * BOUND)
+            if cma:
+                h = c.recv_into(0, 0, dev, 2 * BOUND, U8, 30.0, s)
+                gpu.sync(s)
+                assert h.nbytes == 5000 and gpu.get(dev, 5000) == _payload(1, 5000)
+            else:
+                assert comm.recv(0).tobytes() == _payload(1, 5000)  # eager without CMA: the host path
+            with pytest.raises(varcomm.InvalidArgument, match="cannot land in GPU memory"):
+                c.recv_into(0, 0, dev, 2 * BOUND, U8, 30.0, s)
+            host = np.zeros(2 * BOUND, dtype=np.uint8)
+            got = comm.recv(0, out=host)
+            assert got.nbytes == 2 * BOUND and host.tobytes() == _payload(2, 2 * BOUND)
+        comm.barrier()

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "varcomm"
 CORE_KEYS = {"bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
              "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags",
-             "nvlink_kernel_max", "job_key", "rdma_chunk", "rdma_hmem"}
+             "nvlink_kernel_max", "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem"}
 
 
 # ---------------------------------------------------------------------------
@@ -239,7 +239,8 @@ def test_distributed_options_reach_the_communicator_without_environ():
     from varcomm.integrations.torch_backend import comm_of
 
     before = dict(os.environ)
-    vdist.init_process_group("gloo", bound=65536, slots=3, transport="shm", a2a_algorithm="two-phase")
+    vdist.init_process_group("gloo", bound=65536, slots=3, transport="shm", a2a_algorithm="two-phase",
+                             max_message=65536)
     try:
         assert dict(os.environ) == before, "init_process_group changed os.environ"
         comm = vdist.get_comm()
@@ -247,7 +248,7 @@ def test_distributed_options_reach_the_communicator_without_environ():
             (65536, 3, "shm", "two-phase")
         g = dist.new_group([0, 1])  # a later group inherits the default group's options
         assert (comm_of(g).bound, comm_of(g).slots) == (65536, 3)
-        with pytest.raises(varcomm.MessageTooLarge):
+        with pytest.raises(varcomm.MessageTooLarge, match="max_message"):
             comm.send(torch.zeros(65536 + 1, dtype=torch.uint8), 1 - comm.rank)
     finally:
         vdist.destroy_process_group()

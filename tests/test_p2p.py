@@ -169,10 +169,10 @@ def test_randomized_stress(transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
 def test_errors_leave_the_channel_usable(transport):
-    with varcomm.init(transport=transport, bound=1024, slots=4, timeout=30) as comm:
+    with varcomm.init(transport=transport, bound=1024, slots=4, max_message=4096, timeout=30) as comm:
         if comm.rank == 0:
-            with pytest.raises(varcomm.MessageTooLarge, match="bound"):
-                comm.send(torch.zeros(1025, dtype=torch.uint8), dst=1)
+            with pytest.raises(varcomm.MessageTooLarge, match="max_message"):
+                comm.send(torch.zeros(4097, dtype=torch.uint8), dst=1)  # refused before anything is written
             with pytest.raises(varcomm.InvalidArgument, match="out of range"):
                 comm.send(torch.zeros(1), dst=5)
             with pytest.raises(varcomm.InvalidArgument):

@@ -124,11 +124,11 @@ def test_schedule_lists_cover_torch():
 
 @world(2, timeout=60)
 def test_placeholder_receives_any_shape():
-    os.environ["VARCOMM_BOUND"] = str(64 * 1024)  # small slots: the chunked path (over the bound) is cheap
+    os.environ["VARCOMM_BOUND"] = str(64 * 1024)  # small slots: a message over the bound (rendezvous) is cheap
     dist.init_process_group("varcomm")
     try:
         r = dist.get_rank()
-        big = torch.arange(40_000, dtype=torch.float64).reshape(100, 400)  # 320 KB: a descriptor and 5 chunks
+        big = torch.arange(40_000, dtype=torch.float64).reshape(100, 400)  # 320 KB: over the bound
         msgs = [torch.arange(6.0).reshape(2, 3), torch.ones(7, 3), torch.tensor([1, 2, 3], dtype=torch.int32),
                 torch.empty(0, 3), big, torch.full((4,), 2.5)]
         if r == 0:
@@ -174,9 +174,6 @@ def test_stage_refuses_what_it_cannot_run():
         stage = VarcommPipelineStage(mod, 0, 2)
         bound = varcomm.torch.comm_of().bound
         stage.fwd_cache[0] = ((torch.zeros(bound // 4 + 1),), [])
-        with pytest.raises(ValueError, match=r"over varcomm's receive bound .*VARCOMM_BOUND"):
-            stage.get_fwd_send_ops(0)
-        stage.fwd_cache[0] = ((torch.zeros(bound // 4),), [])
-        assert len(stage.get_fwd_send_ops(0)) == 1  # exactly the bound fits (the op is not run)
+        assert len(stage.get_fwd_send_ops(0)) == 1  # over the bound travels too (the op is not run)
     finally:
         dist.destroy_process_group()

@@ -100,7 +100,8 @@ if mode in ("shm", "lie", "lie-layout"):
     start = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
     # A control block that agrees with the descriptor: magic, rank, world, slots, pid, bound.
     mem[:32] = struct.pack("<QiiiiQ", 0x316d6d6f63726176, 1, world, nslots, pid, mapped)
-    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}".encode()
+    # the last field: where the region is mapped (for CMA); refused before anyone reads it
+    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}:0".encode()
     rec = b"varcomm-peer1 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), f[4]))
     rec += put(str(len(descs)).encode()) + b"".join(put(k) + put(v) for k, v in sorted(descs.items()))
     publish(1, rec)

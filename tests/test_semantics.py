@@ -232,7 +232,7 @@ def test_numpy_receive_of_a_dtype_numpy_lacks_keeps_the_message(transport):
 def test_a_refused_batch_posts_nothing(transport):
     """Every op is checked before any is posted: the receive posted ahead of a
     bad op would otherwise swallow the next message."""
-    with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=30) as comm:
+    with varcomm.init(transport=transport, bound=BOUND, max_message=BOUND, slots=4, timeout=30) as comm:
         r, peer = comm.rank, 1 - comm.rank
         ok = torch.tensor([1])
         bad_ops = [

@@ -13,10 +13,10 @@ import torch.distributed._functional_collectives as fc
 
 import varcomm
 import varcomm.torch  # registers the backend
-from varcomm.integrations.torch_backend import VarcommProcessGroup, _chunk_tag, comm_of, placeholder
+from varcomm.integrations.torch_backend import VarcommProcessGroup, comm_of, placeholder
 from varcomm.testing import rank, world
 
-SMALL_BOUND = str(64 * 1024)  # small receive slots, so the chunked path (messages over the bound) is cheap to test
+SMALL_BOUND = str(64 * 1024)  # small receive slots, so messages over the bound (rendezvous) are cheap to test
 
 
 def _spy(comm, calls):
@@ -52,7 +52,7 @@ def test_send_recv_exact_sizes_and_refusals():
             dist.send(torch.ones(5), dst=1)  # refused by a 4-element recv, then received properly
             dist.send(torch.ones(3), dst=1)  # refused by a 4-element recv (too small)
             dist.send(torch.ones(4, dtype=torch.int32), dst=1)  # refused: dtype
-            dist.send(big, dst=1)  # chunked, refused by a small recv
+            dist.send(big, dst=1)  # over the bound (rendezvous), refused by a small recv
             dist.send(torch.ones(4), dst=1)  # into a non-contiguous tensor
         else:
             for c in cases:
@@ -72,13 +72,9 @@ def test_send_recv_exact_sizes_and_refusals():
             with pytest.raises(RuntimeError, match="another dtype.*int32 does not match.*float32"):
                 dist.recv(torch.zeros(4), src=0)
             assert dist.recv(torch.zeros(4, dtype=torch.int32), src=0) == 0  # the kept int32 message
-            with pytest.raises(RuntimeError, match=r"larger.*800000 bytes \(a descriptor: the data, "
-                                                   r"dtype float64, travels in separate"):
+            with pytest.raises(RuntimeError, match=r"larger.*800000 bytes does not fit out \(80 bytes\).*kept"):
                 dist.recv(torch.zeros(10, dtype=torch.float64), src=0)
-            # drop the refused message (its descriptor was kept, as every refused message is) and its chunks
-            pg.comm.recv(0)
-            for _ in range(len(big) * 8 // (64 * 1024) + 1):
-                pg.comm.recv(0, tag=_chunk_tag(0))
+            assert torch.equal(pg.comm.recv(0), big)  # kept, as every refused message is: drop it
             z = torch.zeros(4, 2)[:, 0]
             dist.recv(z, src=0)
             assert z.tolist() == [1.0] * 4
@@ -88,10 +84,10 @@ def test_send_recv_exact_sizes_and_refusals():
 
 
 @world(2, timeout=60)
-def test_chunked_receives_waited_out_of_order_get_their_own_messages():
+def test_large_receives_waited_out_of_order_get_their_own_messages():
     """Receives posted together from one source and tag, messages over the bound
-    among them, waited last first: each gets its own message (the chunks used to
-    go to whichever receive was posted next)."""
+    among them, waited last first: each gets its own message (a rendezvous
+    message's data streams by its own sequence number, never by tag)."""
     os.environ["VARCOMM_BOUND"] = SMALL_BOUND
     dist.init_process_group("varcomm")
     try:
@@ -116,17 +112,18 @@ def test_chunked_receives_waited_out_of_order_get_their_own_messages():
 
 
 @world(2, timeout=90)
-def test_chunked_refusal_timeout_and_bounds_leave_the_channel_right():
-    """Messages over the bound: a refused one takes its chunks with it; a wait
-    that times out mid-message resumes (nothing cancelled, nothing shifted), and
-    an earlier receive's chunks are not failed by a later receive's timeout; a
-    receiver with a larger bound than the sender's gets the right bytes."""
+def test_large_refusal_timeout_and_bounds_leave_the_channel_right():
+    """Messages over the bound: one smaller than the tensor is received and
+    refused (as below the bound); a wait that times out before its message came
+    gives up that receive and the next one gets the message; a later receive's
+    wait finishes an earlier one's; a receiver with a larger bound than the
+    sender's gets the right bytes."""
     r = rank()
     os.environ["VARCOMM_BOUND"] = SMALL_BOUND if r == 0 else str(2 * 64 * 1024)  # rank 1 takes 128 KiB slots
     dist.init_process_group("varcomm")
     try:
         pg = dist.distributed_c10d._get_default_group()
-        a = torch.full((3 * 16_384,), 1.0)  # 192 KiB: chunked to rank 1 (bound 128 KiB)
+        a = torch.full((3 * 16_384,), 1.0)  # 192 KiB: over rank 1's bound (128 KiB)
         b = torch.arange(70_000, dtype=torch.float32)  # 280 KB
         if r == 0:
             dist.send(a, dst=1)  # refused by rank 1 (wrong size), then
@@ -139,20 +136,21 @@ def test_chunked_refusal_timeout_and_bounds_leave_the_channel_right():
             dist.recv(torch.empty(0), src=1, tag=5)
         else:
             assert pg.comm.peer_bound(0) == 64 * 1024
-            with pytest.raises(RuntimeError, match="196608-byte float32.*it was dropped"):
-                dist.recv(torch.empty(70_000), src=0)
+            with pytest.raises(RuntimeError, match=r"the message has shape \(49152,\), 196608 bytes"):
+                dist.recv(torch.empty(70_000), src=0)  # smaller than the tensor: received, then refused
             got = torch.empty(70_000)
             dist.recv(got, src=0)
             assert torch.equal(got, b)
-            got2 = torch.empty(70_000)
-            w = dist.irecv(got2, src=0)
+            w = dist.irecv(torch.empty(70_000), src=0)
             pg.comm.send(torch.ones(1), 0, tag=9)
-            with pytest.raises(varcomm.TimeoutError, match="stays posted"):
+            with pytest.raises(varcomm.TimeoutError, match="nothing arrived"):
                 w.wait(timeout=datetime.timedelta(seconds=0.05))
-            assert w.wait() and torch.equal(got2, b)  # resumed: every chunk in its place
+            got2 = torch.empty(70_000)
+            dist.recv(got2, src=0)  # the given-up receive took nothing
+            assert torch.equal(got2, b)
             ga, gb = torch.empty_like(a), torch.empty_like(b)
             wa, wb = dist.irecv(ga, src=0, tag=4), dist.irecv(gb, src=0, tag=4)
-            wb.wait()  # first finishes wa (its chunks come first), no timeout forced on it
+            wb.wait()
             assert wa.wait() and torch.equal(ga, a) and torch.equal(gb, b)
             dist.send(torch.empty(0), dst=0, tag=5)
     finally:

@@ -49,6 +49,8 @@ LABELS = {
     "varcomm": "varcomm (torch tensors)",
     "varcomm-numpy": "varcomm (numpy buffers)",
     "varcomm-zerocopy": "varcomm (torch, zero-copy recv)",
+    "varcomm-fresh": "varcomm (torch, a new tensor per recv)",
+    "mpi4py-fresh": "mpi4py (Probe, new buffer, Recv)",
     "two-phase": "varcomm two-phase (counts first)",
     "fallback": "varcomm fallback (the same writes over gloo)",
     "mpi4py": "mpi4py + MPI",
@@ -59,7 +61,7 @@ LABELS = {
 }
 SHORT = {"varcomm": "varcomm", "two-phase": "2-phase", "fallback": "fallback", "mpi4py": "mpi4py",
          "libfabric": "libfabric", "memcpy": "memcpy", "d2d": "d2d", "varcomm-numpy": "vc-numpy",
-         "varcomm-zerocopy": "vc-0copy", "nccl": "nccl"}
+         "varcomm-zerocopy": "vc-0copy", "varcomm-fresh": "vc-fresh", "mpi4py-fresh": "mpi-fresh", "nccl": "nccl"}
 
 
 class BenchError(SystemExit):
@@ -340,6 +342,22 @@ class NumpyEP(_VarcommOps, MpiEP):
 
     def _acks(self) -> tuple[Any, Any]:
         return self.ctx.ack_src_np, self.ctx.ack_dst_np
+
+
+class FreshEP(TorchEP):
+    """varcomm receiving a new tensor per message (no out=): the core sizes it
+    from the header and copies into it."""
+
+    def recv(self, peer: int, out: Any) -> Any:
+        return self.comm.recv(peer)
+
+
+class MpiFreshEP(MpiEP):
+    """mpi4py receiving into a new buffer per message, sized by a Probe (MPI's
+    way to receive a message of unknown size)."""
+
+    def recv(self, peer: int, out: Any) -> Any:
+        return self.recv_new(peer)
 
 
 class ZeroCopyEP(TorchEP):

@@ -8,7 +8,9 @@
            busbw = 2 x algbw (both directions)
 
 varcomm: ``comm.send(x, peer)`` / ``comm.recv(peer, out=buf)`` with torch tensors of
---dtype, ``buf`` bound-sized and preallocated (the receiver does not pass the size).
+--dtype, ``buf`` bound-sized and preallocated (the receiver does not pass the size);
+varcomm-fresh: ``comm.recv(peer)``, a new tensor per message; mpi4py-fresh: Probe,
+a new buffer, Recv.
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from typing import Any
 
 from .core import (
     Ctx,
+    FreshEP,
     Method,
     MpiEP,
+    MpiFreshEP,
     NumpyEP,
     Test,
     TorchEP,
@@ -153,10 +157,12 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     if host:  # the same communicator through numpy buffers, and with zero-copy receives
         eps["varcomm-numpy"] = NumpyEP(ctx, vc, "varcomm-numpy")
         eps["varcomm-zerocopy"] = ZeroCopyEP(ctx, vc, "varcomm-zerocopy")
+        eps["varcomm-fresh"] = FreshEP(ctx, vc, "varcomm-fresh")
     if fb is not None:
         eps["fallback"] = TorchEP(ctx, fb, "fallback")
     if ctx.mpi is not None:
         eps["mpi4py"] = MpiEP(ctx)
+        eps["mpi4py-fresh"] = MpiFreshEP(ctx)
 
     def ep_method(name: str, reason: str | None) -> Method:
         def kernel(test: str, nbytes: int, n: int, w: int) -> tuple[float, int, int]:
@@ -172,7 +178,9 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     methods = [ep_method("varcomm", None),
                ep_method("varcomm-numpy", None if host else "host memory only"),
                ep_method("varcomm-zerocopy", None if host else "host memory only"),
-               ep_method("fallback", fb_why), ep_method("mpi4py", ctx.mpi_reason)]
+               ep_method("varcomm-fresh", None if host else "host memory only"),
+               ep_method("fallback", fb_why), ep_method("mpi4py", ctx.mpi_reason),
+               ep_method("mpi4py-fresh", ctx.mpi_reason)]
     fi = Method("libfabric", where="root", na=lambda test, s: None if test == "latency" else
                 "fi_pingpong measures ping-pong latency only", checks=False)
     ext = {}

@@ -122,8 +122,8 @@ struct Buf {
 Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
-      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max", "job_key",
-      "rdma_chunk", "rdma_hmem"};
+      "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max",
+      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -164,6 +164,8 @@ Options options_from_dict(const py::dict& d) {
   get("cuda_device", &o.cuda_device);
   get("nvlink_flags", &o.nvlink_flags);
   get("nvlink_kernel_max", &o.nvlink_kernel_max);
+  get("eager_max", &o.eager_max);
+  get("max_message", &o.max_message);
   get("job_key", &o.job_key);
   get("rdma_chunk", &o.rdma_chunk);
   get("rdma_hmem", &o.rdma_hmem);
@@ -1057,8 +1059,9 @@ PYBIND11_MODULE(_C, m) {
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
       .def("info", [](Comm& c, uint64_t id) { return status_of(c.engine->info(id)); })
       .def("copy_out",
+           // False: a rendezvous message whose data streams in; wait(id) for it.
            [](Comm& c, uint64_t id, uintptr_t dst, int64_t stream) {
-             c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));
+             return c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));
            },
            py::arg("id"), py::arg("dst"), py::arg("stream") = -1)
       .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })
@@ -1066,6 +1069,8 @@ PYBIND11_MODULE(_C, m) {
       // keep: what the request's buffer belongs to, held if a send is in flight.
       .def("cancel", [](Comm& c, uint64_t id, py::handle keep) { c.give_up(id, keep.is_none() ? py::handle() : keep); },
            py::arg("id"), py::arg("keep") = py::none())
+      // The largest message a send to `peer` may carry (host memory: max_message, else no limit; device: its bound).
+      .def("send_limit", [](Comm& c, int peer, bool device) { return c.engine->send_limit(peer, device); })
       .def("peer_bound", [](Comm& c, int peer) {
              c.check_peer(peer);
              return c.engine->peer_bound(peer);

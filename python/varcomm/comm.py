@@ -412,8 +412,9 @@ class Communicator:
                     if not copy:
                         raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the "
                                               "GPU: receive with copy=True, or as numpy")
-                if not copy:
-                    return arrays.loan(kind, c.payload(rid), st.nbytes, word, shape, lambda: _release(c, rid))
+                # A rendezvous message has no slot to lend (payload 0): it is copied out once instead.
+                if not copy and (view := c.payload(rid)):
+                    return arrays.loan(kind, view, st.nbytes, word, shape, lambda: _release(c, rid))
                 dev = None
                 if kind in ("torch", "cupy") and self._cuda_device is not None and st.device:
                     # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
@@ -427,7 +428,8 @@ class Communicator:
                 # (one with out=, or another array kind).
                 c.cancel(rid)
                 raise
-            c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream)
+            if not c.copy_out(rid, ptr, -1 if dev is None else arrays.torch.cuda.current_stream(dev).cuda_stream):
+                c.wait(rid, self._timeout)  # a rendezvous streaming in through the slots
             return arrays.to_cupy(arr) if kind == "cupy" else arr
 
         return P2PWork(self, rid, finish, src, "recv")
@@ -459,10 +461,12 @@ class Communicator:
             tensor = arrays.native(op.tensor, f"ops[{i}].tensor")
             d = self._describe_send(tensor, op.peer)
             sends[i] = (tensor, d, arrays.kind_of(op.tensor))
-            if d[1] > self._c.peer_bound(int(op.peer)):
-                raise MessageTooLarge(f"ops[{i}]: message of {d[1]} bytes exceeds the receive bound of "
-                                      f"{self._c.peer_bound(int(op.peer))} bytes on rank {op.peer}; raise it with "
-                                      "varcomm.init(bound=...) or VARCOMM_BOUND on the receiver (nothing was posted)")
+            if d[1] > (limit := self._c.send_limit(int(op.peer), d[5] >= 0)):
+                why = (f"the receive bound of {limit} bytes on rank {op.peer} (a GPU payload goes into one slot; "
+                       "raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver)" if d[5] >= 0 and
+                       limit == self._c.peer_bound(int(op.peer)) else
+                       f"this rank's max_message of {limit} bytes (VARCOMM_MAX_MESSAGE)")
+                raise MessageTooLarge(f"ops[{i}]: message of {d[1]} bytes exceeds {why} (nothing was posted)")
         works: list[Work | None] = [None] * len(ops)
         try:
             for i, op in enumerate(ops):

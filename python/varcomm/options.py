@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypedDict, TypeVar
 
 from .errors import InvalidArgument
 
+KiB = 1 << 10
 MiB = 1 << 20
 
 # ---------------------------------------------------------------------------
@@ -240,6 +241,8 @@ class CoreOptions(TypedDict):
     cuda_device: int
     nvlink_flags: str
     nvlink_kernel_max: int
+    eager_max: int
+    max_message: int
     job_key: str
     rdma_chunk: int
     rdma_hmem: str
@@ -302,7 +305,8 @@ class Options(_Declared):
     """varcomm's options, resolved once at init (`comm.options`)."""
 
     bound: int = _opt("VARCOMM_BOUND", _bytes(1), 8 * MiB,
-                      "largest message a peer may send to this rank (per slot)", "8 MiB")
+                      "payload bytes of one receive slot: a message up to it is sent eagerly (copied into the "
+                      "slot); a larger one goes by rendezvous (see `eager_max`)", "8 MiB")
     slots: int = _opt("VARCOMM_SLOTS", _int(1, 1024), 8, "messages in flight per sending peer (ring depth)")
     transport: str = _opt("VARCOMM_TRANSPORT", _choice("auto", "shm", "rdma", "fallback"), "auto",
                           "`shm`, `rdma` (force it, e.g. on one host for tests) or `fallback` for every peer; "
@@ -356,6 +360,13 @@ class Options(_Declared):
                              "where nvlink's data flags live (same on every rank)")
     nvlink_kernel_max: int = _opt("VARCOMM_NVLINK_KERNEL_MAX", _bytes(0), 0,
                                   "largest nvlink message sent by one copy-and-flag kernel; 0: copy engine only")
+    eager_max: int = _opt("VARCOMM_EAGER_MAX", _bytes(0), 256 * KiB,
+                          "largest message sent eagerly where the pair can copy once (shm with CMA); a larger one "
+                          "goes by rendezvous: the receiver copies it straight out of the sender's memory, and the "
+                          "send completes when it has", "256 KiB")
+    max_message: int = _opt("VARCOMM_MAX_MESSAGE", _bytes(0), 0,
+                            "largest message this rank sends; a larger one raises MessageTooLarge before anything "
+                            "is written (0: no limit; GPU memory is also held to the receiver's bound)", "0 (none)")
     a2a_algorithm: str = _opt("VARCOMM_A2A_ALGORITHM", _choice("auto", "one-phase", "two-phase"), "auto",
                               "all-to-all: `one-phase` (shapes travel with the data), `two-phase` (counts first); "
                               "`auto`: one-phase")
@@ -384,7 +395,8 @@ class Options(_Declared):
             "rdma_strict": self.rdma_strict, "rdma_eager_credits": self.rdma_eager_credits,
             "liveness_addr": self.liveness_addr, "debug": self.debug, "nvlink": self.nvlink,
             "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
-            "nvlink_kernel_max": self.nvlink_kernel_max, "job_key": self.job_key,
+            "nvlink_kernel_max": self.nvlink_kernel_max, "eager_max": self.eager_max,
+            "max_message": self.max_message, "job_key": self.job_key,
             "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem,
         }
 

@@ -115,7 +115,7 @@ void FallbackTransport::write_u64(int peer, size_t off, uint64_t value) {
   // from now on p may write that slot again.
   size_t row0 = kCtlBytes + size_t(rank_) * align_up(size_t(p.nslots) * 8, 64);
   if (off >= row0 && (off - row0) % 8 == 0 && (off - row0) / 8 < size_t(layout_.nslots))
-    p.freed_seq[(off - row0) / 8] = value;
+    p.freed_seq[(off - row0) / 8] = value & ~kStreamCredit;  // a rendezvous head's "stream it" frees it too
   push(p, Op{kCredit, off, value, nullptr, 0, 0, {}});
 }
 
@@ -237,11 +237,12 @@ FallbackTransport::Landing FallbackTransport::landing(int peer, const char* fram
                         std::to_string(layout_.bound));
   MsgHeader h;
   std::memcpy(&h, f.hdr, sizeof h);
-  // A descriptor carries no payload (its nbytes describe data sent apart); a
-  // device payload never travels here (the caller stages it through host memory);
-  // the array-kind bits are the sender's to set.
+  // A descriptor or rendezvous head carries no payload (its nbytes describe
+  // data sent apart, as kChunk messages here); a device payload never travels
+  // here (the caller stages it through host memory); the array-kind bits are
+  // the sender's to set.
   if (f.hdr_len != sizeof(MsgHeader) || h.seq != f.value || payload_bytes(h) != f.n || h.ndim > uint32_t(kMaxDims) ||
-      (h.flags & ~(kDescriptor | kArrayMask)) != 0)
+      (h.flags & ~(kDescriptor | kRendezvous | kChunk | kArrayMask)) != 0)
     refuse(peer, p, "has a header that does not match it (seq " + std::to_string(h.seq) + " vs " +
                         std::to_string(f.value) + ", nbytes " + std::to_string(h.nbytes) + " vs " +
                         std::to_string(f.n) + ", ndim " + std::to_string(h.ndim) + ", flags " +

@@ -1,4 +1,7 @@
+#include <sys/uio.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdio>
 #include <cstring>
@@ -23,13 +26,21 @@ class ShmTransport : public Transport {
   }
 
   std::string name() const override { return "shm"; }
-  std::string describe() const override { return "shm (same host, mapped host memory)"; }
+  std::string describe() const override {
+    std::string d = "shm (same host, mapped host memory; ";
+    if (cma_refused_.empty())
+      return d + "messages over eager_max copied once, straight from the sender's memory (CMA))";
+    return d + "no single-copy reads: " + cma_refused_ + "; messages over the bound stream through the slots)";
+  }
+  std::map<std::string, std::string> properties() const override {
+    return {{"cma", cma_refused_.empty() ? "on" : "off"}, {"cma_refused", cma_refused_}};
+  }
 
   std::string expose(void* base, size_t size) override {
     unsigned long long start = process_start(getpid());
-    (void)base;
     return std::to_string(getpid()) + ":" + std::to_string(local_.fd()) + ":" + std::to_string(size) + ":" +
-           std::to_string(start) + ":" + std::to_string(layout_.nslots) + ":" + std::to_string(layout_.bound);
+           std::to_string(start) + ":" + std::to_string(layout_.nslots) + ":" + std::to_string(layout_.bound) + ":" +
+           std::to_string(uintptr_t(base));
   }
 
   void connect(int peer, const std::string& d) override {
@@ -38,8 +49,8 @@ class ShmTransport : public Transport {
     size_t size = 0;
     Layout L;
     L.world = layout_.world;
-    unsigned long long bound = 0;
-    if (sscanf(d.c_str(), "%d:%d:%zu:%llu:%d:%llu", &p.pid, &fd, &size, &p.start, &L.nslots, &bound) != 6)
+    unsigned long long bound = 0, at = 0;
+    if (sscanf(d.c_str(), "%d:%d:%zu:%llu:%d:%llu:%llu", &p.pid, &fd, &size, &p.start, &L.nslots, &bound, &at) != 7)
       throw Error(ErrorKind::Invalid, "bad shm descriptor from rank " + std::to_string(peer));
     L.bound = bound;
     p.size = size;
@@ -60,7 +71,34 @@ class ShmTransport : public Transport {
       throw Error(ErrorKind::PeerFailure, "cannot use " + bad + " (a stale descriptor, or a process that reused its pid)",
                   peer);
     }
+    // Single-copy reads (process_vm_readv) need ptrace rights over the peer
+    // (same user, and Yama's ptrace_scope): tried once on its region's magic,
+    // where the peer says it mapped the region.
+    if (p.pid != getpid()) {
+      uint64_t magic = 0;
+      std::string err = read_from(p.pid, at, &magic, sizeof magic);
+      if (err.empty() && magic != kMagic) err = "the address it published is not its region";
+      p.cma = err.empty();
+      if (!p.cma && cma_refused_.empty()) cma_refused_ = "CMA to rank " + std::to_string(peer) + " refused (" + err + ")";
+    }
     peers_[peer] = p;
+  }
+
+  std::string read_refused(int peer) const override {
+    auto& p = peers_.at(peer);
+    return p.cma || p.pid == getpid() ? "" : cma_refused_;
+  }
+
+  std::string read_peer(int peer, uint64_t src, void* dst, size_t n) override {
+    auto& p = peers_.at(peer);
+    if (p.pid == getpid()) {
+      std::memcpy(dst, reinterpret_cast<const void*>(uintptr_t(src)), n);
+      return "";
+    }
+    std::string err = read_from(p.pid, src, dst, n);
+    if (err.empty()) return "";
+    std::string gone = process_exit_error(peer, p.pid, p.start);
+    return gone.empty() ? err : gone;
   }
 
   void connected() override { local_.close_fd(); }
@@ -83,14 +121,37 @@ class ShmTransport : public Transport {
   }
 
  private:
+  // process_vm_readv until all n bytes are in (it may stop early); empty or why not.
+  static std::string read_from(int pid, uint64_t src, void* dst, size_t n) {
+    char* d = static_cast<char*>(dst);
+    while (n) {
+      iovec l{d, n}, r{reinterpret_cast<void*>(uintptr_t(src)), n};
+      ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+      if (got <= 0) {
+        int e = got < 0 ? errno : EFAULT;
+        std::string why = std::string("process_vm_readv: ") + strerror(e);
+        if (e == EPERM)
+          why += "; same-host ranks need ptrace rights over each other: the same user, and "
+                 "/proc/sys/kernel/yama/ptrace_scope 0 (or CAP_SYS_PTRACE)";
+        return why;
+      }
+      d += got;
+      src += uint64_t(got);
+      n -= size_t(got);
+    }
+    return "";
+  }
+
   struct Peer {
     char* base = nullptr;
     size_t size = 0;
     int pid = 0;
     unsigned long long start = 0;
+    bool cma = false;
   };
   Region& local_;
   Layout layout_;
+  std::string cma_refused_;  // why single-copy reads are off for some peer; empty: on for all
   std::unordered_map<int, Peer> peers_;
 };
 

@@ -29,10 +29,9 @@ What travels: every tensor a stage's forward returns goes to the next stage
 (``num_inputs`` says how many the next one takes: the count is the model's,
 the shapes are the data's). Floating-point ones are the differentiable ones:
 their gradients come back (zeros where autograd gave none); the others (token
-ids, ``cu_seqlens``) go forward only. Each tensor must fit varcomm's receive
-bound (``VARCOMM_BOUND``, 8 MiB by default; a larger one is refused with an
-error that says so). The stages run on CPU, in a group of the ``"varcomm"``
-backend.
+ids, ``cu_seqlens``) go forward only. A tensor of any size travels (over
+varcomm's receive bound, ``VARCOMM_BOUND``, by rendezvous in the core). The
+stages run on CPU, in a group of the ``"varcomm"`` backend.
 """
 from __future__ import annotations
 
@@ -76,7 +75,6 @@ class VarcommPipelineStage(PipelineStage):
             raise ValueError(f"VarcommPipelineStage: num_inputs must be at least 1, not {num_inputs}")
         super().__init__(submodule, stage_index, num_stages, device, group=group, dw_builder=dw_builder)
         self.num_inputs = num_inputs
-        self._bound = pg.comm.bound
         # torch's per-chunk check compares shapes with frozen metadata: here shapes are the data's
         self._runtime_validate = False
 
@@ -143,18 +141,8 @@ class VarcommPipelineStage(PipelineStage):
             return []
         outputs, _ = self.fwd_cache[fwd_chunk_id]
         peer = self._peer(self.stage_index + 1)
-        return [dist.P2POp(dist.isend, self._fits(_tensor(t, "output", self.stage_index).detach().contiguous(),
-                                                  "activation"), peer, self.group) for t in outputs]
-
-    def _fits(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        # Over the bound a message travels as a descriptor and chunks, received when the descriptor's
-        # receive is waited: a receive from the same stage posted in between (the schedules post
-        # several) would take a chunk. Refused here, before anything is sent.
-        if t.nbytes > self._bound:
-            raise ValueError(f"{self.log_prefix} an {what} of shape {tuple(t.shape)} ({t.nbytes} bytes) is over "
-                             f"varcomm's receive bound ({self._bound} bytes): set VARCOMM_BOUND (the same on every "
-                             "rank) to at least the largest activation")
-        return t
+        return [dist.P2POp(dist.isend, _tensor(t, "output", self.stage_index).detach().contiguous(), peer,
+                           self.group) for t in outputs]
 
     # ---- backward --------------------------------------------------------------
 
@@ -190,7 +178,7 @@ class VarcommPipelineStage(PipelineStage):
         for x, g in zip(inputs, grads):
             if x is not None and _has_grad(x):  # the previous stage waits for exactly these
                 g = torch.zeros_like(x) if g is None else g.contiguous()
-                ops.append(dist.P2POp(dist.isend, self._fits(g, "input gradient"), peer, self.group))
+                ops.append(dist.P2POp(dist.isend, g, peer, self.group))
         return ops
 
 

@@ -25,9 +25,9 @@ size must equal the message's (the same number of bytes and the same dtype;
 a different shape with the same size is accepted, as gloo and NCCL do), and a
 message of another size is refused with an error naming both sizes. The
 variable-size forms (receive without knowing the size) are in
-``varcomm.distributed``. Messages over varcomm's receive bound
-(``VARCOMM_BOUND``, which must be the same on every rank) travel as a small
-header plus bound-sized chunks, so any size works.
+``varcomm.distributed``. A message of any size travels: over varcomm's
+receive bound (``VARCOMM_BOUND``) the core sends it by rendezvous (README,
+"Large messages"), as for every varcomm send.
 
 varcomm's options come from the environment, or from a ``varcomm.Options``
 passed as ``pg_options`` (``dist.init_process_group("varcomm",
@@ -37,20 +37,18 @@ one take the default group's. The wait timeout is the group's ``timeout``.
 from __future__ import annotations
 
 import dataclasses
-import time
-import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import _C, bootstrap, dtypes
+from .. import bootstrap
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
-from ..errors import TimeoutError as VarcommTimeout
 from ..options import Options
 
 BACKEND = "varcomm"
@@ -91,10 +89,6 @@ class VarcommWork(dist.Work):
             f, self._finish = self._finish, None
             try:
                 f(_seconds(timeout))
-            except _NotYet as e:
-                self._finish = f  # nothing was cancelled: a later wait resumes
-                raise VarcommTimeout(f"{e} (after {_seconds(timeout)} s); the receive stays posted: wait again "
-                                     "to finish it") from None
             except BaseException as e:
                 self._error = e
         if self._error is not None:
@@ -108,9 +102,6 @@ class VarcommWork(dist.Work):
             f, self._finish = self._finish, None
             try:
                 f(0.0)
-            except _NotYet:
-                self._finish = f
-                return False
             except BaseException as e:
                 self._error = e  # is_success() and wait() tell
             return True
@@ -188,114 +179,9 @@ def _want_nccl(options: Options) -> bool:
 # the process group
 
 
-# A message over the receiver's bound is a descriptor on its tag, then chunks
-# of that bound on a tag of their own, which no receive posted later on the
-# message's tag can take. The chunk receives are posted when the receive is
-# waited, so a receive that may be chunked first finishes every earlier one
-# from the same source and tag: chunk receives are then posted in the order the
-# messages were sent. Nothing in it is ever cancelled (a cancelled chunk would
-# shift every later one): past its deadline a wait raises with the receive
-# still posted, and the next wait resumes it.
-_CHUNK_TAGS = -(1 << 62)
-_chunked: weakref.WeakKeyDictionary[Communicator, dict[tuple[int, int], list[VarcommWork]]] = \
-    weakref.WeakKeyDictionary()
-
-
-class _NotYet(Exception):
-    """A resumable wait's deadline passed; its state is kept."""
-
-
-def _chunk_tag(tag: int) -> int:
-    return _CHUNK_TAGS - tag
-
-
 def _check_tag(tag: int) -> None:
     if not 0 <= tag < 1 << 40:
-        raise RuntimeError(f"varcomm backend: tag {tag} is out of range: use a tag in [0, 2**40) (negative tags "
-                           "carry the chunks of large messages)")
-
-
-def _deadline(comm: Communicator, timeout: float | None) -> float | None:
-    t = comm._timeout if timeout is None else timeout
-    return None if t is None else time.monotonic() + t
-
-
-def _until_done(works: Sequence[Any], deadline: float | None, what: str) -> None:
-    """Wait for `works` without cancelling any: past `deadline`, _NotYet(what)."""
-    pause = 2e-5
-    for w in works:
-        while not w.is_completed():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise _NotYet(what)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-
-class _ChunkedRecv:
-    """One receive that may arrive as a descriptor and chunks: the message's
-    header work, then its chunk works once the header is checked. `check(head)`
-    returns where the chunks go (a byte view), or raises for a refused message
-    after its chunks were taken (into scratch), so none is left for another."""
-
-    def __init__(self, comm: Communicator, src: int, tag: int):
-        self.comm, self.src, self.tag = comm, src, tag
-        self.head_work = comm.irecv(src, tag)
-        self.head: Any = None
-        self.chunks: list[Any] | None = None
-        self.refusal: BaseException | None = None
-
-    def run(self, deadline: float | None, check: Callable[[Any], torch.Tensor | None]) -> Any:
-        what = f"recv from rank {self.src} (tag {self.tag})"
-        if self.chunks is None:
-            _until_done([self.head_work], deadline, f"{what}: nothing arrived")
-            self.head = self.head_work.wait()
-            if not (isinstance(self.head, _C.Status) and self.head.descriptor):
-                self.chunks = []
-            else:
-                try:
-                    flat = check(self.head)
-                except Exception as e:
-                    self.refusal, flat = e, None
-                b, n = self.comm.bound, self.head.nbytes
-                self.chunks = [self.comm.irecv(self.src, _chunk_tag(self.tag),
-                                               out=None if flat is None else flat[o:o + b]) for o in range(0, n, b)]
-        _until_done(self.chunks, deadline, f"{what}: its chunks did not all arrive")
-        for w in self.chunks:
-            w.wait()
-        if self.refusal is not None:
-            raise self.refusal
-        return self.head
-
-
-def _in_order(comm: Communicator, src: int, tag: int, finish: Callable[[float | None], None],
-              result: Sequence[torch.Tensor]) -> VarcommWork:
-    """A Work running `finish` once the receives from (src, tag) made this way
-    before it have finished (their errors stay theirs)."""
-    queue = _chunked.setdefault(comm, {}).setdefault((src, tag), [])
-
-    def run(timeout: float | None) -> None:
-        end = None if timeout is None else time.monotonic() + timeout
-        while queue and queue[0] is not work:
-            earlier = queue[0]
-            try:
-                earlier.wait(None if end is None else max(end - time.monotonic(), 0.0))
-            except Exception:  # its error is raised again by its own wait
-                pass
-            if queue and queue[0] is earlier:
-                raise _NotYet(f"recv from rank {src} (tag {tag}): an earlier receive from it with this tag is "
-                              "still waiting for its message")
-        try:
-            finish(None if end is None else max(end - time.monotonic(), 0.0))
-        except _NotYet:
-            raise
-        except BaseException:
-            queue.remove(work)
-            raise
-        queue.remove(work)
-
-    work = VarcommWork(run, lambda: True, result, source=src)
-    queue.append(work)
-    return work
+        raise RuntimeError(f"varcomm backend: tag {tag} is out of range: use a tag in [0, 2**40)")
 
 
 class VarcommProcessGroup(dist.ProcessGroup):
@@ -315,8 +201,6 @@ class VarcommProcessGroup(dist.ProcessGroup):
         self.options = options if options is not None else Options.resolve()
         self.comm = _communicator(store, rank, size, dataclasses.replace(
             self.options, timeout=timeout.total_seconds() if timeout else None))
-        # Each receiver's bound, fixed at set-up: sends chunk by it (it slices by its own).
-        self._peer_bounds = [self.comm.peer_bound(q) for q in range(size)]
         self._closed = False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         _name_backend(self._gloo, self.global_ranks, group_id)
@@ -354,14 +238,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
         _check_tag(tag)
         if t.device.type != "cpu":
             return self._device_backend(t, "send").send(tensors, dstRank, tag)
-        comm = self.comm
-        b = self._peer_bounds[dstRank]
-        if t.nbytes <= b:
-            works = [comm.isend(t, dstRank, tag)]
-        else:  # a descriptor of the whole message, then bound-sized chunks
-            flat = _bytes_of(t.contiguous())
-            works = [comm.isend_descriptor(dstRank, t.nbytes, dtypes.from_torch(t.dtype), tuple(t.shape), tag)]
-            works += [comm.isend(flat[o:o + b], dstRank, _chunk_tag(tag)) for o in range(0, t.nbytes, b)]
+        works = [self.comm.isend(t, dstRank, tag)]  # any size: the core takes it by rendezvous over the bound
 
         def finish(timeout: float | None) -> None:
             for w in works:
@@ -386,39 +263,22 @@ class VarcommProcessGroup(dist.ProcessGroup):
                 "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
                 "which returns it")
 
-        if t.nbytes <= comm.bound:
-            works = [comm.irecv(src, tag, out=dst)]
+        works = [comm.irecv(src, tag, out=dst)]
 
-            def finish(timeout: float | None) -> None:
-                try:
-                    got = works[0].wait(timeout)
-                except MessageTooLarge as e:
-                    raise refuse(f"the message is larger ({e})") from e
-                except MessageMismatch as e:
-                    raise refuse(f"the message has another dtype ({e})") from e
-                if got.numel() != t.numel():
-                    raise refuse(f"the message has shape {tuple(got.shape)}, {got.nbytes} bytes")
-                if dst is not t:
-                    with torch.no_grad():
-                        t.copy_(dst)
-        else:
-            rx = _ChunkedRecv(comm, src, tag)  # the descriptor; the chunks are received once it is checked
-
-            def check(head: Any) -> torch.Tensor:
-                if head.nbytes != t.nbytes or head.dtype != dtypes.from_torch(t.dtype):
-                    raise refuse(f"the message is a {head.nbytes}-byte {dtypes.describe(head.dtype)} tensor of "
-                                 f"shape {head.shape}, sent in chunks; it was dropped")
-                return _bytes_of(dst)
-
-            def finish(timeout: float | None) -> None:
-                head = rx.run(_deadline(comm, timeout), check)
-                if not (isinstance(head, _C.Status) and head.descriptor):
-                    raise refuse(f"the message has shape {tuple(head.shape)}, {head.nbytes} bytes; it was dropped")
-                if dst is not t:
-                    with torch.no_grad():
-                        t.copy_(dst)
-
-            return _in_order(comm, src, tag, finish, [t])
+        def finish(timeout: float | None) -> None:
+            try:
+                got = works[0].wait(timeout)
+            except MessageTooLarge as e:
+                raise refuse(f"the message is larger ({e})") from e
+            except MessageMismatch as e:
+                raise refuse(f"the message has another dtype ({e})") from e
+            if not isinstance(got, torch.Tensor):  # a descriptor's Status: it carries no data
+                raise refuse(f"the message is a descriptor of {got.nbytes} bytes")
+            if got.numel() != t.numel():
+                raise refuse(f"the message has shape {tuple(got.shape)}, {got.nbytes} bytes")
+            if dst is not t:
+                with torch.no_grad():
+                    t.copy_(dst)
 
         return VarcommWork(finish, _all_done(works), [t], source=src)
 
@@ -585,10 +445,8 @@ def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False)
     sender's shape and dtype (its ``.data`` is set to it; ``requires_grad`` is
     kept). No shape message, no size known in advance. ``dtype`` and
     ``requires_grad`` are the tensor's until then (what autograd or a dtype
-    check sees before the wait); the message's dtype wins. A message over
-    varcomm's bound arrives as a descriptor and chunks, as for any receive of
-    this backend (the chunks on their own tag, received in message order
-    whichever receive is waited first)."""
+    check sees before the wait); the message's dtype wins. Any size travels
+    (over varcomm's bound by rendezvous, in the core)."""
     t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
     setattr(t, _ANY_SHAPE, True)
     return t
@@ -600,21 +458,17 @@ def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: in
     the sender's shape, dtype and device (a GPU tensor sent from GPU memory
     arrives on this rank's GPU)."""
     _check_tag(tag)
-    rx = _ChunkedRecv(comm, src, tag)
-    whole: list[torch.Tensor] = []
-
-    def check(head: Any) -> torch.Tensor:  # a descriptor: the data follows in chunks
-        whole.append(torch.empty(tuple(head.shape), dtype=dtypes.to_torch(head.dtype)))
-        return _bytes_of(whole[0])
+    w = comm.irecv(src, tag)
 
     def finish(timeout: float | None) -> None:
-        got = rx.run(_deadline(comm, timeout), check)
-        if whole:
-            got = whole[0]
+        got = w.wait(timeout)
+        if not isinstance(got, (torch.Tensor, np.ndarray)):
+            raise RuntimeError(f"varcomm backend: recv from rank {src} (tag {tag}) into a placeholder got a "
+                               f"descriptor of {got.nbytes} bytes, which carries no data")
         # .data: the tensor object the caller holds (its requires_grad, its attributes) now is the message
         t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
 
-    return _in_order(comm, src, tag, finish, [t])
+    return VarcommWork(finish, w.is_completed, [t], source=src)
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
@@ -642,12 +496,6 @@ def _single(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise RuntimeError(f"varcomm backend: {op} takes exactly one tensor, got {len(tensors)}")
     return tensors[0]
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat uint8 tensor (shares it)."""
-    flat = t.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------

@@ -127,6 +127,18 @@ def _read(path: str) -> str:
         return ""
 
 
+def _cma() -> str:
+    """What this host allows for shm's single-copy reads (process_vm_readv between
+    same-user sibling ranks). Each pair probes it for itself at init; the
+    --selftest route line says what it found."""
+    scope = _read("/proc/sys/kernel/yama/ptrace_scope").strip()
+    if scope in ("", "0"):
+        return ("messages over eager_max copied once with CMA" +
+                (" (no Yama ptrace_scope here)" if not scope else " (Yama ptrace_scope 0)"))
+    return (f"Yama ptrace_scope {scope}: CMA between sibling ranks is refused, so messages over the bound stream "
+            "through the slots (two copies); set /proc/sys/kernel/yama/ptrace_scope to 0 for single-copy reads")
+
+
 def _cuda_devices() -> tuple[list[str], int]:
     try:
         import torch
@@ -416,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     if forced == "fallback":
         w(f"  every pair: {fallback} (VARCOMM_TRANSPORT=fallback)")
     else:
-        shm = "shm (mapped host memory)" if build is not None else f"unknown: {why}"
+        shm = f"shm (mapped host memory; {_cma()})" if build is not None else f"unknown: {why}"
         if forced == "rdma":
             shm = "rdma (VARCOMM_TRANSPORT=rdma forces it on the same host too)"
         w(f"  same host, host memory:  {shm}")

@@ -1,0 +1,262 @@
+"""Issue 11: large messages. Over the receiver's bound a host message goes by
+rendezvous (protocol.h kRendezvous): the receiver copies it once straight out
+of the sender's memory where the pair can (shm with CMA), else its data
+streams through the slots in bound-sized chunks (rdma, fallback, shm without
+CMA). On shm a message over eager_max takes the single copy too. Each test
+runs on every transport."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import varcomm
+from conftest import TRANSPORTS
+from varcomm.testing import seeded, world
+
+BOUND = 4096
+
+
+def _data(n: int, salt: int) -> torch.Tensor:
+    return ((torch.arange(n, dtype=torch.int64) * 7 + salt) % 251).to(torch.uint8)
+
+
+def _init(transport: str, **kw):  # type: ignore[no-untyped-def]
+    return varcomm.init(transport=transport, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_over_bound_messages_arrive_every_way(transport):
+    """Messages of up to 40x the bound: recv with out=, without (a new array,
+    torch and numpy), copy=False, irecv, isend, interleaved with small ones."""
+    with _init(transport, bound=BOUND, slots=4) as comm:
+        r = comm.rank
+        sizes = [BOUND + 1, 3 * BOUND, 40 * BOUND + 5]
+        if r == 0:
+            for i, n in enumerate(sizes):
+                x = _data(n, i)
+                comm.send(x, 1, tag=1)
+                comm.send(x.view(1, n), 1, tag=2)
+                comm.send(x.numpy(), 1, tag=3)
+                comm.send(x, 1, tag=4)
+                w = comm.isend(x, 1, tag=5)
+                comm.send(torch.tensor([i]), 1, tag=6)  # a small one behind the large isend
+                w.wait()
+            assert comm.recv(1, tag=9).item() == 1
+        else:
+            for i, n in enumerate(sizes):
+                want = _data(n, i)
+                out = torch.zeros(50 * BOUND, dtype=torch.uint8)
+                got = comm.recv(0, tag=1, out=out)
+                assert got.shape == (n,) and torch.equal(got, want)
+                got = comm.recv(0, tag=2)
+                assert isinstance(got, torch.Tensor) and got.shape == (1, n) and torch.equal(got[0], want)
+                got = comm.recv(0, tag=3)
+                assert isinstance(got, np.ndarray) and np.array_equal(got, want.numpy())
+                got = comm.recv(0, tag=4, copy=False)  # no slot to lend: copied out once
+                assert torch.equal(torch.as_tensor(got), want)
+                h = comm.irecv(0, tag=5, out=torch.zeros(n, dtype=torch.uint8))
+                assert comm.recv(0, tag=6).item() == i
+                assert torch.equal(h.wait(), want)
+            comm.send(torch.tensor([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_too_small_out_keeps_the_large_message(transport):
+    with _init(transport, bound=BOUND, slots=4) as comm:
+        n = 10 * BOUND
+        if comm.rank == 0:
+            comm.isend(_data(n, 3), 1).wait()
+            assert comm.recv(1, tag=9).item() == 1
+        else:
+            with pytest.raises(varcomm.MessageTooLarge, match="kept"):
+                comm.recv(0, out=torch.zeros(n - 1, dtype=torch.uint8))
+            with pytest.raises(varcomm.MessageTooLarge, match="kept"):
+                comm.irecv(0, out=torch.zeros(BOUND, dtype=torch.uint8)).wait()
+            with pytest.raises(varcomm.MessageMismatch):
+                comm.recv(0, out=torch.zeros(n, dtype=torch.float32))
+            assert torch.equal(comm.recv(0), _data(n, 3))
+            comm.send(torch.tensor([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=180)
+def test_random_sizes_across_the_thresholds_byte_exact(transport):
+    """Sizes on both sides of eager_max and of the bound, every receive form,
+    isends in flight together; every byte checked."""
+    seed = seeded()
+    rng = random.Random(seed)
+    bound, eager = 8192, 2048
+    sizes = [rng.choice([rng.randint(0, eager), rng.randint(eager, bound + 1), rng.randint(bound, 9 * bound)])
+             for _ in range(120)]
+    with _init(transport, bound=bound, eager_max=eager, slots=3) as comm:
+        if comm.rank == 0:
+            works = []
+            for i, n in enumerate(sizes):
+                works.append(comm.isend(_data(n, i), 1, tag=i % 3))
+                if len(works) > 4:
+                    works.pop(0).wait()
+            for w in works:
+                w.wait()
+            assert comm.recv(1, tag=99).item() == len(sizes)
+        else:
+            out = torch.zeros(9 * bound, dtype=torch.uint8)
+            ok = 0
+            for i, n in enumerate(sizes):
+                how = (i * 5 + seed) % 4
+                if how == 0:
+                    got = comm.recv(0, tag=i % 3, out=out).clone()
+                elif how == 1:
+                    got = comm.recv(0, tag=i % 3)
+                elif how == 2:
+                    got = torch.as_tensor(comm.recv(0, tag=i % 3, copy=False)).clone()
+                else:
+                    got = comm.irecv(0, tag=i % 3, out=out).wait().clone()
+                assert got.numel() == n and torch.equal(got, _data(n, i)), (i, n, how)
+                ok += 1
+            comm.send(torch.tensor([ok]), 0, tag=99)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_timeout_mid_message_leaves_the_pair_usable(transport):
+    """A receive waits with a short timeout while the sender is held (it has
+    written the head, and on a streaming pair a first chunk): the receive
+    times out, and the pair goes on with the next messages."""
+    with _init(transport, bound=BOUND, slots=2) as comm:
+        n = 20 * BOUND
+        if comm.rank == 0:
+            w = comm.isend(_data(n, 1), 1)
+            comm.recv(1, tag=8)  # rank 1 has timed out: now let the rest flow
+            w.wait()
+            comm.send(_data(n, 2), 1)
+            comm.send(torch.tensor([5]), 1, tag=3)
+            assert comm.recv(1, tag=9).item() == 1
+        else:
+            out = torch.zeros(n, dtype=torch.uint8)
+            with pytest.raises(varcomm.TimeoutError):
+                # rank 0 does not progress (it blocks in recv(tag=8), which
+                # drives its sends too: so the message may also complete)
+                h = comm.irecv(0, tag=7, out=out)  # no message with tag 7: times out
+                h.wait(timeout=0.3)
+            comm.send(torch.tensor([0]), 0, tag=8)
+            assert torch.equal(comm.recv(0), _data(n, 1))
+            assert torch.equal(comm.recv(0), _data(n, 2))
+            assert comm.recv(0, tag=3).item() == 5
+            comm.send(torch.tensor([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_cancelled_stream_drops_the_rest_and_the_pair_goes_on(transport):
+    """A receive given up on after its rendezvous started (Work dropped or
+    timed out mid-stream) never writes into its buffer afterwards, and the
+    next message arrives intact."""
+    with _init(transport, bound=BOUND, slots=2) as comm:
+        n = 64 * BOUND
+        if comm.rank == 0:
+            comm.send(torch.tensor([0]), 1, tag=1)
+            assert comm.recv(1, tag=2).item() == 0  # rank 1 posted its receive
+            w = comm.isend(_data(n, 4), 1)
+            time.sleep(0.5)  # rank 1 times out meanwhile: the first chunks are in, the rest waits for us
+            w.wait()
+            comm.send(_data(n, 5), 1)
+            assert comm.recv(1, tag=9).item() == 1
+        else:
+            out = torch.zeros(n, dtype=torch.uint8)
+            h = comm.irecv(0, out=out)
+            assert comm.recv(0, tag=1).item() == 0
+            comm.send(torch.tensor([0]), 0, tag=2)
+            try:
+                h.wait(timeout=0.2)
+                timed_out = False
+            except varcomm.TimeoutError as e:
+                timed_out = True
+                msg = str(e)
+            if timed_out and comm.describe_transport(0).find("CMA)") < 0:
+                assert "mid-message" in msg or "nothing arrived" in msg, msg
+            snap = out.clone()
+            got = comm.recv(0)
+            assert torch.equal(got, _data(n, 5))
+            if timed_out:
+                assert torch.equal(out, snap)  # nothing written after the give-up
+            comm.send(torch.tensor([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60, expect_exit={0: None})
+def test_dead_peer_mid_large_message_fails_within_seconds(transport):
+    """The sender dies with its message partly delivered (a streaming pair:
+    the first chunks are in the receiver's out; shm with CMA: copied at once)."""
+    with _init(transport, bound=BOUND, slots=2, peer_timeout=2) as comm:
+        n = 256 * BOUND
+        if comm.rank == 0:
+            w = comm.isend(_data(n, 1), 1)
+            assert comm.recv(1, tag=1).item() == 0  # drives the send: the ring fills
+            for _ in range(20):
+                w.is_completed()
+            os._exit(3)
+        out = torch.zeros(n, dtype=torch.uint8)
+        h = comm.irecv(0, out=out)
+        comm.send(torch.tensor([0]), 0, tag=1)
+        t0 = time.monotonic()
+        try:
+            assert torch.equal(h.wait(timeout=30), _data(n, 1))  # all of it came first
+        except varcomm.PeerFailure as e:
+            assert "rank 0" in str(e), e
+        with pytest.raises(varcomm.PeerFailure):
+            comm.recv(0, out=out, timeout=30)
+        assert time.monotonic() - t0 < 20
+
+
+@world(2, timeout=60, expect_exit={1: None})
+def test_dead_receiver_fails_a_rendezvous_send_within_seconds():
+    """The sender of a message waiting for its receiver (shm: its head is
+    posted, the data still in the sender's memory) learns of the receiver's
+    death."""
+    with varcomm.init(transport="shm", bound=BOUND, slots=2, timeout=60) as comm:
+        if comm.rank == 1:
+            comm.send(torch.tensor([0]), 0)
+            time.sleep(0.3)
+            os._exit(3)
+        comm.recv(1)
+        t0 = time.monotonic()
+        with pytest.raises(varcomm.PeerFailure):
+            comm.send(_data(64 * BOUND, 1), 1, timeout=30)
+        assert time.monotonic() - t0 < 20
+
+
+@world(2, timeout=60)
+def test_shm_copies_once_over_eager_max_and_says_so():
+    """Under the bound but over eager_max, a shm pair with CMA sends by
+    rendezvous: the send completes only once the receiver has copied the data
+    out of the sender's memory (an eager send completes when written)."""
+    with varcomm.init(transport="shm", bound=1 << 20, eager_max=64 << 10, timeout=30) as comm:
+        peer = 1 - comm.rank
+        d = comm.describe_transport(peer)
+        assert "CMA" in d, d
+        cma = comm.route_info(peer)["cma"]
+        assert cma in ("on", "off"), cma
+        if cma == "off":
+            assert comm.route_info(peer)["cma_refused"] in d
+        n = 512 << 10
+        if comm.rank == 0:
+            w = comm.isend(_data(n, 1), 1)
+            small = comm.isend(torch.tensor([1]), 1, tag=5)  # not held up behind the large one
+            time.sleep(0.3)
+            assert w.is_completed() == (cma == "off")  # rendezvous: waits for rank 1's recv
+            small.wait()
+            comm.send(torch.tensor([2]), 1, tag=6)
+            w.wait()
+            assert torch.equal(comm.recv(1), _data(n, 2))
+        else:
+            assert comm.recv(0, tag=5).item() == 1
+            assert comm.recv(0, tag=6).item() == 2
+            assert torch.equal(comm.recv(0), _data(n, 1))
+            comm.send(_data(n, 2), 0)
