@@ -296,6 +296,8 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
 }
 
 std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind) {
+  // Every receive into an out asks; the words are built only for a refusal.
+  if ((!out_dtype || out_dtype == h.dtype) && h.nbytes <= out_cap && !(h.flags & kDescriptor)) return "";
   std::string head = "recv from " + peer_str(peer) + " tag " + std::to_string(h.tag) + ": ";
   const char* kept = "; the message was kept for the next recv";
   if (out_dtype && out_dtype != h.dtype) {
@@ -781,6 +783,36 @@ void Engine::consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst
   consume(peer, slot, hdr, dst, Mem{});
 }
 
+void Engine::release_claimed(int peer, int slot, uint64_t seq) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return;  // the transports are gone: there is no sender to give the slot back to
+  Peer& p = peers_[peer];
+  for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
+    if (a->seq == seq) {
+      p.ready.erase(a);
+      break;
+    }
+  free_slot(peer, slot, seq);
+}
+
+int Engine::take_claim(uint64_t id, MsgHeader* hdr, int* peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
+  if (r.hdr.flags & kDevicePayload)
+    throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
+  if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
+  *hdr = r.hdr;
+  *peer = r.peer;
+  int slot = r.slot;
+  recycle(id);  // the arrival stays claimed: release_claimed or unclaim ends it
+  return slot;
+}
+
+const char* Engine::slot_payload(int peer, int slot) const {
+  return region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
+}
+
 void Engine::unclaim(int peer, uint64_t seq) {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& a : peers_[peer].ready)
@@ -801,16 +833,6 @@ void Engine::copy_out(uint64_t id, void* dst, Mem mem) {
     }
   consume(r.peer, r.slot, r.hdr, dst, mem);
   recycle(id);
-}
-
-const void* Engine::payload(uint64_t id) {
-  std::lock_guard<std::mutex> g(mu_);
-  Request& r = get(id);
-  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
-  if (r.hdr.flags & kDevicePayload)
-    throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
-  if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
-  return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
 }
 
 void Engine::release(uint64_t id) {
