@@ -222,6 +222,8 @@ def test_numpy_receive_of_a_dtype_numpy_lacks_keeps_the_message(transport):
                         comm.irecv(0, tag=i).wait()
                     with pytest.raises(varcomm.InvalidArgument, match="torch"):
                         comm.recv(0, tag=i, copy=False)
+                    with pytest.raises(varcomm.InvalidArgument, match="torch"):
+                        comm.irecv(0, tag=i, copy=False).wait()
                 got = comm.recv(0, tag=i, out=torch.empty(3, dtype=dt))
                 assert got.to(torch.float32).tolist() == [float(i + 1)] * 3
             assert comm.recv(0, tag=9).tolist() == [0, 1, 2, 3]
