@@ -114,7 +114,7 @@ def test_argument_forms_the_fast_path_hands_on(transport):
                 comm.send(base, 2)
         else:
             out = np.zeros(64, np.int32)
-            for (x, _, tag, _), want in zip(sends, wants):
+            for (_x, _, tag, _), want in zip(sends, wants):
                 if want.dtype == np.int32:
                     got = comm.recv(np.int64(0), tag=np.int64(tag), out=out, timeout=np.float64(10))
                 else:

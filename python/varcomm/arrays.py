@@ -335,15 +335,17 @@ def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array]:
 
     def lend(loan: Any, dtype_word: int, shape: tuple[int, ...], sent: int) -> Array:
         kind = receive_kind(array, sent)
+        # frombuffer makes the 1-d array; any other shape is one reshape more.
         if kind == "torch":
             dt = dtypes.to_torch(dtype_word)
-            if not shape or 0 not in shape:
-                return torch.frombuffer(loan, dtype=dt).reshape(shape)
-            return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
+            if 0 in shape:
+                return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
+            t = torch.frombuffer(loan, dtype=dt)
+            return t if len(shape) == 1 else t.reshape(shape)
         if kind == "cupy":
             raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the GPU: receive "
                                   "with copy=True, or as numpy")
         a: np.ndarray[Any, Any] = np.frombuffer(loan, dtype=dtypes.to_numpy(dtype_word))
-        return a.reshape(shape)
+        return a if len(shape) == 1 else a.reshape(shape)
 
     return lend
