@@ -1258,7 +1258,13 @@ PYBIND11_MODULE(_C, m) {
              Comm& c = self.cast<Comm&>();
              MsgHeader h;
              int src;
-             int slot = c.engine->take_claim(id, &h, &src);
+             int slot;
+             try {
+               slot = c.engine->take_claim(id, &h, &src);
+             } catch (const Error&) {
+               c.engine->cancel(id);  // refused (a device message): it stays for the next recv
+               throw;
+             }
              PyObject* r = lend(self.ptr(), c, src, slot, h, make.ptr());
              if (!r) throw py::error_already_set();
              return py::reinterpret_steal<py::object>(r);
