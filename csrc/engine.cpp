@@ -312,6 +312,10 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
 
 std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind,
                            bool device) {
+  // Every receive into an out asks; the words are built only for a refusal.
+  if ((!out_dtype || out_dtype == h.dtype) && h.nbytes <= out_cap && !(h.flags & kDescriptor) &&
+      !(device && (h.flags & kRendezvous)))
+    return "";
   std::string head = "recv from " + peer_str(peer) + " tag " + std::to_string(h.tag) + ": ";
   const char* kept = "; the message was kept for the next recv";
   if (out_dtype && out_dtype != h.dtype) {
@@ -1024,6 +1028,37 @@ void Engine::consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst
   }
 }
 
+void Engine::release_claimed(int peer, int slot, uint64_t seq) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return;  // the transports are gone: there is no sender to give the slot back to
+  Peer& p = peers_[peer];
+  for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
+    if (a->seq == seq) {
+      p.ready.erase(a);
+      break;
+    }
+  free_slot(peer, slot, seq);
+}
+
+int Engine::take_claim(uint64_t id, MsgHeader* hdr, int* peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
+  if (r.hdr.flags & kDevicePayload)
+    throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
+  if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
+  if (r.hdr.flags & kRendezvous) return -1;  // its data is not in the slot: the caller copies it out
+  *hdr = r.hdr;
+  *peer = r.peer;
+  int slot = r.slot;
+  recycle(id);  // the arrival stays claimed: release_claimed or unclaim ends it
+  return slot;
+}
+
+const char* Engine::slot_payload(int peer, int slot) const {
+  return region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
+}
+
 void Engine::unclaim(int peer, uint64_t seq) {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& a : peers_[peer].ready)
@@ -1058,17 +1093,6 @@ bool Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   }
   recycle(id);
   return true;
-}
-
-const void* Engine::payload(uint64_t id) {
-  std::lock_guard<std::mutex> g(mu_);
-  Request& r = get(id);
-  if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to view");
-  if (r.hdr.flags & kDevicePayload)
-    throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
-  if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
-  if (r.hdr.flags & kRendezvous) return nullptr;  // its data is not in the slot: the caller copies it out
-  return region_->base() + layout_.slot_off(r.peer, r.slot) + kPayloadOff;
 }
 
 void Engine::release(uint64_t id) {

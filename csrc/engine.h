@@ -130,6 +130,15 @@ class Engine {
                    std::chrono::steady_clock::time_point deadline, Mem mem = {}, int* claim = nullptr);
   void consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst);
   void unclaim(int peer, uint64_t seq);
+  // A claimed message read in place (copy=False) is done with: free its slot.
+  // After close() it does nothing.
+  void release_claimed(int peer, int slot, uint64_t seq);
+  // A recv matched without out becomes a claim on its slot (returned, its
+  // header in *hdr, its sender in *peer) and the request is recycled; release_claimed ends it.
+  // Host payloads only (device messages and descriptors are refused).
+  int take_claim(uint64_t id, MsgHeader* hdr, int* peer);
+  // Where a claimed message's payload is in our region.
+  const char* slot_payload(int peer, int slot) const;
   bool test(uint64_t id);
   // Drive every transport once (waits outside the engine, e.g. store barriers,
   // call this so incoming writes and held credits keep moving).
@@ -141,8 +150,7 @@ class Engine {
   // Copies the payload and frees the slot: true. False when the message is a
   // rendezvous whose data streams in (protocol.h kChunk): wait(id) then.
   bool copy_out(uint64_t id, void* dst, Mem mem = {});
-  const void* payload(uint64_t id);       // zero-copy view; free with release()
-  void release(uint64_t id);
+  void release(uint64_t id);  // drop the matched message unread
   // Give up on a request that has not started (send not written, recv not
   // matched): nothing is half-written and no message is lost. A send the
   // transport still reads (in flight) goes on detached: true then, and with

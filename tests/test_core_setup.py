@@ -79,7 +79,7 @@ def test_status_of_a_received_message():
     with comm:
         x = np.arange(6, dtype=np.float32).reshape(2, 3)
         comm.send(x, 0, tag=7)
-        st = comm._c.recv_buffer(0, 7, np.zeros(16, np.float32), 10.0)
+        st = comm._f.recv(0, 7, np.zeros(16, np.float32), 10.0)  # a 2-d message into a 1-d out: its Status
         assert isinstance(st, varcomm.Status)
         assert (st.src, st.tag, st.nbytes, st.shape, st.device) == (0, 7, 24, (2, 3), False)
         assert "float32" in repr(st) and "shape=(2, 3)" in repr(st)

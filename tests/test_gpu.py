@@ -171,7 +171,7 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
                 gpu.put(p, _payload(i, n))
                 works.append(c.isend(1, 0, p, n, U8, (n,), s))
             host = np.frombuffer(_payload(7, 1000), dtype=np.uint8).copy()
-            assert c.send_buffer(1, 1, host, 30.0, 1)  # numpy (kind 1), host -> device memory
+            assert comm._f.send(host, 1, 1, 30.0, 1)  # numpy (kind 1), host -> device memory
             for w in works:
                 c.wait(w, 30.0)
             for i in range(6):  # after the dropped one: its slot must come back
@@ -189,8 +189,8 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
             gpu.sync(s)
             assert gpu.get(out, n) == _payload(0, 300)
             host = np.zeros(BOUND, dtype=np.uint8)  # device message into host memory
-            h = c.recv_buffer(0, 0, host, 30.0)
-            assert h.nbytes == 5000 and host[:5000].tobytes() == _payload(1, 5000)
+            v = comm._f.recv(0, 0, host, 30.0)  # 1-d message, 1-d out: out's front
+            assert v.shape == (5000,) and v.tobytes() == _payload(1, 5000)
             rid = c.irecv(0, 0, 0, 0, 0)  # dropped unread
             c.wait(rid, 30.0)
             c.release(rid)
@@ -202,6 +202,36 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
                 h = c.recv_into(0, 2, dev, BOUND, U8, 30.0, s)
                 gpu.sync(s)
                 assert gpu.get(dev, 128) == _payload(100 + i, 128)
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_copy_false_refuses_a_device_message_and_keeps_it(fake_cuda):
+    """copy=False lends host slots only: a device message is refused with
+    InvalidArgument (blocking recv and irecv alike) and stays for the next
+    receive, which copies it.
+    Catches: the refused message consumed or left claimed (the next receive
+    would hang or get the message after it)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    with comm:
+        if r == 0:
+            p = gpu.alloc(300)
+            gpu.put(p, _payload(3, 300))
+            c.wait(c.isend(1, 0, p, 300, U8, (300,), s), 30.0)
+            comm.send(np.arange(4), 1)
+        else:
+            for _ in range(3):
+                with pytest.raises(varcomm.InvalidArgument, match="device"):
+                    comm.recv(0, copy=False)
+                with pytest.raises(varcomm.InvalidArgument, match="device"):
+                    comm.irecv(0, copy=False).wait()
+            out = gpu.alloc(BOUND)
+            h = c.recv_into(0, 0, out, BOUND, U8, 30.0, s)
+            gpu.sync(s)
+            assert h.nbytes == 300 and gpu.get(out, 300) == _payload(3, 300)
+            assert comm.recv(0).tolist() == [0, 1, 2, 3]
         comm.barrier()
 
 

@@ -222,6 +222,8 @@ def test_numpy_receive_of_a_dtype_numpy_lacks_keeps_the_message(transport):
                         comm.irecv(0, tag=i).wait()
                     with pytest.raises(varcomm.InvalidArgument, match="torch"):
                         comm.recv(0, tag=i, copy=False)
+                    with pytest.raises(varcomm.InvalidArgument, match="torch"):
+                        comm.irecv(0, tag=i, copy=False).wait()
                 got = comm.recv(0, tag=i, out=torch.empty(3, dtype=dt))
                 assert got.to(torch.float32).tolist() == [float(i + 1)] * 3
             assert comm.recv(0, tag=9).tolist() == [0, 1, 2, 3]
@@ -331,7 +333,7 @@ def test_close_stops_flushing_for_a_receiver_that_closed(transport):
             t0 = time.monotonic()
             comm.close()
             assert time.monotonic() - t0 < 8
-            ok = 0
+            ok = gone = 0
             for w, before in zip(works, done_before):
                 try:
                     assert w.wait() is None
@@ -339,8 +341,10 @@ def test_close_stops_flushing_for_a_receiver_that_closed(transport):
                 except varcomm.ClosedError:
                     assert not before, "a Work that had completed failed at close"
                 except varcomm.PeerFailure:  # rank 1 has exited already: it may have failed before close
-                    pass
-            assert 1 <= ok <= slots, ok
+                    assert not before, "a Work that had completed failed when its peer exited"
+                    gone += 1
+            # The fallback's mover may not have written any before rank 1 exited (then all are PeerFailure).
+            assert ok <= slots and (ok >= 1 or gone), (ok, gone)
         else:
             comm.barrier()
 

@@ -422,6 +422,406 @@ std::vector<int64_t> to_shape(const py::sequence& s) {
   return v;
 }
 
+// Blocking receive of a new array (recv without out): claims the message,
+// alloc(dtype word, shape) makes its array, the payload is copied there and
+// the slot freed; one call and no request. allocs: a tuple of allocators
+// indexed by the sender's array kind (its item 0 for a kind past its end), so
+// one table serves a fixed kind and array="auto". An allocator returns the
+// array (a writable C-contiguous buffer: numpy), or (array, data pointer) for
+// one without the buffer protocol (torch), or (array, pointer, then): then
+// turns the host array into the kind asked for (cupy: a copy on the GPU).
+// None, with the message left in place, when irecvs from src are posted
+// (FIFO) or the message is a device payload or a descriptor (the caller's
+// irecv path handles those). An alloc that raises leaves the message for the
+// next recv.
+py::object recv_new(Comm& c, int src, int64_t tag, std::optional<double> timeout, PyObject* allocs) {
+  MsgHeader h;
+  int slot = -1;
+  if (!recv_blocking(c, src, tag, nullptr, 0, 0, &h, timeout, {}, &slot)) return py::none();
+  if (h.flags & (kDevicePayload | kDescriptor)) {
+    c.engine->unclaim(src, h.seq);
+    return py::none();
+  }
+  py::object arr, then;
+  void* ptr = nullptr;
+  size_t kind = size_t((h.flags & kArrayMask) >> kArrayShift);
+  Py_ssize_t n = PyTuple_GET_SIZE(allocs);
+  try {  // anything that refuses the message leaves it for the next recv
+    py::handle alloc = PyTuple_GET_ITEM(allocs, Py_ssize_t(kind) < n ? Py_ssize_t(kind) : 0);
+    py::tuple shape(h.ndim);
+    for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
+    py::object made = alloc(h.dtype, shape);
+    if (PyTuple_Check(made.ptr())) {
+      arr = made[py::int_(0)];
+      ptr = reinterpret_cast<void*>(made[py::int_(1)].cast<uintptr_t>());
+      if (PyTuple_GET_SIZE(made.ptr()) > 2) then = made[py::int_(2)];
+    } else {
+      arr = made;
+      Py_buffer v;
+      if (PyObject_GetBuffer(arr.ptr(), &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+      ptr = v.buf;
+      bool short_ = uint64_t(v.len) < h.nbytes;
+      PyBuffer_Release(&v);
+      if (short_) throw Error(ErrorKind::Invalid, "recv allocator made an array smaller than the message");
+    }
+  } catch (...) {
+    c.engine->unclaim(src, h.seq);
+    throw;
+  }
+  c.engine->consume_claimed(src, slot, h, ptr);
+  return then ? then(arr) : arr;
+}
+
+// ---- the hot path ------------------------------------------------------------
+// Blocking send and receive as plain CPython METH_FASTCALL methods of one
+// object per communicator (Comm.fast()): one call per operation, no pybind11
+// argument dispatch (about a third of a small message's CPU time). Each takes
+// what it can and answers "not here" (False / None) for anything else, and
+// the facade then takes the general path, which gives every error its words.
+
+// A varcomm Error as the Python exception of its kind (the exception
+// translator below does the same for pybind11 calls).
+void set_error(const Error& e) {
+  py::object cls = py::module_::import("varcomm.errors").attr(error_class(e.kind));
+  py::object exc = cls(e.what());
+  exc.attr("peer") = e.peer >= 0 ? py::object(py::int_(e.peer)) : py::none();
+  PyErr_SetObject(cls.ptr(), exc.ptr());
+}
+
+template <class F>
+PyObject* guarded(F&& f) {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const Error& e) {
+    try {
+      set_error(e);
+    } catch (py::error_already_set& e2) {
+      e2.restore();
+    }
+  } catch (const py::cast_error& e) {
+    PyErr_SetString(PyExc_TypeError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+// A rank argument the fast path takes: an exact int in [0, world).
+bool rank_arg(PyObject* o, int world, int* r) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  long v = PyLong_AsLongAndOverflow(o, &overflow);
+  if (overflow || v < 0 || v >= world) return false;
+  *r = int(v);
+  return true;
+}
+
+// A timeout argument the fast path takes: None, a float or an int (seconds).
+bool timeout_arg(PyObject* o, std::optional<double>* t) {
+  if (o == Py_None) {
+    *t = std::nullopt;
+    return true;
+  }
+  if (PyFloat_CheckExact(o)) {
+    *t = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  if (PyLong_CheckExact(o)) {
+    double d = PyLong_AsDouble(o);
+    if (d == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    *t = d;
+    return true;
+  }
+  return false;
+}
+
+// What a receive into `out` returns: out itself when the message has its
+// shape; out[:n] when both are 1-d (one slice, no Status); else the Status
+// (the facade builds the prefix view).
+PyObject* received_view(PyObject* out, int src, const MsgHeader& h, const int64_t* out_shape, uint32_t out_ndim) {
+  if (h.ndim == out_ndim && std::equal(h.shape, h.shape + h.ndim, out_shape)) {
+    Py_INCREF(out);
+    return out;
+  }
+  if (h.ndim == 1 && out_ndim == 1 && !(h.flags & kDescriptor)) {
+    PyObject* stop = PyLong_FromLongLong(h.shape[0]);
+    if (!stop) return nullptr;
+    PyObject* sl = PySlice_New(nullptr, stop, nullptr);
+    Py_DECREF(stop);
+    if (!sl) return nullptr;
+    PyObject* v = PyObject_GetItem(out, sl);
+    Py_DECREF(sl);
+    return v;
+  }
+  return status_of(src, h).release().ptr();
+}
+
+// A message read in place (recv copy=False): a buffer over its payload in our
+// receive slot. The slot goes back to the sender when the Loan is freed, i.e.
+// when the last array made from it (numpy/torch frombuffer) is gone. It holds
+// the Comm, so the region stays mapped while any view lives.
+struct LoanObj {
+  PyObject_HEAD
+  PyObject* owner;  // the Python Comm
+  Comm* c;
+  char* ptr;
+  Py_ssize_t nbytes;
+  uint64_t seq;
+  int peer;
+  int slot;
+  bool live;  // the claim is this Loan's to end
+};
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+PyTypeObject loan_type = {PyVarObject_HEAD_INIT(nullptr, 0)};  // the rest is set in ready_fast_types
+#pragma GCC diagnostic pop
+
+void loan_dealloc(PyObject* self) {
+  auto* l = reinterpret_cast<LoanObj*>(self);
+  if (l->live) {
+    try {
+      l->c->engine->release_claimed(l->peer, l->slot, l->seq);
+    } catch (...) {
+      // nothing to give back to (closed, failed peer): the slot is gone with it
+    }
+  }
+  Py_XDECREF(l->owner);
+  Py_TYPE(self)->tp_free(self);
+}
+
+int loan_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  auto* l = reinterpret_cast<LoanObj*>(self);
+  return PyBuffer_FillInfo(view, self, l->ptr, l->nbytes, 0, flags);
+}
+
+PyBufferProcs loan_buffer = {loan_getbuffer, nullptr};
+
+PyObject* new_loan(PyObject* owner, Comm& c, int peer, int slot, const MsgHeader& h) {
+  auto* l = PyObject_New(LoanObj, &loan_type);
+  if (!l) return nullptr;
+  Py_INCREF(owner);
+  l->owner = owner;
+  l->c = &c;
+  l->ptr = const_cast<char*>(c.engine->slot_payload(peer, slot));
+  l->nbytes = Py_ssize_t(h.nbytes);
+  l->seq = h.seq;
+  l->peer = peer;
+  l->slot = slot;
+  l->live = true;
+  return reinterpret_cast<PyObject*>(l);
+}
+
+// make(loan, dtype word, shape, sender's array kind) turns a Loan into the
+// array recv returns; if it raises, the message stays for the next recv.
+PyObject* lend(PyObject* owner, Comm& c, int src, int slot, const MsgHeader& h, PyObject* make) {
+  PyObject* loan = new_loan(owner, c, src, slot, h);
+  if (!loan) {
+    c.engine->unclaim(src, h.seq);
+    return nullptr;
+  }
+  py::tuple shape(h.ndim);
+  for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
+  PyObject* args[4] = {loan, PyLong_FromUnsignedLong(h.dtype), shape.ptr(),
+                       PyLong_FromUnsignedLong(unsigned((h.flags & kArrayMask) >> kArrayShift))};
+  PyObject* made = (args[1] && args[3]) ? PyObject_Vectorcall(make, args, 4, nullptr) : nullptr;
+  Py_XDECREF(args[1]);
+  Py_XDECREF(args[3]);
+  if (!made) {
+    // Whatever make kept of the Loan no longer frees the slot: the message is back.
+    reinterpret_cast<LoanObj*>(loan)->live = false;
+    c.engine->unclaim(src, h.seq);
+  }
+  Py_DECREF(loan);
+  return made;
+}
+
+struct FastObj {
+  PyObject_HEAD
+  PyObject* owner;  // the Python Comm (keeps c alive)
+  Comm* c;
+  int world;
+};
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+PyTypeObject fast_type = {PyVarObject_HEAD_INIT(nullptr, 0)};  // the rest is set in ready_fast_types
+#pragma GCC diagnostic pop
+
+void fast_dealloc(PyObject* self) {
+  Py_XDECREF(reinterpret_cast<FastObj*>(self)->owner);
+  Py_TYPE(self)->tp_free(self);
+}
+
+#define VARCOMM_NARGS(n)                                                                   \
+  if (nargs != (n)) {                                                                      \
+    PyErr_Format(PyExc_TypeError, "expected %d arguments, got %zd", (n), Py_ssize_t(nargs)); \
+    return nullptr;                                                                        \
+  }
+
+// send(obj, dst, tag, timeout, array) -> bool: a buffer-protocol (numpy)
+// array; False, nothing sent, when not taken here.
+PyObject* fast_send(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(5)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int dst;
+    std::optional<double> t;
+    if (!rank_arg(a[1], f->world, &dst) || !timeout_arg(a[3], &t)) Py_RETURN_FALSE;
+    int64_t tag = tag_of(a[2]);
+    Buf b;
+    if (!b.get(a[0], false)) Py_RETURN_FALSE;
+    send_blocking(*f->c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, t, {}, a[0],
+                  uint32_t(PyLong_AsUnsignedLong(a[4])));
+    Py_RETURN_TRUE;
+  });
+}
+
+// send_ptr(keep, dst, tag, ptr, dtype, shape, timeout, array) -> bool: a
+// contiguous host array the caller described (torch); its bytes are
+// prod(shape) x the dtype's item size.
+PyObject* fast_send_ptr(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(8)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int dst;
+    std::optional<double> t;
+    if (!rank_arg(a[1], f->world, &dst) || !timeout_arg(a[6], &t) || !PyTuple_Check(a[5])) Py_RETURN_FALSE;
+    Py_ssize_t nd = PyTuple_GET_SIZE(a[5]);
+    if (nd > kMaxDims) Py_RETURN_FALSE;
+    int64_t tag = tag_of(a[2]);
+    uint32_t dtype = uint32_t(PyLong_AsUnsignedLong(a[4]));
+    int64_t shape[kMaxDims];
+    uint64_t n = (((dtype >> 8) & 0xFF) * std::max(dtype & 0xFF, 1u) + 7) / 8;
+    for (Py_ssize_t i = 0; i < nd; ++i) {
+      shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[5], i));
+      n *= uint64_t(shape[i]);
+    }
+    void* ptr = PyLong_AsVoidPtr(a[3]);
+    uint32_t array = uint32_t(PyLong_AsUnsignedLong(a[7]));
+    if (PyErr_Occurred()) return nullptr;
+    send_blocking(*f->c, dst, tag, ptr, n, dtype, shape, uint32_t(nd), t, {}, a[0], array);
+    Py_RETURN_TRUE;
+  });
+}
+
+// recv(src, tag, out, timeout): into a buffer-protocol (numpy) out; out, a
+// view of its front (1-d), the message's Status, or None: not taken here.
+PyObject* fast_recv(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(4)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int src;
+    std::optional<double> t;
+    if (!rank_arg(a[0], f->world, &src) || !timeout_arg(a[3], &t)) Py_RETURN_NONE;
+    int64_t tag = tag_of(a[1]);
+    Buf b;
+    if (!b.get(a[2], true)) Py_RETURN_NONE;
+    MsgHeader h;
+    if (!recv_blocking(*f->c, src, tag, b.v.buf, b.nbytes, b.dtype, &h, t)) Py_RETURN_NONE;
+    return received_view(a[2], src, h, b.shape, b.ndim);
+  });
+}
+
+// recv_ptr(src, tag, out, ptr, cap, dtype, shape, timeout): into host memory
+// the caller described (a torch out; shape: its shape); as recv.
+PyObject* fast_recv_ptr(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(8)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int src;
+    std::optional<double> t;
+    if (!rank_arg(a[0], f->world, &src) || !timeout_arg(a[7], &t) || !PyTuple_Check(a[6])) Py_RETURN_NONE;
+    Py_ssize_t nd = PyTuple_GET_SIZE(a[6]);
+    if (nd > kMaxDims) Py_RETURN_NONE;
+    int64_t tag = tag_of(a[1]);
+    int64_t shape[kMaxDims];
+    for (Py_ssize_t i = 0; i < nd; ++i) shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(a[6], i));
+    void* ptr = PyLong_AsVoidPtr(a[3]);
+    uint64_t cap = PyLong_AsUnsignedLongLong(a[4]);
+    uint32_t dtype = uint32_t(PyLong_AsUnsignedLong(a[5]));
+    if (PyErr_Occurred()) return nullptr;
+    MsgHeader h;
+    if (!recv_blocking(*f->c, src, tag, ptr, cap, dtype, &h, t)) Py_RETURN_NONE;
+    return received_view(a[2], src, h, shape, uint32_t(nd));
+  });
+}
+
+// recv_new(src, tag, timeout, allocs): a new array (see Comm.recv_new).
+PyObject* fast_recv_new(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(4)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int src;
+    std::optional<double> t;
+    if (!rank_arg(a[0], f->world, &src) || !timeout_arg(a[2], &t) || !PyTuple_Check(a[3])) Py_RETURN_NONE;
+    int64_t tag = tag_of(a[1]);
+    return recv_new(*f->c, src, tag, t, a[3]).release().ptr();
+  });
+}
+
+// recv_loan(src, tag, timeout, make): copy=False; make(loan, dtype word,
+// shape, sender's kind) -> the array; None: not taken here (take irecv).
+PyObject* fast_recv_loan(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(4)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int src;
+    std::optional<double> t;
+    if (!rank_arg(a[0], f->world, &src) || !timeout_arg(a[2], &t)) Py_RETURN_NONE;
+    int64_t tag = tag_of(a[1]);
+    MsgHeader h;
+    int slot = -1;
+    if (!recv_blocking(*f->c, src, tag, nullptr, 0, 0, &h, t, {}, &slot)) Py_RETURN_NONE;
+    if (h.flags & (kDevicePayload | kDescriptor | kRendezvous)) {  // the general path (a rendezvous: a copy)
+      f->c->engine->unclaim(src, h.seq);
+      Py_RETURN_NONE;
+    }
+    return lend(f->owner, *f->c, src, slot, h, a[3]);
+  });
+}
+
+PyMethodDef fast_methods[] = {
+    {"send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_send)), METH_FASTCALL, nullptr},
+    {"send_ptr", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_send_ptr)), METH_FASTCALL, nullptr},
+    {"recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv)), METH_FASTCALL, nullptr},
+    {"recv_ptr", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv_ptr)), METH_FASTCALL, nullptr},
+    {"recv_new", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv_new)), METH_FASTCALL, nullptr},
+    {"recv_loan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv_loan)), METH_FASTCALL, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+void ready_fast_types(py::module_& m) {
+  loan_type.tp_name = "varcomm._C.Loan";
+  loan_type.tp_basicsize = sizeof(LoanObj);
+  loan_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  loan_type.tp_doc = "A received message's bytes in its receive slot (copy=False); the slot returns when it is freed.";
+  loan_type.tp_dealloc = loan_dealloc;
+  loan_type.tp_as_buffer = &loan_buffer;
+  fast_type.tp_name = "varcomm._C.Fast";
+  fast_type.tp_basicsize = sizeof(FastObj);
+  fast_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  fast_type.tp_doc = "A communicator's blocking send/recv, one call each (Comm.fast()).";
+  fast_type.tp_dealloc = fast_dealloc;
+  fast_type.tp_methods = fast_methods;
+  if (PyType_Ready(&loan_type) < 0 || PyType_Ready(&fast_type) < 0) throw py::error_already_set();
+  m.attr("Loan") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&loan_type));
+  m.attr("Fast") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&fast_type));
+}
+
+py::object make_fast(py::handle owner) {
+  auto* f = PyObject_New(FastObj, &fast_type);
+  if (!f) throw py::error_already_set();
+  f->owner = owner.inc_ref().ptr();
+  f->c = &owner.cast<Comm&>();
+  f->world = f->c->engine->world();
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
+}
+
 }  // namespace
 
 // ---- collectives ------------------------------------------------------------
@@ -778,10 +1178,7 @@ PYBIND11_MODULE(_C, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      py::object cls = py::module_::import("varcomm.errors").attr(error_class(e.kind));
-      py::object exc = cls(e.what());
-      exc.attr("peer") = e.peer >= 0 ? py::object(py::int_(e.peer)) : py::none();
-      PyErr_SetObject(cls.ptr(), exc.ptr());
+      set_error(e);
     }
   });
 
@@ -817,6 +1214,7 @@ PYBIND11_MODULE(_C, m) {
   bind_collectives(m);
   bind_fallback_mover(m);
   bind_device_a2a(m);
+  ready_fast_types(m);
 
   // The doctor's views; with an options dict they describe what those options would select.
   m.def("rdma_info", [](std::optional<py::dict> opts) -> std::string {
@@ -948,16 +1346,6 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("dst"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
            py::arg("timeout"), py::arg("stream") = -1, py::arg("keep") = py::none(), py::arg("array") = 0)
-      // Buffer-protocol (numpy) sends; false, with nothing sent, when the
-      // object is not C-contiguous. array: the object's kind, for the header.
-      .def("send_buffer",
-           [](Comm& c, int dst, py::handle tag_obj, py::handle obj, std::optional<double> timeout, uint32_t array) {
-             int64_t tag = tag_of(tag_obj);
-             Buf b;
-             if (!b.get(obj.ptr(), false)) return false;
-             send_blocking(c, dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, timeout, {}, obj, array);
-             return true;
-           })
       // A descriptor message: the header of `nbytes` of data sent separately, no payload.
       .def("isend_descriptor",
            [](Comm& c, int dst, py::handle tag_obj, uint64_t nbytes, uint32_t dtype, const py::sequence& shape) {
@@ -972,88 +1360,19 @@ PYBIND11_MODULE(_C, m) {
              return c.engine->irecv(src, tag, reinterpret_cast<void*>(out), cap, dtype, mem_of(stream));
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("stream") = -1)
-      // Receive into a buffer-protocol object: returns it unchanged when the
-      // message has its shape, else the message's Status; None when the
-      // object is unusable here (the caller takes the general path).
-      .def("recv_buffer",
-           [](Comm& c, int src, py::handle tag_obj, py::handle obj, std::optional<double> timeout) -> py::object {
-             int64_t tag = tag_of(tag_obj);
-             Buf b;
-             if (!b.get(obj.ptr(), true)) return py::none();
-             MsgHeader h;
-             if (!recv_blocking(c, src, tag, b.v.buf, b.nbytes, b.dtype, &h, timeout)) {
-               uint64_t id = c.engine->irecv(src, tag, b.v.buf, b.nbytes, b.dtype);
-               c.wait(id, timeout);
-               MsgInfo m = c.engine->info(id);
-               h.nbytes = m.nbytes;
-               h.dtype = m.dtype;
-               h.tag = m.tag;
-               h.flags = m.flags;
-               h.ndim = uint32_t(m.shape.size());
-               std::copy(m.shape.begin(), m.shape.end(), h.shape);
-             }
-             if (h.nbytes == b.nbytes && h.ndim == b.ndim && std::equal(h.shape, h.shape + h.ndim, b.shape))
-               return py::reinterpret_borrow<py::object>(obj);
-             return status_of(src, h);
-           })
-      // Blocking receive into raw memory (torch out=): the message's Status,
-      // or `same` itself when the message has exactly `shape` (a tuple: the
-      // out tensor's own, so the common case builds no Status).
+      // Blocking receive into raw memory the general path described (a CUDA
+      // out, ordered on `stream`): the message's Status; None: take irecv.
       .def("recv_into",
            [](Comm& c, int src, py::handle tag_obj, uintptr_t out, uint64_t cap, uint32_t dtype,
-              std::optional<double> timeout, int64_t stream, py::handle same, py::handle shape) -> py::object {
+              std::optional<double> timeout, int64_t stream) -> py::object {
              int64_t tag = tag_of(tag_obj);
              MsgHeader h;
              if (!recv_blocking(c, src, tag, reinterpret_cast<void*>(out), cap, dtype, &h, timeout, mem_of(stream)))
                return py::none();
-             if (!same.is_none() && PyTuple_Check(shape.ptr()) && PyTuple_GET_SIZE(shape.ptr()) == Py_ssize_t(h.ndim)) {
-               bool eq = true;
-               for (uint32_t i = 0; eq && i < h.ndim; ++i)
-                 eq = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i)) == h.shape[i];
-               if (eq) return py::reinterpret_borrow<py::object>(same);
-             }
              return status_of(src, h);
            },
            py::arg("src"), py::arg("tag"), py::arg("out"), py::arg("cap"), py::arg("dtype"), py::arg("timeout"),
-           py::arg("stream") = -1, py::arg("same") = py::none(), py::arg("shape") = py::none())
-      // Blocking receive of a new array (recv without out): claims the
-      // message, alloc(dtype word, shape) -> (array, data pointer) makes its
-      // array, the payload is copied there and the slot freed; one call and no
-      // request. allocs: a tuple of allocators indexed by the sender's array
-      // kind (its item 0 for a kind past its end), so one table serves a fixed
-      // kind and array="auto". None, with the message left in place, when
-      // irecvs from src are posted (FIFO) or the message is a device payload
-      // or a descriptor (the caller's irecv path handles those). An alloc that
-      // raises leaves the message for the next recv.
-      .def("recv_new",
-           [](Comm& c, int src, py::handle tag_obj, std::optional<double> timeout, py::tuple allocs) -> py::object {
-             int64_t tag = tag_of(tag_obj);
-             MsgHeader h;
-             int slot = -1;
-             if (!recv_blocking(c, src, tag, nullptr, 0, 0, &h, timeout, {}, &slot)) return py::none();
-             if (h.flags & (kDevicePayload | kDescriptor)) {
-               c.engine->unclaim(src, h.seq);
-               return py::none();
-             }
-             py::tuple shape(h.ndim);
-             for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-             py::object arr, then;
-             uintptr_t ptr = 0;
-             size_t kind = size_t((h.flags & kArrayMask) >> kArrayShift);
-             py::handle alloc = PyTuple_GET_ITEM(allocs.ptr(), Py_ssize_t(kind < allocs.size() ? kind : 0));
-             try {  // anything that refuses the message leaves it for the next recv
-               py::tuple made = alloc(h.dtype, shape);
-               arr = made[0];
-               ptr = made[1].cast<uintptr_t>();
-               // A third item turns the host array into the kind asked for (cupy: a copy on the GPU).
-               if (made.size() > 2) then = made[2];
-             } catch (...) {
-               c.engine->unclaim(src, h.seq);
-               throw;
-             }
-             c.engine->consume_claimed(src, slot, h, reinterpret_cast<void*>(ptr));
-             return then ? then(arr) : arr;
-           })
+           py::arg("stream") = -1)
       .def("wait", [](Comm& c, uint64_t id, std::optional<double> timeout) { c.wait(id, timeout); },
            py::arg("id"), py::arg("timeout") = py::none())
       .def("test", [](Comm& c, uint64_t id) { return c.engine->test(id); })
@@ -1064,7 +1383,27 @@ PYBIND11_MODULE(_C, m) {
              return c.engine->copy_out(id, reinterpret_cast<void*>(dst), mem_of(stream));
            },
            py::arg("id"), py::arg("dst"), py::arg("stream") = -1)
-      .def("payload", [](Comm& c, uint64_t id) { return reinterpret_cast<uintptr_t>(c.engine->payload(id)); })
+      // A matched recv without out, read in place (copy=False): make(Loan,
+      // dtype word, shape, sender's kind) -> the array; the request is done.
+      .def("loan",
+           [](py::object self, uint64_t id, py::handle make) -> py::object {
+             Comm& c = self.cast<Comm&>();
+             MsgHeader h;
+             int src;
+             int slot;
+             try {
+               slot = c.engine->take_claim(id, &h, &src);
+             } catch (const Error&) {
+               c.engine->cancel(id);  // refused (a device message): it stays for the next recv
+               throw;
+             }
+             if (slot < 0) return py::none();  // a rendezvous: nothing in the slot to lend, copy it out
+             PyObject* r = lend(self.ptr(), c, src, slot, h, make.ptr());
+             if (!r) throw py::error_already_set();
+             return py::reinterpret_steal<py::object>(r);
+           })
+      // The blocking send/recv, one CPython call each.
+      .def("fast", [](py::object self) { return make_fast(self); })
       .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })
       // keep: what the request's buffer belongs to, held if a send is in flight.
       .def("cancel", [](Comm& c, uint64_t id, py::handle keep) { c.give_up(id, keep.is_none() ? py::handle() : keep); },

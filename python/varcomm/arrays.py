@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Union, overload
 
@@ -260,10 +259,10 @@ def new_torch(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
     return t, t.data_ptr()
 
 
-def new_numpy(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
-    """empty("numpy", ...) for the blocking recv's allocator (the core calls it)."""
-    a = np.empty(shape, dtype=dtypes.to_numpy(dtype_word))
-    return a, a.ctypes.data
+def new_numpy(dtype_word: int, shape: tuple[int, ...]) -> Array:
+    """empty("numpy", ...) for the blocking recv's allocator (the core calls
+    it and takes the data pointer through the buffer protocol)."""
+    return np.empty(shape, dtype=dtypes.to_numpy(dtype_word))
 
 
 def new_cupy(dtype_word: int, shape: tuple[int, ...]) -> tuple[Any, ...]:
@@ -286,7 +285,9 @@ def to_cupy(x: Any) -> Any:
     return cupy.from_dlpack(x) if is_torch(x) else cupy.asarray(x)
 
 
-ALLOCATORS: dict[str, Callable[[int, tuple[int, ...]], tuple[Any, ...]]] = {
+#: An allocator returns the array (a buffer: numpy), or (array, data pointer[, then]).
+Alloc = Callable[[int, tuple[int, ...]], Any]
+ALLOCATORS: dict[str, Alloc] = {
     "numpy": new_numpy, "torch": new_torch, "cupy": new_cupy}
 
 
@@ -295,7 +296,7 @@ def default_kind() -> str:
     return "torch" if torch is not None else "numpy"
 
 
-def allocators(array: str) -> tuple[Callable[[int, tuple[int, ...]], tuple[Any, ...]], ...]:
+def allocators(array: str) -> tuple[Alloc, ...]:
     """The blocking recv's allocators, indexed by the sender's kind (KINDS; the
     core takes item 0 for a kind past the end): one for a fixed kind; for
     "auto" the sender's kind, where this process has it, else default_kind()."""
@@ -305,8 +306,8 @@ def allocators(array: str) -> tuple[Callable[[int, tuple[int, ...]], tuple[Any, 
     return (base, new_numpy, new_torch if torch is not None else base, _new_cupy_or(base))
 
 
-def _new_cupy_or(base: Callable[[int, tuple[int, ...]], tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
-    def new(dtype_word: int, shape: tuple[int, ...]) -> tuple[Any, ...]:
+def _new_cupy_or(base: Alloc) -> Alloc:
+    def new(dtype_word: int, shape: tuple[int, ...]) -> Any:
         # cupy only for a process that uses it: auto never imports cupy (nor needs a GPU) on its own.
         return (new_cupy if "cupy" in sys.modules else base)(dtype_word, shape)
 
@@ -324,30 +325,30 @@ def receive_kind(array: str, sent: int) -> str:
     return default_kind()
 
 
-def loan(kind: str, ptr: int, nbytes: int, dtype_word: int, shape: Sequence[int],
-         on_free: Callable[[], None]) -> Array:
-    """A zero-copy view of a receive slot; `on_free` returns the slot when the
-    view (and every view derived from it) is garbage collected."""
-    # The dtype first: a kind that cannot hold it refuses before the slot is tied to the view.
-    if kind == "torch":
-        dt = dtypes.to_torch(dtype_word)
-        raw = _slot(ptr, nbytes, on_free)
-        if nbytes == 0:
-            return torch.empty(tuple(shape), dtype=dt)
-        flat = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes)
-        return flat.view(dt).reshape(tuple(shape))
-    ndt = dtypes.to_numpy(dtype_word)
-    raw = _slot(ptr, nbytes, on_free)
-    # raw is a buffer (a ctypes array), which numpy's stub does not list.
-    arr: np.ndarray[Any, Any] = np.frombuffer(raw, dtype=np.uint8, count=nbytes).view(ndt)  # type: ignore[call-overload]
-    return arr.reshape(tuple(shape))
+def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array]:
+    """copy=False's maker: (Loan, dtype word, shape, sender's kind) -> a
+    zero-copy array of the kind `array` asks for ("auto": the sender's) over a
+    receive slot's bytes (a `_C.Loan`, a buffer). The array holds the Loan, and
+    the slot goes back to its sender when the Loan is freed: when the array and
+    every view of it are gone. A kind that cannot hold the dtype raises before
+    anything holds the Loan, and the core keeps the message for the next recv."""
 
+    def lend(loan: Any, dtype_word: int, shape: tuple[int, ...], sent: int) -> Array:
+        kind = receive_kind(array, sent)
+        # frombuffer makes the 1-d array; any other shape is one reshape more.
+        if kind == "torch":
+            dt = dtypes.to_torch(dtype_word)
+            if 0 in shape:
+                return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
+            t = torch.frombuffer(loan, dtype=dt)
+            return t if len(shape) == 1 else t.reshape(shape)
+        if kind == "cupy":
+            raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the GPU: receive "
+                                  "with copy=True, or as numpy")
+        a: np.ndarray[Any, Any] = np.frombuffer(loan, dtype=dtypes.to_numpy(dtype_word))
+        return a if len(shape) == 1 else a.reshape(shape)
 
-def _slot(ptr: int, nbytes: int, on_free: Callable[[], None]) -> ctypes.Array[ctypes.c_char]:
-    """The slot's bytes as a buffer; `on_free` runs when the last view of it is gone."""
-    raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
-    weakref.finalize(raw, on_free)
-    return raw
+    return lend
 
 
 class DeviceMemory:

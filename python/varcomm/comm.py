@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .arrays import Array, Splits
 
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
+_Status: Any = None  # varcomm._C.Status, set at the first init (importing _C here would load the core on import)
 _TORCH_WORDS: dict[torch.dtype, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
 _CLOSE_FLUSH_S = 10.0  # close() writes queued sends for at most this long
 
@@ -131,8 +132,10 @@ class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
     def __init__(self, placement: bootstrap.Placement, store: Store, owner: Store | None, options: Options):
+        global _Status
         from . import _C
 
+        _Status = _C.Status
         self.options = options  # resolved: every field set (see varcomm.options)
         self.rank = placement.rank
         self.world_size = placement.world_size
@@ -149,6 +152,8 @@ class Communicator:
         self._routes_ready = False
         self._fallback: Any = None
         self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
+        self._f = self._c.fast()  # blocking send/recv, one core call each
+        self._lend = arrays.lender(options.array)  # copy=False: a slot's Loan as the array kind asked for
         self._setup()
         # Per peer, from the core: its route, and its device-memory route
         # (None: CUDA tensors are staged through host memory).
@@ -243,22 +248,24 @@ class Communicator:
     def send(self, tensor: Array, dst: int, tag: int = 0, timeout: float | None = None) -> None:
         """Returns when `tensor` may be reused."""
         t = self._timeout if timeout is None else timeout
+        kind = type(tensor)
+        # One core call for a contiguous host array (the fast path answers False
+        # for anything it does not take: then the general path below). The last
+        # argument is the array kind the header names (arrays.NUMPY = 1, TORCH = 2).
+        if kind is np.ndarray:
+            if self._f.send(tensor, dst, tag, t, 1):
+                return
+        # `kind is _Tensor` narrows nothing for mypy and a cast() would be a
+        # call, hence the ignores. Complex dtypes are not in _TORCH_WORDS (a
+        # conjugate view's bits are not its values): they, and negative views,
+        # take describe_send.
+        elif kind is _Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg():  # type: ignore[union-attr]
+            word = _TORCH_WORDS.get(tensor.dtype)
+            if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, tensor.shape, t, 2):  # type: ignore[union-attr]
+                return
         if not (type(dst) is int and 0 <= dst < self.world_size):
             self._check_peer(dst, "dst")
             dst = int(dst)
-        kind = type(tensor)
-        # The last argument is the array kind the header names (arrays.NUMPY = 1, TORCH = 2): literals, hot path.
-        if kind is np.ndarray and self._c.send_buffer(dst, tag, tensor, t, 1):
-            return
-        # Inlined describe_host: hot path. `kind is _Tensor` narrows nothing for
-        # mypy and a cast() would be a call, hence the ignores.
-        # Complex dtypes are not in _TORCH_WORDS (a conjugate view's bits are not
-        # its values): they, and negative views, take describe_send.
-        if kind is _Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg():  # type: ignore[union-attr]
-            word = _TORCH_WORDS.get(tensor.dtype)
-            if word is not None:
-                self._c.send(dst, tag, tensor.data_ptr(), tensor.nbytes, word, tensor.shape, t, -1, tensor, 2)  # type: ignore[union-attr]
-                return
         array = arrays.kind_of(tensor)
         tensor = arrays.native(tensor, "the array to send")
         ptr, nbytes, word, shape, _keep, stream = arrays.describe_send(tensor)
@@ -311,22 +318,35 @@ class Communicator:
         goes back to the sender when the view is garbage collected, so do not hold
         more than `slots` of them per peer."""
         t = self._timeout if timeout is None else timeout
+        # One core call where it can (None: the general path below decides).
+        f = self._f
+        if out is None:
+            if copy:
+                a = f.recv_new(src, tag, t, self._alloc if array is None else _allocators(array))
+            else:
+                a = f.recv_loan(src, tag, t, self._lend if array is None else arrays.lender(_check_array(array)))
+            if a is not None:
+                return a
+        else:
+            kind = type(out)
+            r: Any = None
+            if kind is np.ndarray:
+                r = f.recv(src, tag, out, t)
+            # Inlined, as in send.
+            elif kind is _Tensor and out.is_cpu and out.is_contiguous() and not out.is_neg():
+                word = _TORCH_WORDS.get(out.dtype)
+                if word is not None:
+                    r = f.recv_ptr(src, tag, out, out.data_ptr(), out.nbytes, word, out.shape, t)
+            if r is not None:
+                # out, a view of its front, or the message's Status (then the view is made here)
+                return arrays.prefix_view(out, r.nbytes, r.shape) if type(r) is _Status else r
         if not (type(src) is int and 0 <= src < self.world_size):
             self._check_peer(src, "src")
             src = int(src)
         if out is not None:
             kind = type(out)
-            if kind is np.ndarray:
-                r = self._c.recv_buffer(src, tag, out, t)
-            # Hot path: as in send, inlined.
-            elif (kind is _Tensor and out.is_cpu and out.is_contiguous() and out.dtype in _TORCH_WORDS
-                  and not out.is_neg()):
-                r = self._c.recv_into(src, tag, out.data_ptr(), out.nbytes, _TORCH_WORDS[out.dtype], t,
-                                      -1, out, out.shape)
-                if r is out:
-                    return out
-            elif kind is _Tensor and out.is_cuda and self._device_routes[src] is None:
-                r = None  # staged through host memory: irecv below
+            if kind is _Tensor and out.is_cuda and self._device_routes[src] is None:
+                pass  # staged through host memory: irecv below
             elif not arrays.is_native(out):  # a DLPack array: received into a torch or numpy view of it
                 nout = arrays.native(out, "out")
                 return arrays.like(out, nout, self.recv(src, tag, nout, t, copy))
@@ -335,13 +355,8 @@ class Communicator:
                 if stream >= 0:
                     _check_capture()
                 r = self._c.recv_into(src, tag, ptr, cap, word, t, stream)
-            if r is not None:
-                return r if r is out else arrays.prefix_view(out, r.nbytes, r.shape)
-        elif copy:
-            # one core call; None: the irecv path decides
-            a = self._c.recv_new(src, tag, t, self._alloc if array is None else _allocators(array))
-            if a is not None:
-                return a
+                if r is not None:
+                    return arrays.prefix_view(out, r.nbytes, r.shape)
         return self.irecv(src, tag, out, copy=copy, array=array).wait(t)
 
     def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
@@ -397,6 +412,7 @@ class Communicator:
             rid = c.irecv(src, tag, ptr, cap, word, stream)
             return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out, cur)
         asked = _check_array(array) if array is not None else self._array
+        lend = self._lend if array is None else arrays.lender(asked)
         rid = c.irecv(src, tag, 0, 0, 0)
 
         def finish() -> Any:
@@ -404,6 +420,10 @@ class Communicator:
             if st.descriptor:  # no payload of its own: its Status is the message
                 c.release(rid)
                 return st
+            # copy=False refuses (kind, dtype) with the message kept for the next recv; a
+            # rendezvous message has no slot to lend (None): it is copied out once instead.
+            if not copy and (lent := c.loan(rid, lend)) is not None:
+                return lent
             word, shape = st.dtype, st.shape
             kind = arrays.receive_kind(asked, st.array)
             try:  # everything that can refuse the message, before it is consumed
@@ -412,9 +432,6 @@ class Communicator:
                     if not copy:
                         raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the "
                                               "GPU: receive with copy=True, or as numpy")
-                # A rendezvous message has no slot to lend (payload 0): it is copied out once instead.
-                if not copy and (view := c.payload(rid)):
-                    return arrays.loan(kind, view, st.nbytes, word, shape, lambda: _release(c, rid))
                 dev = None
                 if kind in ("torch", "cupy") and self._cuda_device is not None and st.device:
                     # Sent from GPU memory: the result goes on our GPU, copied on its current stream.
@@ -663,13 +680,6 @@ def _check_capture() -> None:
 
 def _prefix_of(out: Any, st: Status) -> Any:
     return arrays.prefix_view(out, st.nbytes, st.shape)
-
-
-def _release(c: Any, rid: int) -> None:
-    try:
-        c.release(rid)
-    except VarcommError:
-        pass  # communicator closed first: nothing to return
 
 
 def init(rank: int | None = None, world_size: int | None = None, store: Store | None = None, *,
