@@ -327,6 +327,34 @@ def test_fake_timeout_fails_the_path(fake_cuda):
         comm.barrier()
 
 
+@world(2, timeout=120)
+def test_fake_timeout_after_a_per_call_error_still_fails_the_path(fake_cuda):
+    """Rank 0's splits are bad for rank 1 (a per-call error, recorded first)
+    and rank 1 never calls: the receive's timeout in the same call must still
+    be recorded and keep the path failed (it was dropped, being the call's
+    second error, and the kernel then handed out credits and a new epoch for
+    a chunk it never received, so later calls paired up the wrong messages)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (4, 4), "float32", s)
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (64, 4), "float32", s)
+        D.all_to_all_vdev(comm, x, sp, out=out)  # sets up (both ranks), then only rank 0 calls
+        D.synchronize(comm, s)
+        comm.barrier()
+        if r == 0:
+            bad = FakeArray(gpu, (2,), "int64", s)
+            bad.host[...] = [2, 9]  # rows [2, 11) of 4
+            D.all_to_all_vdev(comm, x, bad, out=out, timeout=1.0)
+            with pytest.raises(varcomm.TimeoutError, match="timed out waiting for rank 1"):
+                D.synchronize(comm, s)
+            with pytest.raises(varcomm.TimeoutError):  # stays failed
+                D.all_to_all_vdev(comm, x, sp, out=out)
+        comm.barrier()
+
+
 def _begin(gpu, s):
     assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 0) == 0
 

@@ -192,6 +192,14 @@ struct DeviceA2A::Impl {
   }
 
   void raise_recorded() {
+    if (uint64_t hard = __atomic_load_n(&err->hard, __ATOMIC_ACQUIRE)) {  // written once: no clearing, no tearing
+      a2a::ErrorRecord snap{};
+      snap.code = hard;
+      snap.call = err->hard_call;
+      snap.a = err->hard_a;
+      snap.b = err->hard_b;
+      throw describe(snap);
+    }
     uint64_t code = 0;
     a2a::ErrorRecord snap{};
     if (!record(&code, &snap) || code == a2a::kErrNone) return;
