@@ -240,6 +240,45 @@ def test_fake_vdev_2d_dispatch_and_combine(fake_cuda, n):
 
 
 @world(2, timeout=120)
+def test_fake_vdev_calls_on_alternating_streams_are_ordered(fake_cuda):
+    """Back-to-back calls of one communicator on two streams, never
+    synchronized in between: each call's number is read on the device from
+    the epoch the last call's receive advances, so a call on another stream
+    must not start before the last one ended (it read the same number, and
+    its sends overwrote slots the peers were still reading). varcomm orders
+    them (the new stream waits for the old one's last call), as NCCL
+    serializes a communicator's kernels; FAKE_CUDA_DELAY_US widens the race."""
+    seed = seeded()
+    os.environ["FAKE_CUDA_DELAY_US"] = "2000"
+    try:
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, n, W = comm.rank, 2, 4
+        streams = [gpu.stream(), gpu.stream()]
+        with comm:
+            kept = []
+            for it in range(8):
+                g = np.random.default_rng([seed, it])
+                splits = g.integers(0, 9, (n, n))
+                xs = [_x(seed, it, q, int(splits[q].sum()), W, "float32") for q in range(n)]
+                s = streams[it % 2]
+                x = FakeArray(gpu, xs[r].shape, "float32", s)
+                x.host[...] = xs[r]
+                sp = FakeArray(gpu, (n,), "int64", s)
+                sp.host[...] = splits[r]
+                out = FakeArray(gpu, (n * 64, W), "float32", s)
+                D.all_to_all_vdev(comm, x, sp, out=out, timeout=20.0)
+                kept.append((splits, xs, x, sp, out))
+            for s in streams:
+                D.synchronize(comm, s)
+            for it, (splits, xs, _x_keep, _sp_keep, out) in enumerate(kept):
+                total = int(splits[:, r].sum())
+                assert np.array_equal(out.host[:total], _expect(xs, splits, r)), f"seed {seed} iteration {it}"
+            comm.barrier()
+    finally:
+        os.environ.pop("FAKE_CUDA_DELAY_US", None)
+
+
+@world(2, timeout=120)
 def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
     """A chunk over the slot, rows of another dtype, an out too small and
     splits past x: each raised at synchronize on the ranks concerned (named),

@@ -101,6 +101,8 @@ struct DeviceA2A::Impl {
   CUdeviceptr err_dev = 0;
   std::mutex mu;
   std::set<uintptr_t> streams;  // every stream launched on (close waits for them)
+  std::optional<uintptr_t> last;  // the stream of the last all-to-all launch
+  uint64_t hops = 0;              // stream changes ordered so far (the workspace's hop word)
   bool closed = false;
   std::vector<std::pair<uintptr_t, uintptr_t>> pending;  // (allocation, stream) to free once the stream is idle
 
@@ -446,6 +448,26 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   Ctx scope(m.d, m.ctx);
   if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);
+  // A call reads its number from the epoch the last call's receive kernel
+  // advances, so it must not start before that kernel ended: on another
+  // stream than the last call's, the new stream first waits for the old one
+  // (a word written at the old stream's end, as an event would be; NCCL
+  // serializes a communicator's kernels the same way). Not while either is
+  // being captured: the graph's own edges order it, and a captured write
+  // would only happen at replay.
+  if (m.last && *m.last != c.stream) {
+    CUstream old = reinterpret_cast<CUstream>(*m.last);
+    CUstreamCaptureStatus so = CU_STREAM_CAPTURE_STATUS_NONE, sn = CU_STREAM_CAPTURE_STATUS_NONE;
+    m.check(m.d.StreamIsCapturing(old, &so), "cuStreamIsCapturing");
+    m.check(m.d.StreamIsCapturing(s, &sn), "cuStreamIsCapturing");
+    if (so == CU_STREAM_CAPTURE_STATUS_NONE && sn == CU_STREAM_CAPTURE_STATUS_NONE) {
+      const CUdeviceptr hop = m.ws + a2a::ws_state() + 32;
+      m.check(m.d.StreamWriteValue64(old, hop, m.hops + 1, CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64");
+      ++m.hops;
+      m.check(m.d.StreamWaitValue64(s, hop, m.hops, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64");
+    }
+  }
+  m.last = c.stream;
   void* params[] = {&a};
   m.check(m.d.LaunchKernel(m.send, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
           "cuLaunchKernel(send)");

@@ -15,7 +15,8 @@
 //
 // Workspace of each rank (device memory, exported with CUDA IPC), offsets in
 // bytes (a2a_ws_* below):
-//   [state: epoch | blocks done | last call with an error | broken] [credits: one u64 per peer] [per source s: slot s]
+//   [state: epoch | blocks done | last call with an error | broken | hop (the host's stream changes)]
+//   [credits: one u64 per peer] [per source s: slot s]
 //   slot s = [ctl: flag, rows, dtype, row_bytes, status, pad | counts[kA2AMaxLocal]] [payload: cap bytes]
 // Rank d's slot s is where rank s writes its chunk for d; rank s's credits[d]
 // is where d says it consumed that chunk. All words only grow by call
