@@ -552,6 +552,31 @@ def test_fake_dead_peer_aborts_the_kernels(fake_cuda):
     comm.close()
 
 
+@world(2, timeout=120, expect_exit={1: None})
+def test_fake_dead_peer_aborts_the_kernels_without_synchronize(fake_cuda):
+    """Rank 1 dies after set-up; rank 0 waits on its stream through the
+    driver (as torch.cuda.synchronize would), never through varcomm: the
+    kernels' spin on the dead peer still ends in an abort (PeerFailure), not
+    at the kernels' 30 s timeout (TimeoutError, as before: nothing aborted
+    them unless varcomm's synchronize was the one waiting)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    x = FakeArray(gpu, (4, 4), "float32", s)
+    sp = FakeArray(gpu, (2,), "int64", s)
+    sp.host[...] = [2, 2]
+    out = FakeArray(gpu, (64, 4), "float32", s)
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    D.synchronize(comm, s)
+    comm.barrier()
+    if r == 1:
+        os._exit(3)
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    gpu.sync(s)
+    with pytest.raises(varcomm.PeerFailure, match="aborted while waiting for rank 1"):
+        D.synchronize(comm, s)
+    comm.close()
+
+
 # ---------------------------------------------------------------------------
 # torch CUDA tensors on a real GPU
 

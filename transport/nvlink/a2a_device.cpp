@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -105,6 +106,35 @@ struct DeviceA2A::Impl {
   uint64_t hops = 0;              // stream changes ordered so far (the workspace's hop word)
   bool closed = false;
   std::vector<std::pair<uintptr_t, uintptr_t>> pending;  // (allocation, stream) to free once the stream is idle
+  // A dead peer never writes its flag or credit, and the caller may wait on
+  // the stream without ever calling synchronize (torch.cuda.synchronize, a
+  // later kernel): this thread aborts the kernels' waits once the engine
+  // finds a peer dead, so that wait ends within seconds, not at the timeout.
+  std::thread watcher;
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  bool watch_stop = false;
+
+  void watch() {
+    std::unique_lock<std::mutex> g(watch_mu);
+    while (!watch_cv.wait_for(g, std::chrono::milliseconds(100), [this] { return watch_stop; })) {
+      g.unlock();
+      bool dead = false;
+      for (int q = 0; q < world && !dead; ++q) dead = q != rank && !e.peer_error(q).empty();
+      if (dead) abort();
+      g.lock();
+      if (dead) return;
+    }
+  }
+  void stop_watching() {
+    if (!watcher.joinable()) return;
+    {
+      std::lock_guard<std::mutex> g(watch_mu);
+      watch_stop = true;
+    }
+    watch_cv.notify_all();
+    watcher.join();
+  }
 
   // Frees what free() deferred, where its stream has drained (never querying
   // a stream that is capturing a graph: that would invalidate the capture).
@@ -213,6 +243,7 @@ struct DeviceA2A::Impl {
   void abort() { __atomic_store_n(&err->abort, 1ull, __ATOMIC_RELEASE); }
 
   void release() {
+    stop_watching();
     if (!retained) return;
     {
       Ctx scope(d, ctx);
@@ -366,6 +397,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
       }
       m.peer_ws[q] = m.opened[q];
     }
+    m.watcher = std::thread([&m] { m.watch(); });
   } catch (...) {
     m.release();
     throw;

@@ -31,7 +31,8 @@ or at the next device all-to-all call, whichever comes first:
 * rows that do not fit ``out``: MessageTooLarge, 0 rows from that source;
 * splits outside ``x`` (negative, or summing past its rows): InvalidArgument;
 * a peer that does not answer within ``timeout`` (the kernels' own limit):
-  TimeoutError; a dead peer (noticed while synchronizing) or a close:
+  TimeoutError; a dead peer (noticed within seconds by a watcher
+  thread, whoever waits on the stream) or a close:
   PeerFailure. After these two the device path of the communicator stays
   failed (its sequence numbers may disagree between ranks); point-to-point
   and host collectives go on working.
