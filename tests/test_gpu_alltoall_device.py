@@ -279,6 +279,34 @@ def test_fake_vdev_calls_on_alternating_streams_are_ordered(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_synchronize_without_a_stream_waits_for_every_stream(fake_cuda):
+    """The README's `D.synchronize(comm)`, no stream named: it waits for the
+    calls on every stream they ran on (it took torch's current stream, which
+    raised AssertionError without CUDA torch, and missed calls on other
+    streams), then raises what the kernels recorded."""
+    seed = seeded()
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, n, W = comm.rank, 2, 4
+    with comm:
+        kept = []
+        for it, s in enumerate([gpu.stream(), gpu.stream()]):
+            splits = np.random.default_rng([seed, it]).integers(0, 9, (n, n))
+            xs = [_x(seed, it, q, int(splits[q].sum()), W, "float32") for q in range(n)]
+            x = FakeArray(gpu, xs[r].shape, "float32", s)
+            x.host[...] = xs[r]
+            sp = FakeArray(gpu, (n,), "int64", s)
+            sp.host[...] = splits[r]
+            out, oso = D.all_to_all_vdev(comm, x, sp)
+            kept.append((splits, xs, x, sp, out, oso))
+        D.synchronize(comm)
+        for it, (splits, xs, _xk, _sp, out, oso) in enumerate(kept):
+            assert _host(oso)[0].tolist() == splits[:, r].tolist(), (seed, it)
+            total = int(splits[:, r].sum())
+            assert np.array_equal(_host(out)[:total], _expect(xs, splits, r)), f"seed {seed} call {it}"
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
     """A chunk over the slot, rows of another dtype, an out too small and
     splits past x: each raised at synchronize on the ranks concerned (named),

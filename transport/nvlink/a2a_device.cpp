@@ -508,15 +508,36 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   m.streams.insert(c.stream);
 }
 
-void DeviceA2A::synchronize(uintptr_t stream, std::optional<double> timeout) {
+void DeviceA2A::synchronize(std::optional<uintptr_t> stream, std::optional<double> timeout) {
   Impl& m = *impl_;
+  std::vector<uintptr_t> streams;
   {
     std::lock_guard<std::mutex> g(m.mu);
     if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+    if (stream) streams.push_back(*stream);
+    else streams.assign(m.streams.begin(), m.streams.end());
   }
   Ctx scope(m.d, m.ctx);
-  CUstream s = reinterpret_cast<CUstream>(stream);
   const auto start = Clock::now();
+  for (uintptr_t st : streams) {
+    CUstream s = reinterpret_cast<CUstream>(st);
+    if (!stream) {  // querying a stream being captured would invalidate its capture
+      CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+      if (m.d.StreamIsCapturing(s, &cs) != CUDA_SUCCESS || cs != CU_STREAM_CAPTURE_STATUS_NONE) continue;
+    }
+    wait_stream(s, start, timeout);
+  }
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    if (!m.pending.empty()) m.sweep();
+  }
+  check();
+}
+
+void DeviceA2A::wait_stream(void* stream, std::chrono::steady_clock::time_point start,
+                            std::optional<double> timeout) {
+  Impl& m = *impl_;
+  CUstream s = static_cast<CUstream>(stream);
   for (int i = 0;; ++i) {
     CUresult r = m.d.StreamQuery(s);
     if (r == CUDA_SUCCESS) break;
@@ -529,11 +550,6 @@ void DeviceA2A::synchronize(uintptr_t stream, std::optional<double> timeout) {
     }
     if (i > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  {
-    std::lock_guard<std::mutex> g(m.mu);
-    if (!m.pending.empty()) m.sweep();
-  }
-  check();
 }
 
 void DeviceA2A::close() {

@@ -275,17 +275,16 @@ class DeviceWork:
 
 
 def synchronize(comm: Communicator, stream: int | None = None, timeout: float | None = None) -> None:
-    """Block until `stream` (default: torch's current one) ran every device
-    all-to-all (and device point-to-point) enqueued on it, then raise what
-    the kernels recorded. A peer that died meanwhile aborts the kernels'
-    waits (PeerFailure)."""
+    """Block until `stream` (default: every stream a device all-to-all or
+    point-to-point of comm ran on, but those being captured) ran every call
+    enqueued on it, then raise what the kernels recorded. A peer that died
+    meanwhile aborts the kernels' waits (PeerFailure)."""
     h = _handle(comm)
-    if stream is None:
-        stream = arrays.torch.cuda.current_stream().cuda_stream if arrays.torch is not None else 0
+    s = None if stream is None else int(stream)
     t = comm._timeout if timeout is None else timeout
-    h.synchronize(int(stream), t)
+    h.synchronize(s, t)
     if comm._device_p2p is not None:
-        comm._device_p2p.synchronize(int(stream), t)
+        comm._device_p2p.synchronize(s, t)
 
 
 def _splits(splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
