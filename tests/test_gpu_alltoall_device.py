@@ -567,14 +567,10 @@ def test_fake_dead_peer_aborts_the_kernels(fake_cuda):
     comm.barrier()
     if r == 1:
         os._exit(3)
-    import time
-
-    time.sleep(0.5)
     D.all_to_all_vdev(comm, x, sp, out=out)  # the kernels would wait 30 s (the timeout): the abort comes first
-    t0 = time.monotonic()
+    # PeerFailure ("aborted"), not TimeoutError: the abort, not the kernels' timeout, ended the wait.
     with pytest.raises(varcomm.PeerFailure, match="aborted while waiting for rank 1"):
         D.synchronize(comm, s)
-    assert time.monotonic() - t0 < 15, "the dead peer took too long to notice"
     with pytest.raises(varcomm.PeerFailure):
         D.all_to_all_vdev(comm, x, sp, out=out)
     comm.close()
