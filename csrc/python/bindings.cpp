@@ -1154,7 +1154,7 @@ void bind_device_a2a(py::module_& m) {
       .def("free", [](DeviceA2AHandle& h, uintptr_t p, uintptr_t stream) { h.a->free(p, stream); }, py::arg("ptr"),
            py::arg("stream"))
       .def("synchronize",
-           [](DeviceA2AHandle& h, uintptr_t stream, std::optional<double> timeout) {
+           [](DeviceA2AHandle& h, std::optional<uintptr_t> stream, std::optional<double> timeout) {
              timeout = timeout_of(timeout);
              py::gil_scoped_release nogil;
              h.a->synchronize(stream, timeout);

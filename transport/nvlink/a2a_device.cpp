@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -101,8 +102,39 @@ struct DeviceA2A::Impl {
   CUdeviceptr err_dev = 0;
   std::mutex mu;
   std::set<uintptr_t> streams;  // every stream launched on (close waits for them)
+  std::optional<uintptr_t> last;  // the stream of the last all-to-all launch
+  uint64_t hops = 0;              // stream changes ordered so far (the workspace's hop word)
   bool closed = false;
   std::vector<std::pair<uintptr_t, uintptr_t>> pending;  // (allocation, stream) to free once the stream is idle
+  // A dead peer never writes its flag or credit, and the caller may wait on
+  // the stream without ever calling synchronize (torch.cuda.synchronize, a
+  // later kernel): this thread aborts the kernels' waits once the engine
+  // finds a peer dead, so that wait ends within seconds, not at the timeout.
+  std::thread watcher;
+  std::mutex watch_mu;
+  std::condition_variable watch_cv;
+  bool watch_stop = false;
+
+  void watch() {
+    std::unique_lock<std::mutex> g(watch_mu);
+    while (!watch_cv.wait_for(g, std::chrono::milliseconds(100), [this] { return watch_stop; })) {
+      g.unlock();
+      bool dead = false;
+      for (int q = 0; q < world && !dead; ++q) dead = q != rank && !e.peer_error(q).empty();
+      if (dead) abort();
+      g.lock();
+      if (dead) return;
+    }
+  }
+  void stop_watching() {
+    if (!watcher.joinable()) return;
+    {
+      std::lock_guard<std::mutex> g(watch_mu);
+      watch_stop = true;
+    }
+    watch_cv.notify_all();
+    watcher.join();
+  }
 
   // Frees what free() deferred, where its stream has drained (never querying
   // a stream that is capturing a graph: that would invalidate the capture).
@@ -192,6 +224,14 @@ struct DeviceA2A::Impl {
   }
 
   void raise_recorded() {
+    if (uint64_t hard = __atomic_load_n(&err->hard, __ATOMIC_ACQUIRE)) {  // written once: no clearing, no tearing
+      a2a::ErrorRecord snap{};
+      snap.code = hard;
+      snap.call = err->hard_call;
+      snap.a = err->hard_a;
+      snap.b = err->hard_b;
+      throw describe(snap);
+    }
     uint64_t code = 0;
     a2a::ErrorRecord snap{};
     if (!record(&code, &snap) || code == a2a::kErrNone) return;
@@ -203,6 +243,7 @@ struct DeviceA2A::Impl {
   void abort() { __atomic_store_n(&err->abort, 1ull, __ATOMIC_RELEASE); }
 
   void release() {
+    stop_watching();
     if (!retained) return;
     {
       Ctx scope(d, ctx);
@@ -356,6 +397,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
       }
       m.peer_ws[q] = m.opened[q];
     }
+    m.watcher = std::thread([&m] { m.watch(); });
   } catch (...) {
     m.release();
     throw;
@@ -438,6 +480,26 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   Ctx scope(m.d, m.ctx);
   if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);
+  // A call reads its number from the epoch the last call's receive kernel
+  // advances, so it must not start before that kernel ended: on another
+  // stream than the last call's, the new stream first waits for the old one
+  // (a word written at the old stream's end, as an event would be; NCCL
+  // serializes a communicator's kernels the same way). Not while either is
+  // being captured: the graph's own edges order it, and a captured write
+  // would only happen at replay.
+  if (m.last && *m.last != c.stream) {
+    CUstream old = reinterpret_cast<CUstream>(*m.last);
+    CUstreamCaptureStatus so = CU_STREAM_CAPTURE_STATUS_NONE, sn = CU_STREAM_CAPTURE_STATUS_NONE;
+    m.check(m.d.StreamIsCapturing(old, &so), "cuStreamIsCapturing");
+    m.check(m.d.StreamIsCapturing(s, &sn), "cuStreamIsCapturing");
+    if (so == CU_STREAM_CAPTURE_STATUS_NONE && sn == CU_STREAM_CAPTURE_STATUS_NONE) {
+      const CUdeviceptr hop = m.ws + a2a::ws_state() + 32;
+      m.check(m.d.StreamWriteValue64(old, hop, m.hops + 1, CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64");
+      ++m.hops;
+      m.check(m.d.StreamWaitValue64(s, hop, m.hops, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64");
+    }
+  }
+  m.last = c.stream;
   void* params[] = {&a};
   m.check(m.d.LaunchKernel(m.send, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
           "cuLaunchKernel(send)");
@@ -446,15 +508,36 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   m.streams.insert(c.stream);
 }
 
-void DeviceA2A::synchronize(uintptr_t stream, std::optional<double> timeout) {
+void DeviceA2A::synchronize(std::optional<uintptr_t> stream, std::optional<double> timeout) {
   Impl& m = *impl_;
+  std::vector<uintptr_t> streams;
   {
     std::lock_guard<std::mutex> g(m.mu);
     if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+    if (stream) streams.push_back(*stream);
+    else streams.assign(m.streams.begin(), m.streams.end());
   }
   Ctx scope(m.d, m.ctx);
-  CUstream s = reinterpret_cast<CUstream>(stream);
   const auto start = Clock::now();
+  for (uintptr_t st : streams) {
+    CUstream s = reinterpret_cast<CUstream>(st);
+    if (!stream) {  // querying a stream being captured would invalidate its capture
+      CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+      if (m.d.StreamIsCapturing(s, &cs) != CUDA_SUCCESS || cs != CU_STREAM_CAPTURE_STATUS_NONE) continue;
+    }
+    wait_stream(s, start, timeout);
+  }
+  {
+    std::lock_guard<std::mutex> g(m.mu);
+    if (!m.pending.empty()) m.sweep();
+  }
+  check();
+}
+
+void DeviceA2A::wait_stream(void* stream, std::chrono::steady_clock::time_point start,
+                            std::optional<double> timeout) {
+  Impl& m = *impl_;
+  CUstream s = static_cast<CUstream>(stream);
   for (int i = 0;; ++i) {
     CUresult r = m.d.StreamQuery(s);
     if (r == CUDA_SUCCESS) break;
@@ -467,11 +550,6 @@ void DeviceA2A::synchronize(uintptr_t stream, std::optional<double> timeout) {
     }
     if (i > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  {
-    std::lock_guard<std::mutex> g(m.mu);
-    if (!m.pending.empty()) m.sweep();
-  }
-  check();
 }
 
 void DeviceA2A::close() {

@@ -11,6 +11,7 @@
 // synchronize() or the next call. See transport/nvlink/README.md and
 // a2a_kernels.cuh (the kernels, also run by the CPU stand-in driver).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -61,9 +62,10 @@ class DeviceA2A {
   // Raises what the device recorded, if anything (no wait): a per-call
   // error is cleared once raised; a timeout or abort stays.
   void check();
-  // Waits (host) until `stream` ran everything enqueued so far; a dead peer
-  // meanwhile aborts the kernels' waits. Then check().
-  void synchronize(uintptr_t stream, std::optional<double> timeout);
+  // Waits (host) until `stream` ran everything enqueued so far (none: every
+  // stream a call ran on, but those being captured); a dead peer meanwhile
+  // aborts the kernels' waits. Then check().
+  void synchronize(std::optional<uintptr_t> stream, std::optional<double> timeout);
   // Makes every spinning kernel give up, waits for the streams it launched
   // on, frees the workspace. Later calls raise ClosedError.
   void close();
@@ -79,6 +81,9 @@ class DeviceA2A {
 
  private:
   struct Impl;
+  // Polls `stream` (a CUstream) until idle, aborting the kernels' waits on
+  // a dead peer or past `timeout` from `start`.
+  void wait_stream(void* stream, std::chrono::steady_clock::time_point start, std::optional<double> timeout);
   std::unique_ptr<Impl> impl_;
   uint64_t cap_;
 };

@@ -15,7 +15,8 @@
 //
 // Workspace of each rank (device memory, exported with CUDA IPC), offsets in
 // bytes (a2a_ws_* below):
-//   [state: epoch | blocks done | last call with an error] [credits: one u64 per peer] [per source s: slot s]
+//   [state: epoch | blocks done | last call with an error | broken | hop (the host's stream changes)]
+//   [credits: one u64 per peer] [per source s: slot s]
 //   slot s = [ctl: flag, rows, dtype, row_bytes, status, pad | counts[kA2AMaxLocal]] [payload: cap bytes]
 // Rank d's slot s is where rank s writes its chunk for d; rank s's credits[d]
 // is where d says it consumed that chunk. All words only grow by call
@@ -49,12 +50,14 @@ constexpr int kThreads = 256;        // threads per block of both kernels
 // Slot status, written by the sender with the flag.
 enum : u64 { kOk = 0, kOverCapacity = 1, kBadSplits = 2, kSenderFailed = 3 };
 
-// The error record (host-mapped memory, one per communicator). The first
-// error wins: code goes 0 -> kBusy (fields being written) -> the code.
-// Codes below kHard are per call: the exchange itself completed (every flag
-// and credit moved), so the host reports it and clears the record. kHard and
+// The error record (host-mapped memory, one per communicator). Codes below
+// kHard are per call: the exchange itself completed (every flag and credit
+// moved), so the host reports it and clears the record; the first of a call
+// wins: code goes 0 -> kBusy (fields being written) -> the code. kHard and
 // above (a timeout, an abort): sequence numbers may disagree between ranks,
-// so the device path of that communicator stays failed.
+// so the device path of that communicator stays failed. Those have fields
+// of their own, written once by the first (a per-call error earlier in the
+// same call must not hide one: the host would clear it and go on).
 enum : u64 {
   kErrNone = 0,
   kErrBusy = 1,
@@ -74,7 +77,7 @@ struct ErrorRecord {
   u64 call;  // the epoch (call number) it happened in
   u64 a, b, c, d;
   u64 abort;  // set by the host: every spin gives up with kErrAborted
-  u64 pad;
+  u64 hard, hard_call, hard_a, hard_b;  // the first hard error: code (last written), call, a, b
 };
 
 // Workspace offsets.
@@ -182,17 +185,29 @@ VC_HD inline void pause() {
 
 VC_HD inline u64* word(unsigned char* base, u64 off) { return reinterpret_cast<u64*>(base + off); }
 
+// The workspace's "broken" word: set (for good) by the first hard error.
+VC_HD inline u64* broken_word(const Args& a) { return reinterpret_cast<u64*>(a.ws + ws_state() + 24); }
+
 // The first error of a call wins a word in device memory (atomics on host
 // memory are not portable: PCIe), then writes the host record with plain
-// stores: kErrBusy, the fields, the code. A hard error already there stays.
+// stores: kErrBusy, the fields, the code. The first hard error wins the
+// broken word and writes the hard fields, whatever the call recorded before.
 VC_HD inline void report(const Args& a, u64 code, u64 call, u64 x, u64 y, u64 z, u64 w) {
+  if (code >= kHard) {
+    if (!cas(broken_word(a), 0, 1)) return;  // the path is failed already: the first cause is what the host says
+    a.err->hard_call = call;
+    a.err->hard_a = x;
+    a.err->hard_b = y;
+    fence_system();
+    store_release(&a.err->hard, code);
+    return;
+  }
   u64* seq = reinterpret_cast<u64*>(a.ws + ws_state() + 16);
   for (;;) {
     const u64 v = load_relaxed(seq);
     if (v >= call) return;  // this call's error is recorded already
     if (cas(seq, v, call)) break;
   }
-  if (load_relaxed(&a.err->code) >= kHard) return;
   store_release(&a.err->code, kErrBusy);
   a.err->call = call;
   a.err->a = x;
@@ -445,7 +460,9 @@ VC_HD inline void recv_phase2(const Args& a, const RecvShared& sh, unsigned s) {
   u64* done = word(a.ws, ws_state() + 8);
   if (fetch_add(done, 1) != a.world - 1) return;
   *done = 0;
-  if (load_acquire(&a.err->code) >= kHard) return;  // broken: no credits, no new epoch (the host keeps the path failed)
+  // Broken (a block timed out or was aborted, this call or before): no
+  // credits, no new epoch, for chunks that may not have arrived.
+  if (load_acquire(broken_word(a))) return;
   for (unsigned q = 0; q < a.world; ++q) store_release(word(a.peer_ws[q], ws_credit(int(a.rank))), sh.call);
   store_release(word(a.ws, ws_state()), sh.call);
 }

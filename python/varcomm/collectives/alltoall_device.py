@@ -31,7 +31,8 @@ or at the next device all-to-all call, whichever comes first:
 * rows that do not fit ``out``: MessageTooLarge, 0 rows from that source;
 * splits outside ``x`` (negative, or summing past its rows): InvalidArgument;
 * a peer that does not answer within ``timeout`` (the kernels' own limit):
-  TimeoutError; a dead peer (noticed while synchronizing) or a close:
+  TimeoutError; a dead peer (noticed within seconds by a watcher
+  thread, whoever waits on the stream) or a close:
   PeerFailure. After these two the device path of the communicator stays
   failed (its sequence numbers may disagree between ranks); point-to-point
   and host collectives go on working.
@@ -274,17 +275,16 @@ class DeviceWork:
 
 
 def synchronize(comm: Communicator, stream: int | None = None, timeout: float | None = None) -> None:
-    """Block until `stream` (default: torch's current one) ran every device
-    all-to-all (and device point-to-point) enqueued on it, then raise what
-    the kernels recorded. A peer that died meanwhile aborts the kernels'
-    waits (PeerFailure)."""
+    """Block until `stream` (default: every stream a device all-to-all or
+    point-to-point of comm ran on, but those being captured) ran every call
+    enqueued on it, then raise what the kernels recorded. A peer that died
+    meanwhile aborts the kernels' waits (PeerFailure)."""
     h = _handle(comm)
-    if stream is None:
-        stream = arrays.torch.cuda.current_stream().cuda_stream if arrays.torch is not None else 0
+    s = None if stream is None else int(stream)
     t = comm._timeout if timeout is None else timeout
-    h.synchronize(int(stream), t)
+    h.synchronize(s, t)
     if comm._device_p2p is not None:
-        comm._device_p2p.synchronize(int(stream), t)
+        comm._device_p2p.synchronize(s, t)
 
 
 def _splits(splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
