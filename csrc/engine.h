@@ -161,8 +161,12 @@ class Engine {
     return bool(peers_.at(peer).tdev);
   }
   // A copy from src to dst (device or host memory) on mem.stream, through
-  // this rank's own device transport: an all-to-all's chunk to itself.
+  // this rank's local device transport: an all-to-all's chunk to itself.
   void copy_local(void* dst, const void* src, uint64_t n, Mem mem);
+  // The device transport that makes this rank's local copies (any of them
+  // can, whatever route the pair to itself has); `why_none` says why there
+  // is none, for the error when one is needed.
+  void set_local_device(std::shared_ptr<Transport> t, const std::string& why_none);
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
   // Collective number n of this communicator (every rank calls collectives
@@ -199,6 +203,7 @@ class Engine {
   // Copy a message out of our slot into dst and give the slot back.
   void consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem);
   Transport& device_transport(int peer);
+  Transport& local_device();
   template <class F>
   bool spin(F&& done, std::chrono::steady_clock::time_point deadline);
 
@@ -235,6 +240,8 @@ class Engine {
   std::unique_ptr<Region> region_;
   std::vector<Peer> peers_;
   std::vector<std::shared_ptr<Transport>> transports_;  // distinct, for progress
+  std::shared_ptr<Transport> local_dev_;  // set_local_device
+  std::string no_local_dev_ = "no GPU transport was opened";
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_reqs_;
   std::vector<uint64_t> recycled_;  // reported detached requests recycled, for take_recycled
