@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import test_gpu
-import torch
 import varcomm
 from conftest import same_bytes
 from netns import IFACE, Netns, require_netns
