@@ -92,6 +92,7 @@ void Engine::close() {
     fail_streams(q, ErrorKind::Closed, "communicator closed while this message was streaming in");
   sending_ = 0;
   transports_.clear();
+  local_dev_.reset();
   for (auto& p : peers_) {
     p.t.reset();
     p.tdev.reset();
@@ -628,15 +629,31 @@ void Engine::progress_sends(int peer) {
 Transport& Engine::device_transport(int peer) {
   Peer& p = peers_[peer];
   if (!p.tdev)
-    throw Error(ErrorKind::Invalid, "no device (GPU) transport to " + peer_str(peer) +
-                                        ": this build or this pair has no nvlink; move the tensor to CPU");
+    throw Error(ErrorKind::Invalid, "no device (GPU) route to " + peer_str(peer) +
+                                        " (nvlink on one host, rdma-gpu across hosts; describe_transport(" +
+                                        std::to_string(peer) + ") says why this pair has none): move the tensor "
+                                        "to CPU");
   return *p.tdev;
+}
+
+Transport& Engine::local_device() {
+  if (!local_dev_)
+    throw Error(ErrorKind::Invalid, "this rank has no GPU transport for device memory (" + no_local_dev_ +
+                                        "): move the tensor to CPU");
+  return *local_dev_;
+}
+
+void Engine::set_local_device(std::shared_ptr<Transport> t, const std::string& why_none) {
+  std::lock_guard<std::mutex> g(mu_);
+  no_local_dev_ = why_none;
+  if (t && std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
+  local_dev_ = std::move(t);
 }
 
 void Engine::copy_local(void* dst, const void* src, uint64_t n, Mem mem) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
-  device_transport(rank_).copy_async(dst, src, n, mem.stream, false);
+  local_device().copy_async(dst, src, n, mem.stream, false);
 }
 
 int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id, std::string* why) {
@@ -672,14 +689,13 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
     return 0;
   }
   Peer& p = peers_[peer];
-  if (mem.device && !(h.flags & kDevicePayload) && !p.tdev && peers_[rank_].tdev) {
+  if (mem.device && !(h.flags & kDevicePayload) && !p.tdev && local_dev_) {
     // A host message from a peer with no device route (staged by its sender),
-    // into device memory: through our own device transport, then the slot is
+    // into device memory: through our local device transport, then the slot is
     // ours to free from the CPU, so the copy must have run first (the staged
     // path blocks the host; a device route never does).
     if (uint64_t n = payload_bytes(h))
-      peers_[rank_].tdev->copy_async(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n,
-                                     mem.stream, true);
+      local_dev_->copy_async(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n, mem.stream, true);
     free_slot(peer, slot, h.seq);
     return 1;
   }

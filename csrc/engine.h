@@ -185,8 +185,12 @@ class Engine {
     return bool(peers_.at(peer).tdev);
   }
   // A copy from src to dst (device or host memory) on mem.stream, through
-  // this rank's own device transport: an all-to-all's chunk to itself.
+  // this rank's local device transport: an all-to-all's chunk to itself.
   void copy_local(void* dst, const void* src, uint64_t n, Mem mem);
+  // The device transport that makes this rank's local copies (any of them
+  // can, whatever route the pair to itself has); `why_none` says why there
+  // is none, for the error when one is needed.
+  void set_local_device(std::shared_ptr<Transport> t, const std::string& why_none);
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
   // The largest message a send to `peer` may carry: a device payload goes
@@ -239,6 +243,7 @@ class Engine {
   // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
   bool rendezvous(int peer, uint64_t nbytes, Mem mem) const;
   Transport& device_transport(int peer);
+  Transport& local_device();
   template <class F>
   bool spin(F&& done, std::chrono::steady_clock::time_point deadline);
 
@@ -284,6 +289,8 @@ class Engine {
   std::unique_ptr<Region> region_;
   std::vector<Peer> peers_;
   std::vector<std::shared_ptr<Transport>> transports_;  // distinct, for progress
+  std::shared_ptr<Transport> local_dev_;  // set_local_device
+  std::string no_local_dev_ = "no GPU transport was opened";
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_reqs_;
   std::vector<uint64_t> recycled_;  // reported detached requests recycled, for take_recycled

@@ -302,6 +302,17 @@ void Setup::agree_device(const std::vector<std::string>& acks) {
     e_.set_device_transport(r, devices_.at(name));
     device_routes_[size_t(r)] = name;
   }
+  // Local copies (an all-to-all's chunk to itself, a staged message into
+  // device memory) need a GPU transport of this rank, not a route: the one to
+  // ourselves where there is one, else any that opened (say rdma-gpu on a rank
+  // whose nvlink could not open). device_ordinal() >= 0 exactly when one is set.
+  std::shared_ptr<Transport> local;
+  const std::string& self = device_routes_[size_t(e_.rank())];
+  if (!self.empty()) local = devices_.at(self);
+  else if (!devices_.empty()) local = devices_.begin()->second;
+  std::string why;
+  for (auto& [name, note] : device_notes_) why += (why.empty() ? "" : "; ") + (name.empty() ? "" : name + ": ") + note;
+  e_.set_local_device(local, why.empty() ? "no GPU transport opened" : why);
 }
 
 std::string Setup::describe(int peer) const {

@@ -40,6 +40,7 @@ from varcomm.testing import seeded, world
 fake_cuda = test_gpu.fake_cuda  # the fixture that builds the fake driver
 BOUND = 64 * 1024
 FAKE = "fake-cuda:0"  # the FakeDevice's one place
+RDMA_REQ: dict[str, tuple[str, ...]] = {"shm": (), "rdma": ("libfabric",)}  # what each forced route needs
 CASES = [(torch.float32, (3,)), (torch.bfloat16, (2, 5)), (torch.float32, ()), (torch.bfloat16, (7,))]
 
 
@@ -95,9 +96,10 @@ class FakeDevice(arrays.DeviceMemory):
         self.gpu.sync(stream)
 
 
-def _fake(path: str, *, delay_us: int = 0, nvlink: str = "1", **kw):
+def _fake(path: str, *, delay_us: int = 0, nvlink: str = "1", transport: str = "shm", **kw):
     """A communicator on the fake driver with FakeDevice installed; transport
-    shm for host messages (nvlink for device ones where both ranks have it)."""
+    shm for host messages (nvlink for device ones where both ranks have it),
+    or `transport="rdma"` (rdma-gpu for device ones)."""
     if delay_us:
         os.environ["FAKE_CUDA_DELAY_US"] = str(delay_us)  # read when the library loads (next line)
     gpu = FakeGpu(path)
@@ -105,7 +107,7 @@ def _fake(path: str, *, delay_us: int = 0, nvlink: str = "1", **kw):
     arrays.set_device_memory(dev)
     os.environ["VARCOMM_NVLINK"] = nvlink
     os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
-    comm = varcomm.init(transport="shm", **kw)
+    comm = varcomm.init(transport=transport, **kw)
     return dev, comm
 
 
@@ -239,14 +241,25 @@ def test_fake_mixed_routes_some_peers_staged(fake_cuda):
         comm.barrier()
 
 
-@world(4, timeout=180)
-def test_fake_errors_then_usable(fake_cuda):
+@pytest.mark.parametrize("transport", ["shm", "rdma"])
+def test_fake_errors_then_usable(fake_cuda, transport):
     """The host path's errors on device memory: a chunk over its receiver's
     bound, a dtype and a trailing-shape mismatch, output splits that disagree,
-    an out too small; after each, the next collective is right everywhere."""
+    an out too small; after each, the next collective is right everywhere.
+    On nvlink (shm) and on rdma-gpu (the route forced to rdma)."""
+    @world(4, timeout=180, requires=RDMA_REQ[transport])
+    def body():
+        _errors_then_usable(fake_cuda, transport)
+
+    body()
+
+
+def _errors_then_usable(fake_cuda: str, transport: str) -> None:
     bound = 4096
-    dev, comm = _fake(fake_cuda, bound=bound, slots=3, timeout=30)
+    dev, comm = _fake(fake_cuda, transport=transport, bound=bound, slots=3, timeout=30)
     with comm:
+        want = "rdma-gpu" if transport == "rdma" else "nvlink"
+        assert comm.device_transport_for((comm.rank + 1) % comm.world_size) == want
         r, n = comm.rank, comm.world_size
 
         def still_works(k: int) -> None:
@@ -367,16 +380,16 @@ def _moe_inputs(seed: int, rank: int, E: int, K: int, H: int):
     return torch.randn(T, H, generator=g, dtype=torch.float64), ids, torch.rand(T, K, generator=g, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
+@pytest.mark.parametrize(("n", "transport"), [(3, "shm"), (4, "shm"), (3, "rdma")])
+def test_fake_moe_dispatch_combine_autograd(fake_cuda, n, transport):
     """dispatch/combine on device tokens: forward and every gradient equal the
     same computation done locally (fp64: 1e-12), and the all-to-alls ran on
-    device memory."""
-    @world(n, timeout=180)
+    device memory (nvlink, or rdma-gpu with the route forced to rdma)."""
+    @world(n, timeout=180, requires=RDMA_REQ[transport])
     def body():
         seed = seeded()
         E, K, H = 2 * n, 2, 5
-        dev, comm = _fake(fake_cuda, delay_us=200, bound=1 << 20, slots=3, timeout=60)
+        dev, comm = _fake(fake_cuda, transport=transport, delay_us=200, bound=1 << 20, slots=3, timeout=60)
         with comm:
             r = comm.rank
             per = E // n

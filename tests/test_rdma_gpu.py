@@ -22,12 +22,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import test_gpu
 import varcomm
+from conftest import same_bytes
 from netns import IFACE, Netns, require_netns
 from test_gpu import U8, FakeGpu, _payload, nvlink_built
-from varcomm import dtypes
+from test_gpu_alltoall import FAKE, _fake, _on, _run_entry_points
+from varcomm import arrays, dtypes
+from varcomm.collectives import alltoall as A
+from varcomm.collectives.moe import combine, dispatch
 from varcomm.testing import seeded, world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -471,4 +476,124 @@ def test_gpu_rdma_enqueue_does_not_wait_for_the_stream():
             y = comm.recv(src=0)
             assert not torch.cuda.current_stream().query(), "recv waited for its stream"
             assert bool((y == 7).all())
+        comm.barrier()
+
+
+# ---------------------------------------------------------------------------
+# all-to-all and MoE (host-known splits) on rdma-gpu: the entry points of
+# tests/test_gpu_alltoall.py over its FakeDevice, with the route forced to rdma
+
+def _a2a_comm(path: str, *, no_ipc: bool = False, delay_us: int = 0):
+    """A FakeDevice communicator whose peers are all on rdma-gpu. no_ipc: the
+    fake refuses CUDA IPC on this rank, so nvlink cannot open (VARCOMM_NVLINK
+    auto, as a real job runs) and rdma-gpu is its only GPU transport: its
+    self chunk is still a device copy on the stream."""
+    os.environ["FAKE_CUDA_NO_IPC"] = "1" if no_ipc else "0"
+    dev, comm = _fake(path, transport="rdma", delay_us=delay_us, nvlink="auto" if no_ipc else "1",
+                      bound=BOUND, slots=3, timeout=60, rdma_chunk=CHUNK)
+    r, n = comm.rank, comm.world_size
+    routes = [comm.device_transport_for(p) for p in range(n)]
+    assert routes == [(None if no_ipc else "nvlink") if p == r else "rdma-gpu" for p in range(n)], routes
+    return dev, comm
+
+
+@pytest.mark.parametrize(("n", "delay_us", "no_ipc"), [(2, 0, ""), (3, 0, ""), (3, 300, ""), (3, 0, "0"),
+                                                        (2, 300, "01")])
+def test_fake_rdma_all_to_all_entry_points_match_reference(fake_cuda, n, delay_us, no_ipc):
+    """all_to_all_v / all_to_all_single / all_to_all on device memory, every
+    peer on rdma-gpu, byte-exact against the single-process reference, with and
+    without late streams; ranks in `no_ipc` have no nvlink at all (their self
+    chunk goes through rdma-gpu's device copy)."""
+    @world(n, timeout=240, requires=("libfabric",))
+    def body():
+        seed = seeded()
+        dev, comm = _a2a_comm(fake_cuda, no_ipc=str(varcomm.testing.rank()) in no_ipc, delay_us=delay_us)
+        with comm:
+            _run_entry_points(dev, comm, seed, iters=15, max_rows=40)
+            comm.barrier()
+
+    body()
+
+
+@world(2, timeout=180, requires=("libfabric",))
+@pytest.mark.parametrize("no_ipc", [False, True])
+def test_fake_rdma_all_to_all_never_waits_for_the_stream(fake_cuda, no_ipc):
+    """Every stream operation 50 ms late: when all_to_all_v, all_to_all_single
+    and a MoE dispatch hand their result to the caller's stream, that stream has
+    not run yet (the host never waited for GPU work, self chunk included), and
+    the result is right once it ran."""
+    dev, comm = _a2a_comm(fake_cuda, no_ipc=no_ipc, delay_us=50_000)
+    seen: list[int] = []
+    sync = dev.wait
+
+    def wait(stream, place):  # the facade's hand-over to the caller's next work
+        seen.append(_query(dev.gpu, stream))
+        sync(stream, place)
+
+    dev.wait = wait  # type: ignore[method-assign]
+    with comm:
+        r = comm.rank
+        x = _on(dev, torch.arange(12, dtype=torch.float32).reshape(6, 2) + 100 * r)
+        got, rs = A.all_to_all_v(comm, x, [2, 4])
+        want = [torch.arange(12, dtype=torch.float32).reshape(6, 2)[(0, 2)[r]:(2, 6)[r]] + 100 * s for s in range(2)]
+        assert rs == [(2, 4)[r]] * 2 and same_bytes(got.cpu(), torch.cat(want))
+        out = dev.empty((6, 2), torch.float32, FAKE)
+        A.all_to_all_single(comm, out, x, [3, 3], [3, 3])
+        assert same_bytes(out.cpu(), torch.cat([x.cpu()[3 * r:3 * r + 3] - 100 * r + 100 * s for s in range(2)]))
+        tokens = _on(dev, torch.arange(8, dtype=torch.float64).reshape(4, 2) + 10 * r)
+        ids = torch.tensor([[0], [1], [1], [0]])
+        et, tpe, handle = dispatch(comm, tokens, ids, _on(dev, torch.ones(4, 1, dtype=torch.float64)), 2)
+        assert same_bytes(combine(comm, et, handle).cpu(), tokens.cpu())
+        assert seen and all(q == NOT_READY for q in seen), f"the host waited for its stream: {seen}"
+        comm.barrier()
+
+
+def test_fake_all_to_all_mixed_nvlink_and_rdma_gpu_across_namespaces(tmp_path, fake_cuda):
+    """Two "hosts" (network namespaces, each with its own host name): ranks 0
+    and 1 share one, so their pair is nvlink, and both reach rank 2 over
+    rdma-gpu; every entry point, byte-exact on late streams, in one job."""
+    require_netns()
+    seed = seeded()
+    script = tmp_path / "a2a_worker.py"
+    script.write_text(A2A_WORKER)
+    with Netns(2) as net:
+        procs = []
+        for r, ns in enumerate((0, 0, 1)):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="3", LOCAL_RANK=str(r if ns == 0 else 0),
+                       LOCAL_WORLD_SIZE="2" if ns == 0 else "1", MASTER_ADDR=net.addr(0), MASTER_PORT="29614",
+                       VARCOMM_FI_PROVIDER="tcp;ofi_rxm", VARCOMM_FI_IFACE=IFACE, OMP_NUM_THREADS="1",
+                       SEED=str(seed), TESTS_DIR=str(ROOT / "tests"), PYTHONPATH=str(ROOT / "python"))
+            # unshare --uts: its own host name, so the two namespaces are two hosts to varcomm
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"vchost{ns}",
+                    sys.executable, str(script), fake_cuda]
+            procs.append(net.popen(ns, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        res = _finish(procs, timeout=200)
+    for r, (code, out) in enumerate(res):
+        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}, seed {seed}):\n{out[-3000:]}"
+
+
+A2A_WORKER = textwrap.dedent('''
+    import os, sys
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    from test_gpu_alltoall import _fake, _run_entry_points
+    dev, comm = _fake(sys.argv[1], transport="auto", delay_us=200, bound=256 * 1024, slots=3, timeout=60,
+                      rdma_chunk=16 * 1024)
+    r = comm.rank
+    routes = [comm.device_transport_for(p) for p in range(3)]
+    want = ["nvlink", "nvlink", "rdma-gpu"] if r < 2 else ["rdma-gpu", "rdma-gpu", "nvlink"]
+    assert routes == want, (routes, comm.describe_transport(2 - r if r < 2 else 0))
+    with comm:
+        _run_entry_points(dev, comm, int(os.environ["SEED"]), iters=12, max_rows=40)
+        comm.barrier()
+    print("OK", r, flush=True)
+''')
+
+
+@world(2, timeout=240, requires=GPU_REQ)
+def test_gpu_rdma_all_to_all_entry_points_match_reference():
+    """The entry points on torch CUDA tensors with every peer on rdma-gpu."""
+    torch, comm = _gpu_rdma_comm(bound=BOUND, slots=3, rdma_chunk=CHUNK)
+    with comm:
+        here = torch.device("cuda", torch.cuda.current_device())
+        _run_entry_points(arrays.DeviceMemory(), comm, seeded(), iters=20, max_rows=40, place=here)
         comm.barrier()

@@ -159,7 +159,7 @@ class Communicator:
         # (None: CUDA tensors are staged through host memory).
         self._routes: list[str] = self._c.routes
         self._device_routes: list[str | None] = self._c.device_routes
-        # The GPU whose memory holds our device receive slots, else None.
+        # The GPU of our GPU transports (device receive slots, local device copies), else None.
         self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
         # The device-split all-to-all (collectives/alltoall_device.py), set up on first use.
         self._device_a2a: Any = None
@@ -385,7 +385,7 @@ class Communicator:
         if out is not None:
             ptr, cap, word, stream = arrays.describe_recv(out)
             if stream >= 0 and self._device_routes[src] is None:
-                # No GPU path to src (another host, or no nvlink): land in host
+                # No GPU path to src (no nvlink or rdma-gpu for the pair): land in host
                 # memory, then copy into out on the current stream.
                 dout = cast("torch.Tensor", out)  # a CUDA tensor (stream >= 0)
                 bounce = arrays.torch.empty(dout.shape, dtype=dout.dtype)

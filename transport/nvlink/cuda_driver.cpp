@@ -1,5 +1,7 @@
 #include "cuda_driver.h"
 
+#include "errors.h"
+
 #include <dlfcn.h>
 
 #include <initializer_list>
@@ -123,6 +125,39 @@ std::string error_string(const Driver& d, CUresult r, const char* what) {
   std::string s = std::string(what) + ": " + (name ? std::string(name) : "CUDA error " + std::to_string(r));
   if (desc) s += std::string(" (") + desc + ")";
   return s;
+}
+
+namespace {
+void check(const Driver& d, CUresult r, const char* who, const char* what) {
+  if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, std::string(who) + ": " + error_string(d, r, what));
+}
+}  // namespace
+
+void check_stream(const Driver& d, CUcontext ctx, int ordinal, CUstream s, const char* op, const char* who) {
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  CUresult r = d.StreamIsCapturing(s, &st);
+  if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (r == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
+    throw Error(ErrorKind::Invalid, std::string("varcomm ") + op +
+                                        " cannot be captured in a CUDA graph: sequence numbers and credits are "
+                                        "host state, so a replay would repeat this message's slot and number");
+  check(d, r, who, "cuStreamIsCapturing");
+  CUcontext sc = nullptr;
+  if (d.StreamGetCtx(s, &sc) == CUDA_SUCCESS && sc && sc != ctx)
+    throw Error(ErrorKind::Invalid, std::string("varcomm ") + op + ": the tensor's CUDA stream belongs to another "
+                                        "GPU than cuda:" + std::to_string(ordinal) + ", which this communicator's " +
+                                        who + " transport uses; keep tensors on the device that was current at "
+                                        "varcomm.init");
+}
+
+void copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src, size_t n,
+                std::uintptr_t stream, bool wait) {
+  if (!n) return;
+  CtxScope scope(d, ctx);
+  CUstream s = reinterpret_cast<CUstream>(stream);
+  check_stream(d, ctx, ordinal, s, "all-to-all", who);
+  check(d, d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s), who,
+        "cuMemcpyAsync (local copy)");
+  if (wait) check(d, d.StreamSynchronize(s), who, "cuStreamSynchronize (local copy)");
 }
 
 }  // namespace cu

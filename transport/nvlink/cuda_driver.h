@@ -130,6 +130,18 @@ void host_unregister(const Driver& d, void* base);
 // "cuMemAlloc: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
 std::string error_string(const Driver& d, CUresult r, const char* what);
 
+// What every device transport (`who`: "nvlink", "rdma-gpu") requires of a
+// caller's stream, throwing Error(Invalid) otherwise: a stream of our GPU
+// (`ctx`, cuda:`ordinal`), not capturing a graph (sequence numbers and
+// credits are host state, so a replay would repeat a message's slot and number).
+void check_stream(const Driver& d, CUcontext ctx, int ordinal, CUstream s, const char* op, const char* who);
+
+// Transport::copy_async for every device transport: n bytes between device
+// and/or host memory (unified addressing) on `stream`, after its earlier
+// work, in `ctx`; with `wait`, returns once the copy ran.
+void copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src, size_t n,
+                std::uintptr_t stream, bool wait);
+
 // Makes `ctx` current for the scope when another (or none) is, and restores it.
 class CtxScope {
  public:

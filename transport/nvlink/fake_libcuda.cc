@@ -226,6 +226,9 @@ API CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
   return 0;
 }
 API CUresult cuIpcGetMemHandle(IpcHandle* h, CUdeviceptr p) {
+  // FAKE_CUDA_NO_IPC=1: CUDA IPC unsupported (as under MIG or in some
+  // containers), so nvlink cannot open while rdma-gpu still can.
+  if (const char* no = getenv("FAKE_CUDA_NO_IPC"); no && *no == '1') return 801;  // CUDA_ERROR_NOT_SUPPORTED
   std::lock_guard<std::mutex> g(g_mu);
   auto it = g_allocs.find(uintptr_t(p));
   if (it == g_allocs.end() || it->second.fd < 0) return 1;

@@ -336,14 +336,7 @@ class NvlinkTransport : public Transport {
   }
 
   void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) override {
-    if (!n) return;
-    CtxScope scope(d_, ctx_);
-    CUstream s = reinterpret_cast<CUstream>(stream);
-    check_stream(s, "all-to-all");
-    // Unified addressing (checked at creation) lets one call take any direction.
-    check(d_.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s),
-          "cuMemcpyAsync (local copy)");
-    if (wait) check(d_.StreamSynchronize(s), "cuStreamSynchronize (local copy)");
+    cu::copy_async(d_, ctx_, ordinal_, "nvlink", dst, src, n, stream, wait);
   }
 
  private:
@@ -363,24 +356,7 @@ class NvlinkTransport : public Transport {
     if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, "nvlink: " + cu::error_string(d_, r, what));
   }
 
-  // The caller's stream must be ours (same GPU) and not capturing a graph:
-  // sequence numbers and credits are host state, so a replayed capture would
-  // reuse this send's slot and sequence number.
-  void check_stream(CUstream s, const char* op) const {
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult r = d_.StreamIsCapturing(s, &st);
-    if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (r == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
-      throw Error(ErrorKind::Invalid, std::string("varcomm ") + op +
-                                          " cannot be captured in a CUDA graph: sequence numbers and credits are "
-                                          "host state, so a replay would repeat this message's slot and number");
-    check(r, "cuStreamIsCapturing");
-    CUcontext sc = nullptr;
-    if (d_.StreamGetCtx(s, &sc) == CUDA_SUCCESS && sc && sc != ctx_)
-      throw Error(ErrorKind::Invalid, std::string("varcomm ") + op + ": the tensor's CUDA stream belongs to another "
-                                          "GPU than the one this communicator's nvlink transport uses (cuda:" +
-                                          std::to_string(ordinal_) + "); keep tensors on the device that was current "
-                                          "at varcomm.init");
-  }
+  void check_stream(CUstream s, const char* op) const { cu::check_stream(d_, ctx_, ordinal_, s, op, "nvlink"); }
 
   bool is_host(const void* p) const {
     unsigned int type = 0;

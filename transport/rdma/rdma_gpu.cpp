@@ -178,6 +178,11 @@ class RdmaGpuTransport final : public Transport {
     return {{"chunk", std::to_string(chunk_)}, {"gpudirect", gdr_ ? "selected" : "off"}, {"staged", "1"}};
   }
   bool device() const override { return true; }
+  // The self chunk of an all-to-all, or a staged host message into device
+  // memory, on a rank whose GPU transport is this one: no endpoint involved.
+  void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) override {
+    cu::copy_async(d_, ctx_, ordinal_, "rdma-gpu", dst, src, n, stream, wait);
+  }
 
   std::string expose(void* /*base*/, size_t /*size*/) override {
     std::ostringstream o;
@@ -369,21 +374,7 @@ class RdmaGpuTransport final : public Transport {
   void check(CUresult r, const char* what) const {
     if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, "rdma-gpu: " + cu::error_string(d_, r, what));
   }
-  // As nvlink's: our GPU's stream, not capturing (sequence numbers and credits are host state).
-  void check_stream(CUstream s, const char* op) const {
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult r = d_.StreamIsCapturing(s, &st);
-    if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT || (r == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE))
-      throw Error(ErrorKind::Invalid, std::string("varcomm ") + op +
-                                          " cannot be captured in a CUDA graph: sequence numbers and credits are "
-                                          "host state, so a replay would repeat this message's slot and number");
-    check(r, "cuStreamIsCapturing");
-    CUcontext sc = nullptr;
-    if (d_.StreamGetCtx(s, &sc) == CUDA_SUCCESS && sc && sc != ctx_)
-      throw Error(ErrorKind::Invalid, std::string("varcomm ") + op + ": the tensor's CUDA stream belongs to another "
-                                          "GPU than cuda:" + std::to_string(ordinal_) + ", which this communicator "
-                                          "uses; keep tensors on the device that was current at varcomm.init");
-  }
+  void check_stream(CUstream s, const char* op) const { cu::check_stream(d_, ctx_, ordinal_, s, op, "rdma-gpu"); }
   bool is_host(const void* p) const {
     unsigned int type = 0;
     CUresult r = d_.PointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, reinterpret_cast<CUdeviceptr>(p));

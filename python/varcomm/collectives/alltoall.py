@@ -16,7 +16,7 @@ points and the same engine. Each chunk's copy is ordered on the caller's
 current stream; its header travels through host memory at enqueue, so a
 receiver allocates its output (on the input's device) without waiting on the
 GPU, and the host never blocks on GPU work. A peer with a device route
-(nvlink) is reached GPU to GPU; a chunk to a peer without one is staged
+(nvlink on one host, rdma-gpu across hosts) is reached without a host wait; a chunk to a peer without one is staged
 through a host copy (which does block the host), and a rank with no device
 transport at all runs the host collective on host copies. How device arrays
 are seen (place, stream, allocation) is `arrays.DeviceMemory`.
@@ -193,8 +193,10 @@ def _staged_to(comm: Communicator, dst: int) -> bool:
 
 
 def _no_device_transport(comm: Communicator) -> bool:
-    """No device route even to ourselves: the whole collective runs on host copies."""
-    return comm._device_routes[comm.rank] is None
+    """No GPU transport on this rank (the core reports no device ordinal): the
+    whole collective runs on host copies. With one, the self chunk is a device
+    copy whatever the routes (nvlink, or rdma-gpu alone)."""
+    return comm._cuda_device is None
 
 
 # ---------------------------------------------------------------------------
