@@ -91,7 +91,7 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
             gpu.put(p, _payload(1000, 5000))
             c.send(1, 1, p, 5000, U8, (5000,), 30.0, s)  # dropped unread
             host = np.frombuffer(_payload(1001, 3000), dtype=np.uint8).copy()
-            assert c.send_buffer(1, 2, host, 30.0, 1)  # host message into device memory
+            c.send(1, 2, host.ctypes.data, host.nbytes, U8, (host.size,), 30.0, -1, host)  # host message into device memory
             for i in range(4):  # after the dropped one: its slot must come back
                 p = gpu.alloc(2 * CHUNK)
                 gpu.put(p, _payload(1100 + i, 2 * CHUNK))
@@ -116,7 +116,7 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
                     gpu.sync(s)
                     got = gpu.get(dst, n)
                 else:  # a device message into host memory
-                    h = c.recv_buffer(0, 0, host, 30.0)
+                    h = c.recv_into(0, 0, host.ctypes.data, host.nbytes, U8, 30.0)
                     assert h.nbytes == n, (i, h)
                     got = host[:n].tobytes()
                 assert got == _payload(i, n), f"message {i} ({n} bytes, path {how}) differs"
