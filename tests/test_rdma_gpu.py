@@ -91,7 +91,8 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
             gpu.put(p, _payload(1000, 5000))
             c.send(1, 1, p, 5000, U8, (5000,), 30.0, s)  # dropped unread
             host = np.frombuffer(_payload(1001, 3000), dtype=np.uint8).copy()
-            c.send(1, 2, host.ctypes.data, host.nbytes, U8, (host.size,), 30.0, -1, host)  # host message into device memory
+            # a host message into device memory
+            c.send(1, 2, host.ctypes.data, host.nbytes, U8, (host.size,), 30.0, -1, host)
             for i in range(4):  # after the dropped one: its slot must come back
                 p = gpu.alloc(2 * CHUNK)
                 gpu.put(p, _payload(1100 + i, 2 * CHUNK))
