@@ -341,8 +341,7 @@ def test_close_stops_flushing_for_a_receiver_that_closed(transport):
                 except varcomm.ClosedError:
                     assert not before, "a Work that had completed failed at close"
                 except varcomm.PeerFailure:  # rank 1 has exited already: it may have failed before close
-                    assert not before, "a Work that had completed failed when its peer exited"
-                    gone += 1
+                    gone += 1  # (is_completed() is also true for a Work that failed)
             # The fallback's mover may not have written any before rank 1 exited (then all are PeerFailure).
             assert ok <= slots and (ok >= 1 or gone), (ok, gone)
         else:
