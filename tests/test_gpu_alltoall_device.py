@@ -371,6 +371,97 @@ def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_receiver_does_not_trust_the_senders_header(fake_cuda):
+    """Rank 1 plays a buggy peer: instead of calling, it writes rank 0's slot
+    for it through its IPC mapping, first with rows over the slot (out has
+    room for them), then with 3 rows whose count says 1000 (past out). Rank 0
+    raises the error naming rank 1 (it read the slot past its end, then wrote
+    1000 rows into an out of 8), receives 0 rows from it and writes nothing
+    past its own 2 rows; after each, rank 1 catches up and the next call works."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 8
+    cap_rows = BOUND // (W * 4)
+    slot_of = gpu.lib.fake_cuda_a2a_slot
+    slot_of.restype, slot_of.argtypes = ctypes.c_ulonglong, [ctypes.c_uint, ctypes.c_uint]
+
+    def call(out_rows):
+        x = FakeArray(gpu, (4, W), "float32", s)
+        x.host[...] = r + 1
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (out_rows, W), "float32", s)
+        out.host.view(np.uint8)[...] = 0xAB
+        _, oso = comm.all_to_all_v(x, sp, out=out)
+        return out, oso
+
+    cases = [(4 * cap_rows, 4 * cap_rows, 4 * cap_rows + 8, "rank 1's chunk for rank 0 had .*received 0 rows"),
+             (3, 1000, 8, "rank 1's chunk for rank 0 says 3 rows but its per-expert counts add up to 1000")]
+    with comm:
+        call(8)
+        D.synchronize(comm, s)  # both set up; rank 1's honest header (dtype, row bytes) stays in the slot
+        comm.barrier()  # rank 0 has read that slot: rank 1 may write it
+        for call_no, (rows, count, out_rows, msg) in enumerate(cases, start=2):
+            if r == 1:
+                words = np.frombuffer((ctypes.c_char * 72).from_address(slot_of(0, 1)), dtype=np.uint64)
+                words[1], words[4], words[8] = rows, 0, count  # rows, status ok, counts[0]
+                words[0] = call_no  # the flag, last
+            comm.barrier()
+            if r == 0:
+                out, oso = call(out_rows)
+                with pytest.raises(varcomm.VarcommError, match=msg):
+                    D.synchronize(comm, s)
+                assert _host(oso)[0].tolist() == [2, 0]
+                assert (out.host[:2] == 1).all()
+                assert (out.host[2:].view(np.uint8) == 0xAB).all(), "written past the rows it took"
+            comm.barrier()  # rank 0 read the planted slot: rank 1's own send may overwrite it
+            if r == 1:
+                call(8)  # its own call of that number: takes rank 0's chunk, gives its credit
+                D.synchronize(comm, s)
+            comm.barrier()
+        out, oso = call(8)
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [2, 2]
+        assert (out.host[:2] == 1).all() and (out.host[2:4] == 2).all()
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_huge_splits_do_not_wrap_the_prefix_sum(fake_cuda):
+    """Rank 0's first three splits are huge and sum, mod 2**64, to 1: block 1
+    must refuse its chunk for rank 1 (it once summed them, signed overflow,
+    and sent rows [1, 2) as if the splits were fine), so rank 1 gets 0 rows
+    from rank 0 and an error; the next call works."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W, E = comm.rank, gpu.stream(), 4, 3
+    X = 0x5555555555555555  # 3 * X + 2 == 2**64 + 1
+
+    def call(splits):
+        x = FakeArray(gpu, (4, W), "float32", s)
+        x.host[...] = r + 1
+        sp = FakeArray(gpu, (2 * E,), "int64", s)
+        sp.host[...] = np.array(splits, dtype=np.uint64).view(np.int64)
+        out = FakeArray(gpu, (64, W), "float32", s)
+        out.host.view(np.uint8)[...] = 0xAB
+        _, oso = D.all_to_all_vdev_2d(comm, x, sp, E, out=out)
+        return out, oso
+
+    with comm:
+        out, oso = call([X, X, X + 2, 1, 0, 0] if r == 0 else [1, 0, 0, 1, 0, 0])
+        if r == 0:
+            with pytest.raises(varcomm.InvalidArgument, match="send_splits for rank 0 give rows"):
+                D.synchronize(comm, s)
+        else:
+            with pytest.raises(varcomm.VarcommError, match="rank 0 passed send_splits outside its input"):
+                D.synchronize(comm, s)
+            assert _host(oso)[0].tolist() == [0, 1, 0, 0, 0, 0]
+            assert (out.host[:1] == 2).all() and (out.host[1:].view(np.uint8) == 0xAB).all()
+        out, oso = call([1, 0, 0, 1, 0, 0])
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [1, 1, 0, 0, 0, 0]
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_timeout_fails_the_path(fake_cuda):
     """Rank 1 never calls: rank 0's kernel gives up after its timeout
     (TimeoutError naming rank 1) and the device path stays failed; nothing
