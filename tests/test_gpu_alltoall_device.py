@@ -909,3 +909,102 @@ def test_gpu_p2p_device_size_graph_replay():
             assert int(got.item()) == n[1 - r], (seed, rep)
             assert torch.equal(out[:n[1 - r]].cpu(), data[1 - r][:n[1 - r]]), (seed, rep)
         comm.barrier()
+
+
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on cuda:<_device>, recording record_stream
+    calls: how the device checks and the caching allocator's bookkeeping are
+    reached without a GPU (the kernels never run on it here)."""
+
+    _device = 0
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._device)
+
+    def record_stream(self, s) -> None:  # type: ignore[override]
+        _CudaLike.recorded.append((self.data_ptr(), s))
+
+    recorded: list = []
+
+
+def _cuda_like(shape, dtype=torch.float32, device=0) -> _CudaLike:
+    t = torch.zeros(shape, dtype=dtype).as_subclass(_CudaLike)
+    t._device = device
+    return t
+
+
+class _StubHandle:
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def launch(self, *args) -> None:
+        self.launches += 1
+
+
+def _stub_comm(device: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(world_size=2, _cuda_device=device, _timeout=5.0, _device_a2a=_StubHandle(),
+                           options=SimpleNamespace(bound=BOUND))
+
+
+@pytest.fixture
+def fake_torch_streams(monkeypatch) -> None:
+    """torch.cuda's stream calls without CUDA: current_stream is handle 7, ExternalStream a tuple."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda s, device=None: ("stream", s, str(device)))
+
+
+@pytest.mark.parametrize("which", ["x", "splits", "out", "out_splits_offsets"])
+def test_torch_tensor_on_another_gpu_is_refused(which, fake_torch_streams):
+    """A torch CUDA tensor on another GPU than the communicator's is refused
+    before any launch, naming the tensor, both devices and what to do (the
+    kernels would address it through the wrong device). Verified on the CPU
+    stand-in only (tensors that say they are on cuda:1)."""
+    comm = _stub_comm(device=0)
+    args = {"x": _cuda_like((4, 2)), "splits": _cuda_like((2,), torch.int64),
+            "out": _cuda_like((8, 2)), "out_splits_offsets": _cuda_like((2, 2), torch.int64)}
+    args[which] = _cuda_like(tuple(args[which].shape), args[which].dtype, device=1)
+    with pytest.raises(varcomm.InvalidArgument, match=rf"{which} is on cuda:1 but .* runs on cuda:0: move it there"):
+        D.all_to_all_vdev(comm, args["x"], args["splits"], out=args["out"],
+                          out_splits_offsets=args["out_splits_offsets"], stream=5)
+    assert comm._device_a2a.launches == 0
+
+
+def test_explicit_stream_records_torch_tensors(fake_torch_streams):
+    """With stream=, every torch CUDA tensor the kernels use (x, splits, out,
+    out_splits_offsets) is record_stream'ed for that stream, so the caching
+    allocator does not reuse it while they run; on torch's current stream
+    nothing needs it. Verified on the CPU stand-in only."""
+    comm = _stub_comm()
+    ts = [_cuda_like((4, 2)), _cuda_like((2,), torch.int64), _cuda_like((8, 2)), _cuda_like((2, 2), torch.int64)]
+    _CudaLike.recorded.clear()
+    D.all_to_all_vdev(comm, ts[0], ts[1], out=ts[2], out_splits_offsets=ts[3], stream=5)
+    assert sorted(_CudaLike.recorded) == sorted((t.data_ptr(), ("stream", 5, "cuda:0")) for t in ts)
+    _CudaLike.recorded.clear()
+    D.all_to_all_vdev(comm, ts[0], ts[1], out=ts[2], out_splits_offsets=ts[3])
+    assert _CudaLike.recorded == []
+    assert comm._device_a2a.launches == 2
+
+
+@world(2, timeout=60)
+def test_fake_bound_under_16_bytes_names_the_option(fake_cuda):
+    """A bound under the 16 bytes a device slot holds at least: the error says
+    which option to raise (it said only that the slot capacity must be a
+    positive multiple of 16)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=8)
+    s = gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (2, 4), "float32", s)
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [1, 1]
+        with pytest.raises(varcomm.InvalidArgument, match=r"the bound is 8 bytes.*raise VARCOMM_BOUND"):
+            D.all_to_all_vdev(comm, x, sp)
+        with pytest.raises(varcomm.InvalidArgument, match="raise VARCOMM_BOUND"):
+            D.capacity_rows(comm, 4)
+        comm.barrier()

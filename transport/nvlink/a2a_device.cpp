@@ -290,8 +290,8 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
   if (m.world > a2a::kMaxRanks)
     throw Error(ErrorKind::Invalid, "device all-to-all: at most " + std::to_string(a2a::kMaxRanks) + " ranks, not " +
                                         std::to_string(m.world));
-  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, "device all-to-all: the slot capacity must be a positive "
-                                                            "multiple of 16 bytes");
+  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, "device all-to-all: the slot capacity (the bound, "
+                                                            "VARCOMM_BOUND) must be a positive multiple of 16 bytes");
   int count = 0;
   d.DeviceGetCount(&count);
   if (device < 0 || device >= count)
