@@ -371,6 +371,97 @@ def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_receiver_does_not_trust_the_senders_header(fake_cuda):
+    """Rank 1 plays a buggy peer: instead of calling, it writes rank 0's slot
+    for it through its IPC mapping, first with rows over the slot (out has
+    room for them), then with 3 rows whose count says 1000 (past out). Rank 0
+    raises the error naming rank 1 (it read the slot past its end, then wrote
+    1000 rows into an out of 8), receives 0 rows from it and writes nothing
+    past its own 2 rows; after each, rank 1 catches up and the next call works."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 8
+    cap_rows = BOUND // (W * 4)
+    slot_of = gpu.lib.fake_cuda_a2a_slot
+    slot_of.restype, slot_of.argtypes = ctypes.c_ulonglong, [ctypes.c_uint, ctypes.c_uint]
+
+    def call(out_rows):
+        x = FakeArray(gpu, (4, W), "float32", s)
+        x.host[...] = r + 1
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (out_rows, W), "float32", s)
+        out.host.view(np.uint8)[...] = 0xAB
+        _, oso = comm.all_to_all_v(x, sp, out=out)
+        return out, oso
+
+    cases = [(4 * cap_rows, 4 * cap_rows, 4 * cap_rows + 8, "rank 1's chunk for rank 0 had .*received 0 rows"),
+             (3, 1000, 8, "rank 1's chunk for rank 0 says 3 rows but its per-expert counts add up to 1000")]
+    with comm:
+        call(8)
+        D.synchronize(comm, s)  # both set up; rank 1's honest header (dtype, row bytes) stays in the slot
+        comm.barrier()  # rank 0 has read that slot: rank 1 may write it
+        for call_no, (rows, count, out_rows, msg) in enumerate(cases, start=2):
+            if r == 1:
+                words = np.frombuffer((ctypes.c_char * 72).from_address(slot_of(0, 1)), dtype=np.uint64)
+                words[1], words[4], words[8] = rows, 0, count  # rows, status ok, counts[0]
+                words[0] = call_no  # the flag, last
+            comm.barrier()
+            if r == 0:
+                out, oso = call(out_rows)
+                with pytest.raises(varcomm.VarcommError, match=msg):
+                    D.synchronize(comm, s)
+                assert _host(oso)[0].tolist() == [2, 0]
+                assert (out.host[:2] == 1).all()
+                assert (out.host[2:].view(np.uint8) == 0xAB).all(), "written past the rows it took"
+            comm.barrier()  # rank 0 read the planted slot: rank 1's own send may overwrite it
+            if r == 1:
+                call(8)  # its own call of that number: takes rank 0's chunk, gives its credit
+                D.synchronize(comm, s)
+            comm.barrier()
+        out, oso = call(8)
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [2, 2]
+        assert (out.host[:2] == 1).all() and (out.host[2:4] == 2).all()
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_huge_splits_do_not_wrap_the_prefix_sum(fake_cuda):
+    """Rank 0's first three splits are huge and sum, mod 2**64, to 1: block 1
+    must refuse its chunk for rank 1 (it once summed them, signed overflow,
+    and sent rows [1, 2) as if the splits were fine), so rank 1 gets 0 rows
+    from rank 0 and an error; the next call works."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W, E = comm.rank, gpu.stream(), 4, 3
+    X = 0x5555555555555555  # 3 * X + 2 == 2**64 + 1
+
+    def call(splits):
+        x = FakeArray(gpu, (4, W), "float32", s)
+        x.host[...] = r + 1
+        sp = FakeArray(gpu, (2 * E,), "int64", s)
+        sp.host[...] = np.array(splits, dtype=np.uint64).view(np.int64)
+        out = FakeArray(gpu, (64, W), "float32", s)
+        out.host.view(np.uint8)[...] = 0xAB
+        _, oso = D.all_to_all_vdev_2d(comm, x, sp, E, out=out)
+        return out, oso
+
+    with comm:
+        out, oso = call([X, X, X + 2, 1, 0, 0] if r == 0 else [1, 0, 0, 1, 0, 0])
+        if r == 0:
+            with pytest.raises(varcomm.InvalidArgument, match="send_splits for rank 0 give rows"):
+                D.synchronize(comm, s)
+        else:
+            with pytest.raises(varcomm.VarcommError, match="rank 0 passed send_splits outside its input"):
+                D.synchronize(comm, s)
+            assert _host(oso)[0].tolist() == [0, 1, 0, 0, 0, 0]
+            assert (out.host[:1] == 2).all() and (out.host[1:].view(np.uint8) == 0xAB).all()
+        out, oso = call([1, 0, 0, 1, 0, 0])
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [1, 1, 0, 0, 0, 0]
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_timeout_fails_the_path(fake_cuda):
     """Rank 1 never calls: rank 0's kernel gives up after its timeout
     (TimeoutError naming rank 1) and the device path stays failed; nothing
@@ -817,4 +908,103 @@ def test_gpu_p2p_device_size_graph_replay():
             D.synchronize(comm)
             assert int(got.item()) == n[1 - r], (seed, rep)
             assert torch.equal(out[:n[1 - r]].cpu(), data[1 - r][:n[1 - r]]), (seed, rep)
+        comm.barrier()
+
+
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on cuda:<_device>, recording record_stream
+    calls: how the device checks and the caching allocator's bookkeeping are
+    reached without a GPU (the kernels never run on it here)."""
+
+    _device = 0
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self._device)
+
+    def record_stream(self, s) -> None:  # type: ignore[override]
+        _CudaLike.recorded.append((self.data_ptr(), s))
+
+    recorded: list = []
+
+
+def _cuda_like(shape, dtype=torch.float32, device=0) -> _CudaLike:
+    t = torch.zeros(shape, dtype=dtype).as_subclass(_CudaLike)
+    t._device = device
+    return t
+
+
+class _StubHandle:
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def launch(self, *args) -> None:
+        self.launches += 1
+
+
+def _stub_comm(device: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(world_size=2, _cuda_device=device, _timeout=5.0, _device_a2a=_StubHandle(),
+                           options=SimpleNamespace(bound=BOUND))
+
+
+@pytest.fixture
+def fake_torch_streams(monkeypatch) -> None:
+    """torch.cuda's stream calls without CUDA: current_stream is handle 7, ExternalStream a tuple."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda s, device=None: ("stream", s, str(device)))
+
+
+@pytest.mark.parametrize("which", ["x", "splits", "out", "out_splits_offsets"])
+def test_torch_tensor_on_another_gpu_is_refused(which, fake_torch_streams):
+    """A torch CUDA tensor on another GPU than the communicator's is refused
+    before any launch, naming the tensor, both devices and what to do (the
+    kernels would address it through the wrong device). Verified on the CPU
+    stand-in only (tensors that say they are on cuda:1)."""
+    comm = _stub_comm(device=0)
+    args = {"x": _cuda_like((4, 2)), "splits": _cuda_like((2,), torch.int64),
+            "out": _cuda_like((8, 2)), "out_splits_offsets": _cuda_like((2, 2), torch.int64)}
+    args[which] = _cuda_like(tuple(args[which].shape), args[which].dtype, device=1)
+    with pytest.raises(varcomm.InvalidArgument, match=rf"{which} is on cuda:1 but .* runs on cuda:0: move it there"):
+        D.all_to_all_vdev(comm, args["x"], args["splits"], out=args["out"],
+                          out_splits_offsets=args["out_splits_offsets"], stream=5)
+    assert comm._device_a2a.launches == 0
+
+
+def test_explicit_stream_records_torch_tensors(fake_torch_streams):
+    """With stream=, every torch CUDA tensor the kernels use (x, splits, out,
+    out_splits_offsets) is record_stream'ed for that stream, so the caching
+    allocator does not reuse it while they run; on torch's current stream
+    nothing needs it. Verified on the CPU stand-in only."""
+    comm = _stub_comm()
+    ts = [_cuda_like((4, 2)), _cuda_like((2,), torch.int64), _cuda_like((8, 2)), _cuda_like((2, 2), torch.int64)]
+    _CudaLike.recorded.clear()
+    D.all_to_all_vdev(comm, ts[0], ts[1], out=ts[2], out_splits_offsets=ts[3], stream=5)
+    assert sorted(_CudaLike.recorded) == sorted((t.data_ptr(), ("stream", 5, "cuda:0")) for t in ts)
+    _CudaLike.recorded.clear()
+    D.all_to_all_vdev(comm, ts[0], ts[1], out=ts[2], out_splits_offsets=ts[3])
+    assert _CudaLike.recorded == []
+    assert comm._device_a2a.launches == 2
+
+
+@world(2, timeout=60)
+def test_fake_bound_under_16_bytes_names_the_option(fake_cuda):
+    """A bound under the 16 bytes a device slot holds at least: the error says
+    which option to raise (it said only that the slot capacity must be a
+    positive multiple of 16)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=8)
+    s = gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (2, 4), "float32", s)
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [1, 1]
+        with pytest.raises(varcomm.InvalidArgument, match=r"the bound is 8 bytes.*raise VARCOMM_BOUND"):
+            D.all_to_all_vdev(comm, x, sp)
+        with pytest.raises(varcomm.InvalidArgument, match="raise VARCOMM_BOUND"):
+            D.capacity_rows(comm, 4)
         comm.barrier()

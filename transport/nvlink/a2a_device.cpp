@@ -201,9 +201,15 @@ struct DeviceA2A::Impl {
       case a2a::kErrBadSplits:
         return Error(ErrorKind::Invalid, me + "'s send_splits for " + rk(r.a) + " give rows [" +
                                              std::to_string(int64_t(r.b)) + ", " +
-                                             std::to_string(int64_t(r.b) + int64_t(r.c)) + ") of an input of " +
+                                             std::to_string(int64_t(r.b + r.c)) + ") of an input of " +
                                              std::to_string(r.d) + " rows" + call +
                                              ": negative, or past the input; nothing sent to it");
+      case a2a::kErrPeerCounts:
+        return Error(ErrorKind::Refused, rk(r.a) + "'s chunk for " + me + " says " + std::to_string(r.b) +
+                                             " rows but its per-expert counts add up to " + std::to_string(r.c) +
+                                             call + ": it received 0 rows from it (a peer of another build, or "
+                                             "memory corrupted on the way)",
+                     int(r.a));
       case a2a::kErrPeerSplits:
         return Error(ErrorKind::Refused, rk(r.a) + " passed send_splits outside its input" + call +
                                              ": 0 rows from it", int(r.a));
@@ -284,8 +290,8 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
   if (m.world > a2a::kMaxRanks)
     throw Error(ErrorKind::Invalid, "device all-to-all: at most " + std::to_string(a2a::kMaxRanks) + " ranks, not " +
                                         std::to_string(m.world));
-  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, "device all-to-all: the slot capacity must be a positive "
-                                                            "multiple of 16 bytes");
+  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, "device all-to-all: the slot capacity (the bound, "
+                                                            "VARCOMM_BOUND) must be a positive multiple of 16 bytes");
   int count = 0;
   d.DeviceGetCount(&count);
   if (device < 0 || device >= count)

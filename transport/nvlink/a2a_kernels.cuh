@@ -67,6 +67,7 @@ enum : u64 {
   kErrBadSplits = 5,  // a: dst, b: first row, c: rows, d: x rows (negative or past x)
   kErrPeerSplits = 6, // a: src whose splits were bad (receiver side)
   kErrPeerTooLarge = 7,  // a: src, b: rows, c: bytes, d: capacity (receiver side)
+  kErrPeerCounts = 8,    // a: src, b: its rows, c: its per-expert counts' sum (saturated)
   kHard = 16,
   kErrTimeout = 16,   // a: peer, b: 0 waiting for its credit (send) / 1 for its data (recv)
   kErrAborted = 17,   // the host aborted the wait (a dead peer, close)
@@ -182,6 +183,9 @@ VC_HD inline void pause() {
   sched_yield();
 #endif
 }
+
+VC_HD inline u64 sat_add(u64 x, u64 y) { return y > ~0ull - x ? ~0ull : x + y; }
+VC_HD inline u64 sat_mul(u64 x, u64 y) { return y && x > ~0ull / y ? ~0ull : x * y; }
 
 VC_HD inline u64* word(unsigned char* base, u64 off) { return reinterpret_cast<u64*>(base + off); }
 
@@ -303,23 +307,33 @@ VC_HD inline void send_phase0(const Args& a, SendShared& sh, unsigned d) {
   const u64 W = a.world, ne = a.ne;
   u64 rows = 0;
   i64 next = 0;  // kInPrefix: the first row of piece (d, e)
+  // Every split is checked before it is added (next stays in [0, x_rows]):
+  // a sum of huge ones would overflow, and a wrapped prefix can look valid.
   if (a.in_layout == kInPrefix)
-    for (u64 i = 0; i < d * ne; ++i) next += split_at(a, i);
+    for (u64 i = 0; i < d * ne; ++i) {
+      const i64 v = split_at(a, i);
+      if (v < 0 || u64(v) > a.x_rows - u64(next)) {
+        report(a, kErrBadSplits, sh.call, i / ne, u64(next), u64(v), a.x_rows);
+        sh.status = kBadSplits;
+        return;
+      }
+      next += v;
+    }
   for (u64 e = 0; e < ne; ++e) {
     i64 first, cnt;
     if (a.in_layout == kInPrefix) {
       first = next;
       cnt = split_at(a, d * ne + e);
-      next += cnt;
     } else {
       cnt = split_at(a, e * W + d);
       first = split_at(a, W * ne + e * W + d);
     }
-    if (cnt < 0 || first < 0 || u64(first) + u64(cnt) > a.x_rows) {
+    if (cnt < 0 || first < 0 || u64(cnt) > a.x_rows || u64(first) > a.x_rows - u64(cnt)) {
       report(a, kErrBadSplits, sh.call, d, u64(first), u64(cnt), a.x_rows);
       sh.status = kBadSplits;
       return;
     }
+    if (a.in_layout == kInPrefix) next = first + cnt;
     sh.src_row[e] = u64(first);
     sh.dst_row[e] = rows;
     sh.cnt[e] = u64(cnt);
@@ -404,6 +418,21 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
     if (ok && (dt != a.dtype || rb != a.row_bytes)) {
       if (q == s) report(a, kErrMismatch, sh.call, q, dt, rb, mine);
       ok = false;
+    }
+    // The sender's header is not trusted (a buggy or mismatched peer): its
+    // rows must fit the slot and its counts add up to them, or nothing is
+    // read from the slot nor written to out for it.
+    if (ok && a.row_bytes && rows > a.cap / a.row_bytes) {
+      if (q == s) report(a, kErrPeerTooLarge, sh.call, q, rows, sat_mul(rows, rb), a.cap);
+      ok = false;
+    }
+    if (ok) {
+      u64 sum = 0;
+      for (unsigned e = 0; e < ne; ++e) sum = sat_add(sum, count_of(a, int(q), e));
+      if (sum != rows) {
+        if (q == s) report(a, kErrPeerCounts, sh.call, q, rows, sum, 0);
+        ok = false;
+      }
     }
     if (ok && placed + rows > a.out_rows) {
       if (q == s) report(a, kErrOutFull, sh.call, q, rows, placed, a.out_rows);
@@ -545,6 +574,10 @@ VC_HD inline void p2p_recv_phase0(const Args& a, RecvShared& sh) {
   if (st != kOk) return;
   if (dt != a.dtype || rb != a.row_bytes) {
     report(a, kErrMismatch, sh.call, s, dt, rb, u64(a.dtype) << 32 | a.row_bytes);
+    return;
+  }
+  if (a.row_bytes && rows > a.cap / a.row_bytes) {  // the header is not trusted: never read past the slot
+    report(a, kErrPeerTooLarge, sh.call, s, rows, sat_mul(rows, rb), a.cap);
     return;
   }
   if (rows > a.out_rows) {

@@ -365,6 +365,7 @@ API CUresult cuModuleGetFunction(Function** f, Module*, const char* name) {
   else return 500;  // CUDA_ERROR_NOT_FOUND
   return 0;
 }
+static varcomm::a2a::Args g_last_a2a{};  // the last all-to-all launch's arguments, for fake_cuda_a2a_slot
 API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void* s, void** params, void** extra) {
   if (CUresult r = need_ctx()) return r;
@@ -390,6 +391,10 @@ API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, 
     for (unsigned q = 0; q < a.world; ++q)
       if (!find(uintptr_t(a.peer_ws[q]), nullptr)) return 700;
     g_launches.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      g_last_a2a = a;
+    }
     const bool send = f == &g_a2a_send;
     stream_of(s)->push([a, send, bx] {
       for (unsigned b = 0; b < a.world; ++b) send ? a2a::host_send_block(a, b, bx) : a2a::host_recv_block(a, b, bx);
@@ -411,6 +416,15 @@ API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, 
                                      n, reinterpret_cast<unsigned long long*>(flag), seq, bx);
   });
   return 0;
+}
+// For tests that play a buggy peer: the address, as mapped in this process,
+// of rank dst's slot for source src in the last all-to-all launch's
+// workspaces (0 before one).
+API unsigned long long fake_cuda_a2a_slot(unsigned dst, unsigned src) {
+  std::lock_guard<std::mutex> g(g_mu);
+  const varcomm::a2a::Args& a = g_last_a2a;
+  if (!a.world || dst >= a.world || src >= a.world) return 0;
+  return uintptr_t(a.peer_ws[dst]) + varcomm::a2a::ws_slot(int(a.world), a.cap, int(src));
 }
 // For tests: how many kernels were launched in this process.
 API unsigned long long fake_cuda_launches() { return g_launches.load(); }

@@ -103,12 +103,17 @@ def _cai_word(cai: dict[str, Any], what: str) -> int:
         raise InvalidArgument(f"{what}: unsupported dtype in __cuda_array_interface__ ({e})") from None
 
 
-def _describe(x: Any, what: str, stream: int | None) -> _Dev:
+def _describe(comm: Communicator, x: Any, what: str, stream: int | None) -> _Dev:
     """x as a device array; stream: the caller's, else x's own."""
     if arrays.is_torch(x):
         if not x.is_contiguous():
             raise InvalidArgument(f"{what} must be contiguous (the kernels address it as rows)")
         if x.is_cuda:
+            if comm._cuda_device is not None and x.device.index != comm._cuda_device:  # the kernels run there
+                raise InvalidArgument(f"{what} is on {x.device} but this communicator's device all-to-all runs on "
+                                      f"cuda:{comm._cuda_device}: move it there (.to('cuda:{comm._cuda_device}')), "
+                                      "or create the communicator on that GPU (torch.cuda.set_device, or "
+                                      "VARCOMM_NVLINK_DEVICE, before varcomm.init)")
             s = arrays.torch.cuda.current_stream(x.device).cuda_stream
             return _Dev(x.data_ptr(), dtypes.from_torch(x.dtype), tuple(x.shape), s, x, True)
         if stream is None:
@@ -163,11 +168,32 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={dtypes.describe(self.word)}, ptr={self.ptr:#x})"
 
 
+def _record(devs: tuple[_Dev, ...], stream: int, explicit: bool) -> None:
+    """With an explicit stream=, the kernels read and write torch tensors on a
+    stream the caching allocator does not know: without this it could hand
+    their memory (an out allocated here on the current stream, a dropped
+    input) to new tensors while the kernels still use it."""
+    if not explicit:
+        return
+    for d in devs:
+        if d.cuda:
+            d.obj.record_stream(arrays.torch.cuda.ExternalStream(stream, device=d.obj.device))
+
+
 def is_device_splits(splits: Any) -> bool:
     """Splits that live on a GPU: a torch CUDA tensor or a __cuda_array_interface__ array."""
     if arrays.is_torch(splits):
         return bool(splits.is_cuda)
     return isinstance(getattr(splits, "__cuda_array_interface__", None), dict)
+
+
+def _slot_bytes(comm: Communicator) -> int:
+    """Payload bytes of a device slot: the bound, in the 16-byte words the kernels copy."""
+    cap = comm.options.bound // 16 * 16
+    if cap == 0:
+        raise InvalidArgument(f"device all-to-all: the bound is {comm.options.bound} bytes, under the 16 bytes a "
+                              "device slot holds at least; raise VARCOMM_BOUND (or init(bound=...))")
+    return cap
 
 
 def _handle(comm: Communicator) -> Any:
@@ -182,8 +208,7 @@ def _handle(comm: Communicator) -> Any:
     if dev is None:
         raise InvalidArgument("device-split all-to-all: this communicator uses no GPU (set VARCOMM_NVLINK=1, or "
                               "use CUDA before varcomm.init)")
-    cap = comm.options.bound // 16 * 16
-    h = _C.DeviceAllToAll(comm._c, dev, cap, comm._timeout)
+    h = _C.DeviceAllToAll(comm._c, dev, _slot_bytes(comm), comm._timeout)
     comm._device_a2a = h
     return h
 
@@ -205,7 +230,7 @@ def setup_p2p(comm: Communicator) -> None:
     _handle(comm)  # the same checks, and the all-to-all's workspace, first
     dev = comm._cuda_device
     assert dev is not None  # _handle raised otherwise
-    comm._device_p2p = _C.DeviceAllToAll(comm._c, dev, comm.options.bound // 16 * 16, comm._timeout)
+    comm._device_p2p = _C.DeviceAllToAll(comm._c, dev, _slot_bytes(comm), comm._timeout)
 
 
 def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | None = None,
@@ -217,11 +242,12 @@ def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | 
     stream). Errors as for the all-to-all (a count over x or the bound:
     nothing sent, the receiver gets 0 rows)."""
     h = _p2p_handle(comm)
-    xd = _describe(x, "x", stream)
+    xd = _describe(comm, x, "x", stream)
     if len(xd.shape) == 0:
         raise InvalidArgument("x must have at least one dimension (rows along dim 0)")
-    rd, rb = _splits(rows, 1, "rows", stream)
+    rd, rb = _splits(comm, rows, 1, "rows", stream)
     s = stream if stream is not None else xd.stream if xd.stream is not None else 0
+    _record((xd, rd), int(s), stream is not None)
     h.launch_p2p(True, int(dst), xd.word, xd.row_bytes, xd.ptr, xd.shape[0], rd.ptr, rb, int(s),
                  comm._timeout if timeout is None else timeout)
 
@@ -233,20 +259,21 @@ def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: 
     device tensor). A message over ``out``'s rows, or of another dtype or row
     size, is dropped (0 rows) and raised at synchronize or the next call."""
     h = _p2p_handle(comm)
-    od = _describe(out, "out", stream)
+    od = _describe(comm, out, "out", stream)
     if len(od.shape) == 0:
         raise InvalidArgument("out must have at least one dimension (rows along dim 0)")
-    rd = _describe(rows_out, "rows_out", stream)
+    rd = _describe(comm, rows_out, "rows_out", stream)
     if rd.word != _I64 or int(np.prod(rd.shape)) != 1:
         raise InvalidArgument("rows_out must be one int64 on the device")
     s = stream if stream is not None else od.stream if od.stream is not None else 0
+    _record((od, rd), int(s), stream is not None)
     h.launch_p2p(False, int(src), od.word, od.row_bytes, od.ptr, od.shape[0], rd.ptr, 8, int(s),
                  comm._timeout if timeout is None else timeout)
 
 
 def capacity_rows(comm: Communicator, row_bytes: int) -> int:
     """Rows of `row_bytes` one source may send to one rank (its slot: the bound)."""
-    return (comm.options.bound // 16 * 16) // max(row_bytes, 1)
+    return _slot_bytes(comm) // max(row_bytes, 1)
 
 
 class DeviceWork:
@@ -287,8 +314,8 @@ def synchronize(comm: Communicator, stream: int | None = None, timeout: float | 
         comm._device_p2p.synchronize(s, t)
 
 
-def _splits(splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
-    d = _describe(splits, what, stream)
+def _splits(comm: Communicator, splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
+    d = _describe(comm, splits, what, stream)
     if d.word not in _INT:
         raise InvalidArgument(f"{what} must be int32 or int64, not {dtypes.describe(d.word)}")
     total = 1
@@ -303,10 +330,10 @@ def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any
             out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None, async_op: bool,
             out_rows: int | None = None) -> Any:
     n = comm.world_size
-    xd = _describe(x, "x", stream)
+    xd = _describe(comm, x, "x", stream)
     if len(xd.shape) == 0:
         raise InvalidArgument("x must have at least one dimension (rows are split along dim 0)")
-    sd, sb = _splits(splits, splits_len, "splits", stream)
+    sd, sb = _splits(comm, splits, splits_len, "splits", stream)
     h = _handle(comm)
     rb = xd.row_bytes
     s = stream if stream is not None else xd.stream if xd.stream is not None else 0
@@ -316,7 +343,7 @@ def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any
             out = arrays.torch.empty((rows,) + xd.shape[1:], dtype=x.dtype, device=x.device)
         else:
             out = DeviceArray(h, (rows,) + xd.shape[1:], xd.word, int(s))
-    od = _describe(out, "out", stream)
+    od = _describe(comm, out, "out", stream)
     if od.word != xd.word or od.shape[1:] != xd.shape[1:]:
         raise InvalidArgument(f"out ({dtypes.describe(od.word)}, rows of {od.shape[1:]}) and x "
                               f"({dtypes.describe(xd.word)}, rows of {xd.shape[1:]}) must agree in dtype and trailing "
@@ -326,12 +353,13 @@ def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any
             out_splits_offsets = arrays.torch.empty((2, n * ne), dtype=arrays.torch.int64, device=x.device)
         else:
             out_splits_offsets = DeviceArray(h, (2, n * ne), _I64, int(s))
-    oso = _describe(out_splits_offsets, "out_splits_offsets", stream)
+    oso = _describe(comm, out_splits_offsets, "out_splits_offsets", stream)
     if oso.word != _I64 or int(np.prod(oso.shape)) != 2 * n * ne:
         raise InvalidArgument(f"out_splits_offsets must be int64 with {2 * n * ne} entries ([2, {n * ne}]), not "
                               f"{dtypes.describe(oso.word)} {oso.shape}")
     if timeout is not None:
         _C.check_timeout(timeout)
+    _record((xd, sd, od, oso), int(s), stream is not None)
     h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0], oso.ptr,
              int(s), comm._timeout if timeout is None else timeout)
     result = (out, out_splits_offsets)
