@@ -363,10 +363,10 @@ def test_fake_dead_peer_raises_peer_failure(fake_cuda):
     r, n = comm.rank, comm.world_size
     if r == 2:
         os._exit(3)  # dies without closing
-    t0 = time.monotonic()
+    # PeerFailure, not the 60 s TimeoutError: the death was noticed, not waited out
+    # (no wall-clock bound here: under load that measures the machine).
     with pytest.raises(varcomm.PeerFailure, match="rank 2"):
         A.all_to_all_v(comm, _on(dev, torch.zeros(n, 3)), [1] * n)
-    assert time.monotonic() - t0 < 10, "dead peer took too long to detect"
     other = 1 - r  # the survivors' channel still works, device memory too
     comm.send(torch.tensor([r]), dst=other)
     assert comm.recv(src=other).item() == other
