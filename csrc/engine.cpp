@@ -579,12 +579,9 @@ void Engine::progress_sends(int peer) {
         // being captured): it fails alone, unwritten; left queued it would
         // throw again from every later progress and stop the sends behind it.
         uint64_t id = *it;
-        r.state = ReqState::Failed;
-        r.err = e.kind;
-        r.error = e.what();
         it = p.sendq.erase(it);
         sending_--;
-        if (r.detached) recycle(id);
+        fail_request(id, e.kind, e.what());
         continue;
       }
       if (!wrote) break;
@@ -849,20 +846,24 @@ bool Engine::route_chunks(int peer) {
   return true;
 }
 
+// A request fails with `why`; a detached one (nobody will read the error) is recycled instead.
+void Engine::fail_request(uint64_t id, ErrorKind kind, const std::string& why) {
+  Request& r = reqs_[uint32_t(id)];
+  if (r.detached) {
+    recycle(id);
+    return;
+  }
+  r.state = ReqState::Failed;
+  r.err = kind;
+  r.error = why;
+}
+
 void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
   Peer& p = peers_[peer];
   for (auto& kv : p.streams) {
-    uint64_t id = kv.second.id;
-    if (!id) continue;
-    Request& r = reqs_[uint32_t(id)];
-    if (r.detached) {
-      recycle(id);
-      continue;
-    }
-    r.state = ReqState::Failed;
-    r.err = kind;
-    r.error = why + " (" + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
-              " bytes had arrived)";
+    if (kv.second.id)
+      fail_request(kv.second.id, kind, why + " (" + std::to_string(kv.second.got) + " of " +
+                                           std::to_string(kv.second.total) + " bytes had arrived)");
   }
   p.streams.clear();
 }
@@ -930,16 +931,7 @@ void Engine::fail_peer(int peer, const std::string& why) {
 // Every request in `q` fails with `why`; detached ones (nobody will read the
 // error) are recycled instead.
 void Engine::fail_queue(std::deque<uint64_t>& q, ErrorKind kind, const std::string& why) {
-  for (uint64_t id : q) {
-    Request& r = reqs_[uint32_t(id)];
-    if (r.detached) {
-      recycle(id);
-      continue;
-    }
-    r.state = ReqState::Failed;
-    r.err = kind;
-    r.error = why;
-  }
+  for (uint64_t id : q) fail_request(id, kind, why);
   q.clear();
 }
 

@@ -211,6 +211,7 @@ class Engine {
   void free_slot(int peer, int slot, uint64_t seq);
   void check_peer(int peer, bool force);
   void fail_peer(int peer, const std::string& why);
+  void fail_request(uint64_t id, ErrorKind kind, const std::string& why);
   void fail_queue(std::deque<uint64_t>& q, ErrorKind kind, const std::string& why);
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);

@@ -20,7 +20,9 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 IFACE = "eth0"  # the member's interface name: pass it as VARCOMM_FI_IFACE
 _counter = itertools.count()
@@ -143,6 +145,29 @@ l.bind((sys.argv[1], 7777)); l.listen(8); print("up", flush=True)
 while True:
     l.accept()[0].close()
 """
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """Every member process's (exit status, output), killing those still running at `timeout`."""
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, _ = p.communicate()
+            o += "\n[killed at the test timeout]"
+        out.append((p.returncode, o))
+    return out
+
+
+def wait_flag(path: Path, timeout: float) -> None:
+    """Until a member process creates `path` (its way of saying it got somewhere)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
 
 
 def selfcheck() -> None:

@@ -56,7 +56,7 @@ def fake_cuda(tmp_path_factory) -> str:
     if not shutil.which(cxx):
         pytest.skip(f"{cxx} not found: cannot build the fake driver")
     out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
-    subprocess.run([cxx, "-std=c++17", "-O0", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out),
+    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out),
                     str(ROOT / "transport" / "nvlink" / "fake_libcuda.cc"), "-lpthread"], check=True)
     return str(out)
 

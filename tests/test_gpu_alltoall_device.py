@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
+import test_gpu
 import varcomm
-from test_gpu import GPU_REQ, FakeGpu, nvlink_built
+from test_gpu import GPU_REQ, FakeGpu
 from varcomm.collectives import alltoall_device as D
 from varcomm.testing import seeded, world
 
@@ -33,17 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def fake_cuda(tmp_path_factory) -> str:
-    """The CPU stand-in driver, built with the kernel bodies (as test_gpu.py builds it)."""
-    why = nvlink_built() or _C_reason()
+    """The CPU stand-in driver with the kernel bodies, built as test_gpu.py builds it."""
+    why = _C_reason()
     if why:
         pytest.skip(why)
-    cxx = os.environ.get("CXX", "g++")
-    if not shutil.which(cxx):
-        pytest.skip(f"{cxx} not found: cannot build the fake driver")
-    out = tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out),
-                    str(ROOT / "transport" / "nvlink" / "fake_libcuda.cc"), "-lpthread"], check=True)
-    return str(out)
+    return str(test_gpu.fake_cuda.__wrapped__(tmp_path_factory))
 
 
 def _C_reason() -> str | None:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ import torch
 import test_gpu
 import varcomm
 from conftest import same_bytes
-from netns import IFACE, Netns, require_netns
+from netns import IFACE, Netns, finish, require_netns, wait_flag
 from test_gpu import U8, FakeGpu, _payload, nvlink_built
 from test_gpu_alltoall import FAKE, _fake, _on, _run_entry_points
 from varcomm import arrays, dtypes
@@ -354,26 +353,6 @@ def _run(net: Netns, tmp: Path, mode: str, n: int, fake: str, seed: int = 0) -> 
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            o, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, _ = p.communicate()
-            o += "\n[killed at the test timeout]"
-        out.append((p.returncode, o))
-    return out
-
-
-def _wait_flag(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} never appeared"
-        time.sleep(0.05)
-
 
 def test_device_ring_across_namespaces_byte_exact(tmp_path, fake_cuda):
     """Three "hosts": a ring of device messages of random sizes (0..bound, many
@@ -381,7 +360,7 @@ def test_device_ring_across_namespaces_byte_exact(tmp_path, fake_cuda):
     require_netns()
     seed = seeded()
     with Netns(3) as net:
-        res = _finish(_run(net, tmp_path, "ring", 3, fake_cuda, seed), timeout=150)
+        res = finish(_run(net, tmp_path, "ring", 3, fake_cuda, seed), timeout=150)
     for r, (code, out) in enumerate(res):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}, seed {seed}):\n{out[-3000:]}"
 
@@ -395,13 +374,13 @@ def test_device_peer_lost_mid_stream_fails_promptly(tmp_path, fake_cuda, how):
     with Netns(3) as net:
         procs = _run(net, tmp_path, "fail", 3, fake_cuda)
         try:
-            _wait_flag(tmp_path / "flags" / "ready0", 90)
-            _wait_flag(tmp_path / "flags" / "ready1", 90)
+            wait_flag(tmp_path / "flags" / "ready0", 90)
+            wait_flag(tmp_path / "flags" / "ready1", 90)
             if how == "link_down":
                 net.link_down(2)
             else:
                 procs[2].send_signal(signal.SIGKILL)
-            res = _finish(procs[:2], timeout=90)
+            res = finish(procs[:2], timeout=90)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -568,7 +547,7 @@ def test_fake_all_to_all_mixed_nvlink_and_rdma_gpu_across_namespaces(tmp_path, f
             argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', f"vchost{ns}",
                     sys.executable, str(script), fake_cuda]
             procs.append(net.popen(ns, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        res = _finish(procs, timeout=200)
+        res = finish(procs, timeout=200)
     for r, (code, out) in enumerate(res):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}, seed {seed}):\n{out[-3000:]}"
 

@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 import varcomm
-from netns import IFACE, Netns, require_netns
+from netns import IFACE, Netns, finish, require_netns, wait_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,31 +97,11 @@ def _run(net: Netns, tmp: Path, mode: str, n: int) -> list[subprocess.Popen]:
     return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    out = []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            o, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            o, _ = p.communicate()
-            o += "\n[killed at the test timeout]"
-        out.append((p.returncode, o))
-    return out
-
-
-def _wait_flag(path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} never appeared"
-        time.sleep(0.05)
-
 
 def test_ring_and_all_to_all_across_namespaces(tmp_path):
     require_netns()
     with Netns(3) as net:
-        res = _finish(_run(net, tmp_path, "ring", 3), timeout=120)
+        res = finish(_run(net, tmp_path, "ring", 3), timeout=120)
     for r, (code, out) in enumerate(res):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
 
@@ -133,13 +112,13 @@ def test_peer_lost_mid_stream_fails_promptly_and_survivors_continue(tmp_path, ho
     with Netns(3) as net:
         procs = _run(net, tmp_path, "fail", 3)
         try:
-            _wait_flag(tmp_path / "flags" / "ready0", 60)
-            _wait_flag(tmp_path / "flags" / "ready1", 60)
+            wait_flag(tmp_path / "flags" / "ready0", 60)
+            wait_flag(tmp_path / "flags" / "ready1", 60)
             if how == "link_down":
                 net.link_down(2)
             else:
                 procs[2].send_signal(signal.SIGKILL)
-            res = _finish(procs[:2], timeout=60)
+            res = finish(procs[:2], timeout=60)
         finally:
             for p in procs:
                 if p.poll() is None:
