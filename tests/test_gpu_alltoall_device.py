@@ -455,11 +455,16 @@ def test_fake_huge_splits_do_not_wrap_the_prefix_sum(fake_cuda):
         comm.barrier()
 
 
+@pytest.mark.parametrize("bad_splits", [False, True], ids=["alone", "after_a_per_call_error"])
 @world(2, timeout=120)
-def test_fake_timeout_fails_the_path(fake_cuda):
+def test_fake_timeout_fails_the_path(fake_cuda, bad_splits):
     """Rank 1 never calls: rank 0's kernel gives up after its timeout
     (TimeoutError naming rank 1) and the device path stays failed; nothing
-    hangs."""
+    hangs. With bad_splits, rank 0's splits are also bad for rank 1 (a per-call
+    error, recorded first): the timeout in the same call must still be recorded
+    and keep the path failed (it was dropped, being the call's second error, and
+    the kernel then handed out credits and a new epoch for a chunk it never
+    received, so later calls paired up the wrong messages)."""
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
     r, s = comm.rank, gpu.stream()
     with comm:
@@ -471,35 +476,11 @@ def test_fake_timeout_fails_the_path(fake_cuda):
         D.synchronize(comm, s)
         comm.barrier()
         if r == 0:
-            D.all_to_all_vdev(comm, x, sp, out=out, timeout=1.0)
-            with pytest.raises(varcomm.TimeoutError, match="timed out waiting for rank 1"):
-                D.synchronize(comm, s)
-            with pytest.raises(varcomm.TimeoutError):  # stays failed
-                D.all_to_all_vdev(comm, x, sp, out=out)
-        comm.barrier()
-
-
-@world(2, timeout=120)
-def test_fake_timeout_after_a_per_call_error_still_fails_the_path(fake_cuda):
-    """Rank 0's splits are bad for rank 1 (a per-call error, recorded first)
-    and rank 1 never calls: the receive's timeout in the same call must still
-    be recorded and keep the path failed (it was dropped, being the call's
-    second error, and the kernel then handed out credits and a new epoch for
-    a chunk it never received, so later calls paired up the wrong messages)."""
-    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
-    r, s = comm.rank, gpu.stream()
-    with comm:
-        x = FakeArray(gpu, (4, 4), "float32", s)
-        sp = FakeArray(gpu, (2,), "int64", s)
-        sp.host[...] = [2, 2]
-        out = FakeArray(gpu, (64, 4), "float32", s)
-        D.all_to_all_vdev(comm, x, sp, out=out)  # sets up (both ranks), then only rank 0 calls
-        D.synchronize(comm, s)
-        comm.barrier()
-        if r == 0:
-            bad = FakeArray(gpu, (2,), "int64", s)
-            bad.host[...] = [2, 9]  # rows [2, 11) of 4
-            D.all_to_all_vdev(comm, x, bad, out=out, timeout=1.0)
+            first = sp
+            if bad_splits:
+                first = FakeArray(gpu, (2,), "int64", s)
+                first.host[...] = [2, 9]  # rows [2, 11) of 4
+            D.all_to_all_vdev(comm, x, first, out=out, timeout=1.0)
             with pytest.raises(varcomm.TimeoutError, match="timed out waiting for rank 1"):
                 D.synchronize(comm, s)
             with pytest.raises(varcomm.TimeoutError):  # stays failed
