@@ -82,6 +82,7 @@ void Engine::close() {
   closed_ = true;
   // What has not completed fails now, as close() documents; a recv whose
   // message arrived keeps it (it is in our region, which stays mapped).
+  for (int q = 0; q < world_; ++q) withdraw_rendezvous(q);
   for (auto& p : peers_) {
     fail_queue(p.sendq, ErrorKind::Closed,
                "communicator closed before this send completed (a send still queued was never written; "
@@ -183,6 +184,7 @@ void Engine::recycle(uint64_t id) {
   Request& r = reqs_[uint32_t(id)];
   if (r.reported) recycled_.push_back(id);
   r.state = ReqState::Free;
+  r.own.reset();
   free_reqs_.push_back(uint32_t(id));
 }
 
@@ -237,7 +239,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
   // The transport still reads the source: track it like an isend.
   uint64_t id = alloc(ReqKind::Send);
   Request& q = reqs_[uint32_t(id)];
-  q = r;
+  q = std::move(r);
   q.gen = uint32_t(id >> 32);
   q.kind = ReqKind::Send;
   q.peer = peer;
@@ -544,6 +546,8 @@ bool Engine::try_write(int peer, Request& r) {
     if (r.rndv) {
       h.flags |= kRendezvous;
       h.src = uint64_t(uintptr_t(r.data));
+      // Ordered before the head by write_message's release of the ready word.
+      if (p.pulls) __atomic_store_n(rv_word_at(peer, k, kRvStateOff), rv_word(h.seq, kRvOffered), __ATOMIC_RELAXED);
     }
     if (r.mem.device) {
       h.flags |= kDevicePayload;
@@ -653,6 +657,109 @@ void Engine::copy_local(void* dst, const void* src, uint64_t n, Mem mem) {
   local_device().copy_async(dst, src, n, mem.stream, false);
 }
 
+static const char* const kWithdrawn =
+    "its sender closed before this rank received it, and withdrew it (its send failed with ClosedError); "
+    "nothing was written";
+
+uint64_t* Engine::rv_word_at(int peer, int slot, size_t off) {
+  return peers_[peer].t->peer_word(peer, peers_[peer].layout.slot_off(rank_, slot) + off);
+}
+
+// Receiver: takes a rendezvous head's data for copying (protocol.h
+// kRvStateOff): where to copy it from, or 0 when its sender withdrew it.
+uint64_t Engine::claim_source(int peer, int slot, const MsgHeader& h) {
+  auto* w = reinterpret_cast<uint64_t*>(region_->base() + layout_.slot_off(peer, slot) + kRvStateOff);
+  uint64_t want = rv_word(h.seq, kRvOffered);
+  const uint64_t claimed = rv_word(h.seq, kRvClaimed);
+  if (__atomic_compare_exchange_n(w, &want, claimed, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return h.src;
+  if (want == rv_word(h.seq, kRvMoved)) {
+    // The sender's copy: its address was stored before the state changed.
+    uint64_t src = __atomic_load_n(w + (kRvMovedOff - kRvStateOff) / 8, __ATOMIC_ACQUIRE);
+    if (__atomic_compare_exchange_n(w, &want, claimed, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) return src;
+  }
+  return 0;  // withdrawn (or a value no sender writes: the same to us)
+}
+
+// Sender: the rendezvous send `id`'s head has been claimed; wait for the
+// receiver's credit (it is copying: a syscall's time). False: the peer
+// failed meanwhile (and with it the request).
+bool Engine::await_head_credit(uint64_t id) {
+  Request& r = reqs_[uint32_t(id)];
+  int peer = r.peer;
+  const char* credit = region_->base() + layout_.credit_off(peer, r.head_slot);
+  for (auto last = Clock::now(); load_acquire(credit) != r.head_seq;) {
+    if (Clock::now() - last > kPeerCheck) {
+      last = Clock::now();
+      std::string why = peers_[peer].t->peer_error(peer);
+      if (!why.empty()) {
+        fail_peer(peer, why);
+        return false;
+      }
+    }
+    timespec ts{0, 20000};
+    nanosleep(&ts, nullptr);
+  }
+  return true;
+}
+
+// Sender: the caller stops waiting for rendezvous send `id` (a timeout, an
+// interrupt), and its buffer must be the caller's again. The data moves to
+// memory the request owns, so the receiver still gets the message, from
+// there; a receiver copying the buffer right now is waited for. False: no
+// memory for the copy (the request keeps reading the caller's buffer).
+bool Engine::move_rendezvous(uint64_t id) {
+  Request& r = reqs_[uint32_t(id)];
+  Peer& p = peers_[r.peer];
+  std::unique_ptr<char[]> own(new (std::nothrow) char[r.nbytes]);
+  if (!own) return false;
+  // Chunk writes in flight may still read the caller's buffer.
+  while (!r.tickets.empty()) {
+    auto& t = *p.t;
+    t.progress();
+    r.tickets.erase(std::remove_if(r.tickets.begin(), r.tickets.end(),
+                                   [&](uint64_t tk) { return t.complete(r.peer, tk); }),
+                    r.tickets.end());
+    std::string why = r.tickets.empty() ? "" : t.peer_error(r.peer);
+    if (!why.empty()) {
+      fail_peer(r.peer, why);
+      return true;
+    }
+  }
+  std::memcpy(own.get(), r.data, r.nbytes);
+  if (p.pulls && !r.streaming) {
+    __atomic_store_n(rv_word_at(r.peer, r.head_slot, kRvMovedOff), uint64_t(uintptr_t(own.get())), __ATOMIC_RELAXED);
+    uint64_t want = rv_word(r.head_seq, kRvOffered);
+    if (!__atomic_compare_exchange_n(rv_word_at(r.peer, r.head_slot, kRvStateOff), &want,
+                                     rv_word(r.head_seq, kRvMoved), false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      // Claimed: the receiver copies (or has copied) the caller's buffer.
+      if (await_head_credit(id)) progress_sends(r.peer);
+      return true;
+    }
+  }
+  r.data = own.get();
+  r.own = std::move(own);
+  return true;
+}
+
+// Sender, at close: the unanswered rendezvous heads to `peer` are withdrawn,
+// so their receiver never copies from memory whose owner has been told the
+// send failed; one being copied right now completes instead.
+void Engine::withdraw_rendezvous(int peer) {
+  Peer& p = peers_[peer];
+  if (!p.pulls || !p.t || !p.dead.empty()) return;
+  for (uint64_t id : std::vector<uint64_t>(p.sendq.begin(), p.sendq.end())) {
+    Request& r = reqs_[uint32_t(id)];
+    if (r.state != ReqState::InFlight || !r.rndv || r.streaming) continue;
+    uint64_t* w = rv_word_at(peer, r.head_slot, kRvStateOff);
+    uint64_t want = rv_word(r.head_seq, r.own ? kRvMoved : kRvOffered);
+    if (__atomic_compare_exchange_n(w, &want, rv_word(r.head_seq, kRvWithdrawn), false, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+      continue;  // close() fails it
+    if (!await_head_credit(id)) return;  // the peer failed, and its sends with it
+    progress_sends(peer);  // the credit completes it
+  }
+}
+
 int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id, std::string* why) {
   if (h.flags & kRendezvous) {
     Peer& p = peers_[peer];
@@ -661,9 +768,10 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
       // head's own slot, then the device transport takes it from there as
       // any host payload (and its credit, the seq, completes the send).
       char* slot_payload = region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
-      std::string err = h.nbytes <= layout_.bound && p.pulls
-                            ? p.t->read_peer(peer, h.src, slot_payload, h.nbytes)
-                            : "over this rank's bound, it cannot land in GPU memory";
+      uint64_t src = h.nbytes <= layout_.bound && p.pulls ? claim_source(peer, slot, h) : 0;
+      std::string err = h.nbytes > layout_.bound || !p.pulls ? "over this rank's bound, it cannot land in GPU memory"
+                        : src                                 ? p.t->read_peer(peer, src, slot_payload, h.nbytes)
+                                                              : kWithdrawn;
       if (!err.empty()) {
         if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
         return -1;
@@ -673,7 +781,8 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
       return 1;
     }
     if (p.pulls) {
-      std::string err = p.t->read_peer(peer, h.src, dst, h.nbytes);
+      uint64_t src = claim_source(peer, slot, h);
+      std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;
       if (!err.empty()) {
         if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
         return -1;
@@ -952,7 +1061,8 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
   if (r.kind == ReqKind::Send && r.rndv && r.state == ReqState::InFlight && !r.streaming)
     msg += "; the receiver has not received it (a message of " + std::to_string(r.nbytes) +
-           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?)";
+           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?). "
+           "The buffer is yours again: varcomm keeps a copy, and the receiver still gets the message";
   else if (r.kind == ReqKind::Send)
     msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
   else if (r.state == ReqState::Streaming) {
@@ -1155,10 +1265,21 @@ bool Engine::cancel(uint64_t id, bool report) {
     return false;
   } else {
     // In flight: the transport still reads the source; finish in the background.
+    if (closed_) {
+      r.detached = true;
+      return false;  // the transports are gone: nothing reads the source any more
+    }
+    if (r.rndv && !r.own && move_rendezvous(id)) {
+      // The caller's buffer is free: nothing of it needs keeping.
+      if (r.state != ReqState::InFlight) {  // received while we gave up (or its peer failed)
+        recycle(id);
+        return false;
+      }
+      report = false;
+    }
     r.detached = true;
-    if (closed_) return false;  // the transports are gone: nothing reads the source any more
     r.reported = report;
-    return true;
+    return report;
   }
   recycle(id);
   return false;

@@ -65,6 +65,9 @@ struct Request {
   uint64_t head_seq = 0;
   uint64_t sent = 0;
   std::vector<uint64_t> tickets;
+  // The data, copied, once the caller stopped waiting (Engine::move_rendezvous):
+  // `data` points here then, and the caller's buffer is the caller's again.
+  std::unique_ptr<char[]> own;
   // recv
   void* out = nullptr;  // nullptr: caller allocates after the match
   uint64_t out_cap = 0;
@@ -215,6 +218,12 @@ class Engine {
   void fail_queue(std::deque<uint64_t>& q, ErrorKind kind, const std::string& why);
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);
+  // Rendezvous ownership (protocol.h kRvStateOff).
+  uint64_t* rv_word_at(int peer, int slot, size_t off);
+  uint64_t claim_source(int peer, int slot, const MsgHeader& h);
+  bool move_rendezvous(uint64_t id);
+  bool await_head_credit(uint64_t id);
+  void withdraw_rendezvous(int peer);
   void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager = false);
   void check_fits(int peer, const Transport& t, const Layout& pl) const;
   uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,

@@ -63,6 +63,23 @@ constexpr uint64_t kRendezvous = 4;
 constexpr uint64_t kChunk = 8;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
+// Where the receiver copies a rendezvous head's data itself (shm with CMA),
+// sender and receiver agree on who owns the source through a word in the
+// head's slot control block (the receiver's region, mapped by both), one
+// atomic compare-and-swap each, values seq * 4 + state:
+//   offered   the sender wrote the head; the data is at the header's `src`;
+//   claimed   the receiver is copying it (the sender waits for the credit);
+//   moved     the sender gave up waiting (a timeout): it copied the data into
+//             memory of its own, at the word kRvMovedOff, and the user's
+//             buffer is free; the receiver still gets the message from there;
+//   withdrawn the sender closed: nothing is there to copy any more.
+// Without it a receiver could copy a buffer its owner has been told is free
+// (silently wrong data). Slot control block: ready word at 0, the device
+// data flag at 64 (transport/nvlink), these two at 96 and 104.
+constexpr size_t kRvStateOff = 96;
+constexpr size_t kRvMovedOff = 104;
+enum RvState : uint64_t { kRvOffered = 0, kRvClaimed = 1, kRvMoved = 2, kRvWithdrawn = 3 };
+inline uint64_t rv_word(uint64_t seq, RvState s) { return seq * 4 + s; }
 // Bits 8-15: the kind of array the sender passed (python/varcomm/arrays.py
 // KINDS: 1 numpy, 2 torch, 3 cupy; 0 unknown), so a receiver may answer in
 // kind (array="auto"). The core carries it and never acts on it.
@@ -71,6 +88,7 @@ constexpr uint64_t kArrayMask = 0xFFull << kArrayShift;
 // Payload bytes a message occupies in its slot.
 inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & (kDescriptor | kRendezvous)) ? 0 : h.nbytes; }
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");
+static_assert(kRvMovedOff + 8 <= kSlotCtlBytes, "rendezvous words must fit the slot control block");
 
 // The start of every region: what a peer that maps it checks it mapped
 // (region.h, region_mismatch) before writing into it.

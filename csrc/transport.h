@@ -58,6 +58,11 @@ class Transport {
   virtual std::string read_peer(int /*peer*/, uint64_t /*src*/, void* /*dst*/, size_t /*n*/) {
     return "this transport has no single-copy read";
   }
+  // An 8-byte word of `peer`'s region at `off` that this process shares with
+  // it (a mapping both can use atomically: the rendezvous ownership word,
+  // protocol.h kRvStateOff), or nullptr. Where read_refused() is empty it is
+  // not nullptr.
+  virtual uint64_t* peer_word(int /*peer*/, size_t /*off*/) { return nullptr; }
   // Drive completions; a transport whose peers write memory directly does nothing.
   virtual void progress() {}
   // Empty when the peer is reachable; otherwise why not (process gone, link down).

@@ -260,3 +260,76 @@ def test_shm_copies_once_over_eager_max_and_says_so():
             assert comm.recv(0, tag=6).item() == 2
             assert torch.equal(comm.recv(0), _data(n, 1))
             comm.send(_data(n, 2), 0)
+
+
+def _flag(name: str) -> str:
+    # Both ranks are children of the one test process.
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"varcomm-{os.getppid()}-{name}")
+
+
+def _wait_file(path: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_a_timed_out_rendezvous_send_gives_the_buffer_back(transport):
+    """A blocking send over the bound that times out (the receiver is not
+    receiving yet) leaves the caller free to reuse its buffer: the receiver,
+    receiving later, still gets the message as it was sent, then the next one."""
+    n = 64 * BOUND
+    with _init(transport, bound=BOUND, slots=4) as comm:
+        done = _flag(f"timeout-{transport}")
+        if comm.rank == 0:
+            x = _data(n, 3).numpy()
+            t0 = time.monotonic()
+            with pytest.raises(varcomm.TimeoutError, match="buffer is yours again"):
+                comm.send(x, 1, tag=1, timeout=0.5)
+            assert time.monotonic() - t0 < 10
+            x[:] = 0  # the caller reuses it at once
+            comm.send(torch.tensor([7]), 1, tag=2)
+            open(done, "w").close()
+            assert comm.recv(1, tag=9).item() == 1
+            os.unlink(done)
+        else:
+            _wait_file(done)
+            got = comm.recv(0, tag=1)
+            assert np.array_equal(got, _data(n, 3).numpy()), "the receiver saw the sender's reused buffer"
+            assert comm.recv(0, tag=2).item() == 7
+            comm.send(torch.tensor([1]), 0, tag=9)
+
+
+@world(2, timeout=120)
+def test_close_withdraws_a_rendezvous_send_nobody_received():
+    """close() fails an unreceived rendezvous send (ClosedError), after its
+    10 s flush, and the caller may reuse the buffer: the receiver must then
+    never deliver it. On shm with CMA the receiver would copy it out of the
+    sender's memory, so the sender withdraws it; rank 1 (the sender) stays
+    alive meanwhile, so such a copy would succeed. (Rank 1 sends: rank 0 hosts
+    the store and would wait out its peers' close too.)"""
+    n = 64 * BOUND
+    with _init("shm", bound=BOUND, slots=4) as comm:
+        closed, checked = _flag("closed"), _flag("checked")
+        pulls = comm.route_info(1 - comm.rank).get("cma") == "on"
+        if comm.rank == 1:
+            x = _data(n, 4).numpy()
+            w = comm.isend(x, 0, tag=1)
+            comm.close()
+            with pytest.raises(varcomm.ClosedError):
+                w.wait()
+            x[:] = 0
+            open(closed, "w").close()
+            _wait_file(checked, 60)
+            os.unlink(checked)
+        else:
+            _wait_file(closed, 60)
+            os.unlink(closed)
+            with pytest.raises((varcomm.PeerFailure, varcomm.TimeoutError)) as e:
+                got = comm.recv(1, tag=1, timeout=20)
+                print("delivered anyway, zeros:", int((np.asarray(got) == 0).sum()))
+            if pulls:
+                assert "withdrew" in str(e.value), e.value
+            open(checked, "w").close()

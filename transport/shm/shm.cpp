@@ -101,6 +101,10 @@ class ShmTransport : public Transport {
     return gone.empty() ? err : gone;
   }
 
+  uint64_t* peer_word(int peer, size_t off) override {
+    return reinterpret_cast<uint64_t*>(peers_.at(peer).base + off);
+  }
+
   void connected() override { local_.close_fd(); }
 
   size_t peer_bytes(int peer) const override { return peers_.at(peer).size; }
