@@ -143,7 +143,7 @@ void AllToAll::cleanup() {
     if (!id) return;
     try {
       if (send) {
-        if (e_.cancel(id, true)) in_flight_.push_back(id);
+        if (e_.cancel(id, true) == Engine::Cancelled::kKept) in_flight_.push_back(id);
       } else {
         e_.detach(id);
       }

@@ -20,6 +20,9 @@ using Clock = std::chrono::steady_clock;
 // enough to report a dead peer within a second, rare enough to stay off the
 // fast path (it reads /proc or a socket).
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);
+// How long a sender waits for a receiver that claimed a rendezvous head to
+// answer (its copy takes a syscall's time: 1 GiB in well under a second).
+constexpr auto kClaimWait = std::chrono::seconds(5);
 // Yielding covers a peer that shares our core; after that a wait sleeps.
 // (Busy polling before it, Options::spin_us, covers a ping-pong round trip.)
 constexpr auto kYieldFor = std::chrono::milliseconds(5);
@@ -82,7 +85,7 @@ void Engine::close() {
   closed_ = true;
   // What has not completed fails now, as close() documents; a recv whose
   // message arrived keeps it (it is in our region, which stays mapped).
-  for (int q = 0; q < world_; ++q) withdraw_rendezvous(q);
+  for (int q = 0; q < world_; ++q) withdraw_heads(q);
   for (auto& p : peers_) {
     fail_queue(p.sendq, ErrorKind::Closed,
                "communicator closed before this send completed (a send still queued was never written; "
@@ -547,7 +550,8 @@ bool Engine::try_write(int peer, Request& r) {
       h.flags |= kRendezvous;
       h.src = uint64_t(uintptr_t(r.data));
       // Ordered before the head by write_message's release of the ready word.
-      if (p.pulls) __atomic_store_n(rv_word_at(peer, k, kRvStateOff), rv_word(h.seq, kRvOffered), __ATOMIC_RELAXED);
+      // (Whether the receiver can copy from us is its to know, not ours.)
+      if (uint64_t* w = rv_word_at(peer, k, kRvStateOff)) __atomic_store_n(w, rv_word(h.seq, kRvOffered), __ATOMIC_RELAXED);
     }
     if (r.mem.device) {
       h.flags |= kDevicePayload;
@@ -598,6 +602,13 @@ void Engine::progress_sends(int peer) {
       if (c == (r.head_seq | kStreamCredit)) {
         p.written[r.head_slot] = c;  // the head's slot is free again
         r.streaming = true;
+      } else if (c == (r.head_seq | kFailCredit)) {
+        p.written[r.head_slot] = c;
+        uint64_t id = *it;
+        it = p.sendq.erase(it);
+        sending_--;
+        fail_request(id, ErrorKind::PeerFailure, copy_failed_text(peer, r.nbytes));
+        continue;
       } else if (c != r.head_seq) {
         ++it;
         continue;
@@ -658,15 +669,18 @@ void Engine::copy_local(void* dst, const void* src, uint64_t n, Mem mem) {
 }
 
 static const char* const kWithdrawn =
-    "its sender closed before this rank received it, and withdrew it (its send failed with ClosedError); "
-    "nothing was written";
+    "its sender withdrew it before this rank received it (the sender closed, or gave up on this pair); nothing "
+    "was written";
 
 uint64_t* Engine::rv_word_at(int peer, int slot, size_t off) {
-  return peers_[peer].t->peer_word(peer, peers_[peer].layout.slot_off(rank_, slot) + off);
+  Peer& p = peers_[peer];
+  return p.t ? p.t->peer_word(peer, p.layout.slot_off(rank_, slot) + off) : nullptr;
 }
 
 // Receiver: takes a rendezvous head's data for copying (protocol.h
 // kRvStateOff): where to copy it from, or 0 when its sender withdrew it.
+// Once it returned an address, the sender waits for this rank's answer in
+// the head's credit: the seq, or seq | kFailCredit (answer_claim).
 uint64_t Engine::claim_source(int peer, int slot, const MsgHeader& h) {
   auto* w = reinterpret_cast<uint64_t*>(region_->base() + layout_.slot_off(peer, slot) + kRvStateOff);
   uint64_t want = rv_word(h.seq, kRvOffered);
@@ -680,38 +694,46 @@ uint64_t Engine::claim_source(int peer, int slot, const MsgHeader& h) {
   return 0;  // withdrawn (or a value no sender writes: the same to us)
 }
 
-// Sender: the rendezvous send `id`'s head has been claimed; wait for the
-// receiver's credit (it is copying: a syscall's time). False: the peer
-// failed meanwhile (and with it the request).
-bool Engine::await_head_credit(uint64_t id) {
+// Receiver: a claimed head whose copy failed is answered all the same, so
+// its sender stops waiting (and fails that send) instead of holding on.
+void Engine::fail_claim(int peer, int slot, uint64_t seq) {
+  Peer& p = peers_[peer];
+  if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), seq | kFailCredit);
+}
+
+// Sender: a head the receiver claimed is answered within a copy's time; wait
+// for the answer until `deadline`. kAnswered, kGone (the peer failed: *why),
+// or kLate.
+Engine::Await Engine::await_head_credit(uint64_t id, Clock::time_point deadline, std::string* why) {
   Request& r = reqs_[uint32_t(id)];
   int peer = r.peer;
   const char* credit = region_->base() + layout_.credit_off(peer, r.head_slot);
-  for (auto last = Clock::now(); load_acquire(credit) != r.head_seq;) {
-    if (Clock::now() - last > kPeerCheck) {
-      last = Clock::now();
-      std::string why = peers_[peer].t->peer_error(peer);
-      if (!why.empty()) {
-        fail_peer(peer, why);
-        return false;
-      }
+  for (auto last = Clock::now();;) {
+    uint64_t c = load_acquire(credit);
+    if (c == r.head_seq || c == (r.head_seq | kFailCredit)) return Await::kAnswered;
+    auto now = Clock::now();
+    if (!peers_[peer].dead.empty() || now - last > kPeerCheck) {
+      last = now;
+      *why = peers_[peer].dead.empty() && peers_[peer].t ? peers_[peer].t->peer_error(peer) : peers_[peer].dead;
+      if (!why->empty()) return Await::kGone;
     }
+    if (now >= deadline) return Await::kLate;
     timespec ts{0, 20000};
     nanosleep(&ts, nullptr);
   }
-  return true;
 }
 
 // Sender: the caller stops waiting for rendezvous send `id` (a timeout, an
 // interrupt), and its buffer must be the caller's again. The data moves to
 // memory the request owns, so the receiver still gets the message, from
-// there; a receiver copying the buffer right now is waited for. False: no
-// memory for the copy (the request keeps reading the caller's buffer).
-bool Engine::move_rendezvous(uint64_t id) {
+// there (kMoved); a receiver copying the buffer right now is waited for
+// (kCompleted, or kKept if it is late: the buffer stays in use; also kKept
+// without memory for the copy); kDropped: the peer failed meanwhile.
+Engine::Cancelled Engine::move_rendezvous(uint64_t id) {
   Request& r = reqs_[uint32_t(id)];
   Peer& p = peers_[r.peer];
   std::unique_ptr<char[]> own(new (std::nothrow) char[r.nbytes]);
-  if (!own) return false;
+  if (!own) return Cancelled::kKept;
   // Chunk writes in flight may still read the caller's buffer.
   while (!r.tickets.empty()) {
     auto& t = *p.t;
@@ -722,42 +744,72 @@ bool Engine::move_rendezvous(uint64_t id) {
     std::string why = r.tickets.empty() ? "" : t.peer_error(r.peer);
     if (!why.empty()) {
       fail_peer(r.peer, why);
-      return true;
+      return Cancelled::kDropped;
     }
   }
   std::memcpy(own.get(), r.data, r.nbytes);
-  if (p.pulls && !r.streaming) {
+  if (uint64_t* w = r.streaming ? nullptr : rv_word_at(r.peer, r.head_slot, kRvStateOff)) {
     __atomic_store_n(rv_word_at(r.peer, r.head_slot, kRvMovedOff), uint64_t(uintptr_t(own.get())), __ATOMIC_RELAXED);
     uint64_t want = rv_word(r.head_seq, kRvOffered);
-    if (!__atomic_compare_exchange_n(rv_word_at(r.peer, r.head_slot, kRvStateOff), &want,
-                                     rv_word(r.head_seq, kRvMoved), false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    if (!__atomic_compare_exchange_n(w, &want, rv_word(r.head_seq, kRvMoved), false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE)) {
       // Claimed: the receiver copies (or has copied) the caller's buffer.
-      if (await_head_credit(id)) progress_sends(r.peer);
-      return true;
+      std::string why;
+      switch (await_head_credit(id, Clock::now() + kClaimWait, &why)) {
+        case Await::kAnswered:
+          progress_sends(r.peer);
+          return r.state == ReqState::Done ? Cancelled::kCompleted : Cancelled::kDropped;
+        case Await::kGone:
+          fail_peer(r.peer, why);
+          return Cancelled::kDropped;
+        case Await::kLate:
+          return Cancelled::kKept;
+      }
     }
   }
   r.data = own.get();
   r.own = std::move(own);
-  return true;
+  return Cancelled::kMoved;
 }
 
-// Sender, at close: the unanswered rendezvous heads to `peer` are withdrawn,
-// so their receiver never copies from memory whose owner has been told the
-// send failed; one being copied right now completes instead.
-void Engine::withdraw_rendezvous(int peer) {
+// Sender, at close() or when it fails the pair: the unanswered rendezvous
+// heads to `peer` are withdrawn, so their receiver never copies from memory
+// whose owner is told the send failed. One being copied right now is waited
+// for (briefly) and completes instead; if its receiver is late, a copy of
+// ours is kept until this engine goes (the caller's buffer cannot be).
+void Engine::withdraw_heads(int peer) {
   Peer& p = peers_[peer];
-  if (!p.pulls || !p.t || !p.dead.empty()) return;
   for (uint64_t id : std::vector<uint64_t>(p.sendq.begin(), p.sendq.end())) {
     Request& r = reqs_[uint32_t(id)];
     if (r.state != ReqState::InFlight || !r.rndv || r.streaming) continue;
     uint64_t* w = rv_word_at(peer, r.head_slot, kRvStateOff);
+    if (!w) return;  // not a shm pair: nobody copies out of our memory
     uint64_t want = rv_word(r.head_seq, r.own ? kRvMoved : kRvOffered);
     if (__atomic_compare_exchange_n(w, &want, rv_word(r.head_seq, kRvWithdrawn), false, __ATOMIC_ACQ_REL,
                                     __ATOMIC_ACQUIRE))
-      continue;  // close() fails it
-    if (!await_head_credit(id)) return;  // the peer failed, and its sends with it
-    progress_sends(peer);  // the credit completes it
+      continue;  // the caller fails it
+    if (want != rv_word(r.head_seq, kRvClaimed)) continue;  // answered already
+    std::string why;
+    if (await_head_credit(id, Clock::now() + kClaimWait, &why) != Await::kAnswered) {
+      if (r.own) graveyard_.push_back(std::move(r.own));
+      continue;
+    }
+    uint64_t c = load_acquire(region_->base() + layout_.credit_off(peer, r.head_slot));
+    p.written[r.head_slot] = c;
+    p.sendq.erase(std::find(p.sendq.begin(), p.sendq.end(), id));
+    sending_--;
+    if (c == r.head_seq) {
+      r.state = ReqState::Done;
+      if (r.detached) recycle(id);
+    } else {
+      fail_request(id, ErrorKind::PeerFailure, copy_failed_text(peer, r.nbytes));
+    }
   }
+}
+
+std::string Engine::copy_failed_text(int peer, uint64_t nbytes) const {
+  return "send to " + peer_str(peer) + " failed: it could not copy this message of " + std::to_string(nbytes) +
+         " bytes out of this rank's memory, and failed the pair (its own error says why)";
 }
 
 int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id, std::string* why) {
@@ -773,17 +825,24 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
                         : src                                 ? p.t->read_peer(peer, src, slot_payload, h.nbytes)
                                                               : kWithdrawn;
       if (!err.empty()) {
+        if (src) fail_claim(peer, slot, h.seq);
         if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
         return -1;
       }
-      device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
-                                                 h.seq, p.layout.credit_off(rank_, slot), mem.stream);
+      try {
+        device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
+                                                   h.seq, p.layout.credit_off(rank_, slot), mem.stream);
+      } catch (...) {
+        fail_claim(peer, slot, h.seq);
+        throw;
+      }
       return 1;
     }
     if (p.pulls) {
       uint64_t src = claim_source(peer, slot, h);
       std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;
       if (!err.empty()) {
+        if (src) fail_claim(peer, slot, h.seq);
         if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
         return -1;
       }
@@ -1031,6 +1090,7 @@ void Engine::check_peer(int peer, bool force) {
 void Engine::fail_peer(int peer, const std::string& why) {
   Peer& p = peers_[peer];
   if (p.dead.empty()) p.dead = "peer failure: " + why;
+  withdraw_heads(peer);  // the peer may be alive, and copy from us, when we fail the pair
   sending_ -= p.sendq.size();
   fail_queue(p.sendq, ErrorKind::PeerFailure, "send to " + peer_str(peer) + " failed: " + p.dead);
   fail_queue(p.posted, ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead);
@@ -1061,8 +1121,7 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
   if (r.kind == ReqKind::Send && r.rndv && r.state == ReqState::InFlight && !r.streaming)
     msg += "; the receiver has not received it (a message of " + std::to_string(r.nbytes) +
-           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?). "
-           "The buffer is yours again: varcomm keeps a copy, and the receiver still gets the message";
+           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?)";
   else if (r.kind == ReqKind::Send)
     msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
   else if (r.state == ReqState::Streaming) {
@@ -1241,7 +1300,7 @@ void Engine::release_locked(uint64_t id) {
   recycle(id);
 }
 
-bool Engine::cancel(uint64_t id, bool report) {
+Engine::Cancelled Engine::cancel(uint64_t id, bool report) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   Peer& p = peers_[r.peer];
@@ -1262,27 +1321,28 @@ bool Engine::cancel(uint64_t id, bool report) {
   } else if (r.state != ReqState::InFlight) {
     // Done or failed already: nothing to give up, but nobody will read it.
     recycle(id);
-    return false;
+    return Cancelled::kDropped;
   } else {
     // In flight: the transport still reads the source; finish in the background.
     if (closed_) {
       r.detached = true;
-      return false;  // the transports are gone: nothing reads the source any more
+      return Cancelled::kDropped;  // the transports are gone: nothing reads the source any more
     }
-    if (r.rndv && !r.own && move_rendezvous(id)) {
-      // The caller's buffer is free: nothing of it needs keeping.
-      if (r.state != ReqState::InFlight) {  // received while we gave up (or its peer failed)
+    Cancelled how = Cancelled::kKept;
+    if (r.rndv && !r.own) {
+      how = move_rendezvous(id);
+      if (how == Cancelled::kCompleted || how == Cancelled::kDropped) {  // received, or its peer failed
         recycle(id);
-        return false;
+        return how;
       }
-      report = false;
     }
     r.detached = true;
-    r.reported = report;
-    return report;
+    // Moved: the caller's buffer is free, nothing of it needs keeping.
+    r.reported = report && how == Cancelled::kKept;
+    return r.reported ? Cancelled::kKept : how == Cancelled::kMoved ? Cancelled::kMoved : Cancelled::kDropped;
   }
   recycle(id);
-  return false;
+  return Cancelled::kDropped;
 }
 
 bool Engine::detach(uint64_t id, bool report) {

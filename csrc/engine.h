@@ -159,7 +159,11 @@ class Engine {
   // transport still reads (in flight) goes on detached: true then, and with
   // `report` its id comes back from take_recycled() once the engine is done
   // with its buffer (as for detach), so the caller keeps the buffer until then.
-  bool cancel(uint64_t id, bool report = false);
+  // kKept: detached with `report`; kMoved: a rendezvous send's data was
+  // copied (Engine::move_rendezvous), nothing of the caller's needs keeping;
+  // kCompleted: it completed meanwhile; kDropped: nothing left in flight.
+  enum class Cancelled { kDropped, kKept, kMoved, kCompleted };
+  Cancelled cancel(uint64_t id, bool report = false);
   // Why `id` timed out, for the TimeoutError (and its peer); the caller cancels it.
   std::string timeout_message(uint64_t id, double seconds, int* peer);
   // The caller drops it: finish in the background, recycle. True when it goes
@@ -219,11 +223,14 @@ class Engine {
   void throw_if_failed(Request& r, uint64_t id);
   void release_locked(uint64_t id);
   // Rendezvous ownership (protocol.h kRvStateOff).
+  enum class Await { kAnswered, kGone, kLate };
   uint64_t* rv_word_at(int peer, int slot, size_t off);
   uint64_t claim_source(int peer, int slot, const MsgHeader& h);
-  bool move_rendezvous(uint64_t id);
-  bool await_head_credit(uint64_t id);
-  void withdraw_rendezvous(int peer);
+  void fail_claim(int peer, int slot, uint64_t seq);
+  Await await_head_credit(uint64_t id, std::chrono::steady_clock::time_point deadline, std::string* why);
+  Cancelled move_rendezvous(uint64_t id);
+  void withdraw_heads(int peer);
+  std::string copy_failed_text(int peer, uint64_t nbytes) const;
   void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager = false);
   void check_fits(int peer, const Transport& t, const Layout& pl) const;
   uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -311,6 +318,10 @@ class Engine {
   bool closed_ = false;
   std::atomic<uint64_t> coll_seq_{0};
   uint64_t forged_ = 0;
+  // Copies of rendezvous data a receiver claimed and had not answered when
+  // this rank let go of the send (Engine::withdraw_heads): it may still read
+  // them, so they live as long as the engine.
+  std::vector<std::unique_ptr<char[]>> graveyard_;
 };
 
 }  // namespace varcomm

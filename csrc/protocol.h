@@ -63,12 +63,16 @@ constexpr uint64_t kRendezvous = 4;
 constexpr uint64_t kChunk = 8;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
+// The credit value a receiver answers a head with when it claimed the data
+// (kRvClaimed below) and could not copy it: the send fails (PeerFailure).
+constexpr uint64_t kFailCredit = 1ull << 62;
 // Where the receiver copies a rendezvous head's data itself (shm with CMA),
 // sender and receiver agree on who owns the source through a word in the
 // head's slot control block (the receiver's region, mapped by both), one
-// atomic compare-and-swap each, values seq * 4 + state:
+// atomic compare-and-swap at a time, values seq * 4 + state:
 //   offered   the sender wrote the head; the data is at the header's `src`;
-//   claimed   the receiver is copying it (the sender waits for the credit);
+//   claimed   the receiver is copying it (the sender waits for its credit:
+//             the seq, or seq | kFailCredit);
 //   moved     the sender gave up waiting (a timeout): it copied the data into
 //             memory of its own, at the word kRvMovedOff, and the user's
 //             buffer is free; the receiver still gets the message from there;

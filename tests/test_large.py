@@ -333,3 +333,69 @@ def test_close_withdraws_a_rendezvous_send_nobody_received():
             if pulls:
                 assert "withdrew" in str(e.value), e.value
             open(checked, "w").close()
+
+
+def _read_only_array(n: int) -> np.ndarray:
+    """A writable-looking array over a read-only mapping: a copy into it fails
+    (EFAULT) after the receiver has taken the message."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+
+
+@world(2, timeout=90)
+def test_a_receiver_whose_copy_fails_answers_its_sender():
+    """The receiver claims a rendezvous head and its copy fails (its out is
+    read-only memory); it stays alive without calling varcomm. The sender's
+    send fails soon (PeerFailure: the receiver could not copy it) rather than
+    waiting for an answer until the receiver exits (20 s)."""
+    n = 64 * BOUND
+    with _init("shm", bound=BOUND, slots=4) as comm:
+        if comm.route_info(1 - comm.rank).get("cma") != "on":
+            pytest.skip("CMA refused here: the pair streams")
+        if comm.rank == 1:
+            with pytest.raises(varcomm.PeerFailure, match="could not be copied"):
+                comm.recv(0, tag=1, out=_read_only_array(n))
+            time.sleep(20)
+        else:
+            t0 = time.monotonic()
+            with pytest.raises((varcomm.PeerFailure, varcomm.TimeoutError)) as e:
+                comm.send(_data(n, 7).numpy(), 1, tag=1, timeout=2)
+            assert time.monotonic() - t0 < 15, e.value
+
+
+@world(2, timeout=90)
+def test_failing_the_pair_withdraws_a_moved_send():
+    """Rank 0's send times out (its data moves to a copy of rank 0's own), then
+    rank 0 fails the pair on its side (its copy of rank 1's message fails)
+    while rank 1 lives on: the moved send is withdrawn, not freed under rank
+    1, which gets an error, never bytes of freed memory."""
+    n = 16 * BOUND
+    with _init("shm", bound=BOUND, slots=4) as comm:
+        if comm.route_info(1 - comm.rank).get("cma") != "on":
+            pytest.skip("CMA refused here: the pair streams")
+        go, failed = _flag("go"), _flag("failed")
+        if comm.rank == 0:
+            x = _data(n, 8).numpy()
+            with pytest.raises(varcomm.TimeoutError):
+                comm.send(x, 1, tag=1, timeout=0.5)
+            x[:] = 0
+            open(go, "w").close()
+            with pytest.raises(varcomm.PeerFailure):
+                comm.recv(1, tag=2, out=_read_only_array(n))
+            junk = [bytearray(n) for _ in range(4)]  # the heap moves on
+            assert junk
+            open(failed, "w").close()
+            time.sleep(3)
+        else:
+            _wait_file(go)
+            os.unlink(go)
+            comm.isend(_data(n, 9), 0, tag=2)
+            _wait_file(failed)
+            os.unlink(failed)
+            with pytest.raises(varcomm.PeerFailure, match="withdrew"):
+                comm.recv(0, tag=1)

@@ -320,14 +320,32 @@ struct Comm {
       if (Clock::now() >= deadline) {
         int peer;
         std::string msg = engine->timeout_message(id, *timeout, &peer);
-        give_up(id, owner);
+        switch (give_up(id, owner)) {
+          case Engine::Cancelled::kCompleted:  // its receiver finished copying as we gave up
+            drop_kept();
+            return;
+          case Engine::Cancelled::kMoved:
+            msg += ". The buffer is yours again: varcomm copied the message, and the receiver still gets it if it "
+                   "receives before this rank closes";
+            break;
+          default:
+            break;
+        }
         throw Error(ErrorKind::Timeout, msg, peer);
       }
     }
     drop_kept();
   }
-  void give_up(uint64_t id, py::handle owner) {
-    if (engine->cancel(id, bool(owner))) kept[id] = py::reinterpret_borrow<py::object>(owner);
+  // Without the GIL: giving up on a rendezvous send may wait (briefly) for a
+  // receiver that is copying it right now.
+  Engine::Cancelled give_up(uint64_t id, py::handle owner) {
+    Engine::Cancelled how;
+    {
+      py::gil_scoped_release nogil;
+      how = engine->cancel(id, bool(owner));
+    }
+    if (how == Engine::Cancelled::kKept) kept[id] = py::reinterpret_borrow<py::object>(owner);
+    return how;
   }
 };
 
