@@ -573,18 +573,18 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);
   // A call reads its number from the epoch the last call's receive kernel
-  // advances, so it must not start before that kernel ended: on another
-  // stream than the last call's, the new stream first waits for the event
-  // recorded after it (NCCL serializes a communicator's kernels the same
-  // way; the old stream itself is not touched: it may be gone). Not while
-  // this stream is being captured, nor after a captured call: the graph's
-  // own edges order those, and a captured call only runs at replay. What
-  // the host cannot order (a graph replayed on another stream) the send
-  // kernel detects (kErrOverlap).
+  // advances, so it must not start before that kernel ended: the stream
+  // first waits for the event recorded after the last call (NCCL serializes
+  // a communicator's kernels the same way; the old stream itself is not
+  // touched: it may be gone). Also on the same handle: a destroyed stream's
+  // handle may come back as a new stream. Not while this stream is being
+  // captured, nor after a captured call: the graph's own edges order those,
+  // and a captured call only runs at replay. What the host cannot order (a
+  // graph replayed on another stream) the send kernel detects (kErrOverlap).
   CUstreamCaptureStatus sn = CU_STREAM_CAPTURE_STATUS_NONE;
   m.check(m.d.StreamIsCapturing(s, &sn), "cuStreamIsCapturing");
   const bool capturing = sn != CU_STREAM_CAPTURE_STATUS_NONE;
-  if (m.last && *m.last != c.stream && !m.last_captured && !capturing) {
+  if (m.last && !m.last_captured && !capturing) {
     auto it = m.ran.find(*m.last);
     if (it != m.ran.end()) m.check(m.d.StreamWaitEvent(s, it->second, 0), "cuStreamWaitEvent");
   }
