@@ -63,7 +63,12 @@ Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(wo
   reqs_.reserve(256);
 }
 
-Engine::~Engine() { close(); }
+Engine::~Engine() {
+  close();
+  // A staged copy may still read our region (unmapped with region_ next).
+  std::lock_guard<std::mutex> g(mu_);
+  free_staged(true);
+}
 
 std::vector<int> Engine::unflushed() {
   std::lock_guard<std::mutex> g(mu_);
@@ -440,6 +445,7 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
         if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
         Peer& p = peers_[peer];
         if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
+        if (!staged_.empty()) free_staged(false);  // a sender may wait for one of those slots
         if (!p.posted.empty()) {
           result = -1;  // FIFO: queue behind the posted irecvs
           return true;
@@ -856,12 +862,16 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
   Peer& p = peers_[peer];
   if (mem.device && !(h.flags & kDevicePayload) && !p.tdev && local_dev_) {
     // A host message from a peer with no device route (staged by its sender),
-    // into device memory: through our local device transport, then the slot is
-    // ours to free from the CPU, so the copy must have run first (the staged
-    // path blocks the host; a device route never does).
+    // into device memory: through our local device transport, on the stream.
+    // The slot is ours to free from the CPU once the copy ran: progress frees
+    // it when the copy's mark says so (a wait here, under mu_, would stall
+    // every thread of this rank for the stream's earlier GPU work).
+    uintptr_t mark = 0;
     if (uint64_t n = payload_bytes(h))
-      local_dev_->copy_async(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n, mem.stream, true);
-    free_slot(peer, slot, h.seq);
+      mark = local_dev_->copy_async(dst, region_->base() + layout_.slot_off(peer, slot) + kPayloadOff, n, mem.stream,
+                                    true);
+    if (mark) staged_.push_back({local_dev_, mark, peer, slot, h.seq});
+    else free_slot(peer, slot, h.seq);
     return 1;
   }
   if ((h.flags & kDevicePayload) || mem.device) {
@@ -1053,7 +1063,20 @@ void Engine::discard_forged(int peer, int k, uint64_t ready) {
             rank_, peer_str(peer).c_str(), k, (unsigned long long)n);
 }
 
+void Engine::free_staged(bool wait) {
+  for (size_t i = 0; i < staged_.size();) {
+    Staged& s = staged_[i];
+    if (!s.t->copy_done(s.mark, wait)) {
+      ++i;
+      continue;
+    }
+    free_slot(s.peer, s.slot, s.seq);
+    staged_.erase(staged_.begin() + long(i));
+  }
+}
+
 void Engine::progress_locked() {
+  if (!staged_.empty()) free_staged(false);
   // Every transport, not only those of the peers we wait for: rdma over tcp
   // needs the target's progress for incoming writes, and holds our outgoing
   // credits until its next call, so a peer blocked on us can move on.

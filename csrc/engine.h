@@ -216,6 +216,8 @@ class Engine {
   void progress_recvs(int peer);
   bool try_write(int peer, Request& r);
   void free_slot(int peer, int slot, uint64_t seq);
+  // Frees the slots of staged copies that ran (`wait`: waits for each).
+  void free_staged(bool wait);
   void check_peer(int peer, bool force);
   void fail_peer(int peer, const std::string& why);
   void fail_request(uint64_t id, ErrorKind kind, const std::string& why);
@@ -307,6 +309,15 @@ class Engine {
   std::vector<Peer> peers_;
   std::vector<std::shared_ptr<Transport>> transports_;  // distinct, for progress
   std::shared_ptr<Transport> local_dev_;  // set_local_device
+  // Staged messages copied into device memory on a stream: each slot is
+  // freed once its copy's mark (Transport::copy_async) says the copy ran.
+  struct Staged {
+    std::shared_ptr<Transport> t;
+    uintptr_t mark;
+    int peer, slot;
+    uint64_t seq;
+  };
+  std::vector<Staged> staged_;
   std::string no_local_dev_ = "no GPU transport was opened";
   std::vector<Request> reqs_;
   std::vector<uint32_t> free_reqs_;

@@ -92,10 +92,15 @@ class Transport {
   // A local copy of n bytes between device and/or host memory (unified
   // addresses) on `stream`, after its earlier work: an all-to-all's chunk to
   // itself, or a staged message moved from a host slot into device memory.
-  // With `wait`, returns only once the copy ran (src may then be reused).
-  virtual void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) {
+  // With `mark`, returns a mark of the copy (0: nothing to wait for) that
+  // copy_done() takes: src may be reused once the copy ran, and the host
+  // never blocks on the stream's earlier work meanwhile.
+  virtual uintptr_t copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool mark) {
     throw std::logic_error(name() + " transport cannot copy device memory");
   }
+  // Whether the copy a mark stands for ran (`wait`: blocks until it has);
+  // once true, the mark is spent.
+  virtual bool copy_done(uintptr_t mark, bool wait) { return true; }
 };
 
 }  // namespace varcomm

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 
 import numpy as np
@@ -354,6 +355,74 @@ def test_fake_refused_stream_fails_alone(fake_cuda):
         w = comm.isend(torch.tensor([r]), (r + 1) % n, tag=3)
         assert comm.recv((r - 1) % n, tag=3).item() == (r - 1) % n
         w.wait()
+        comm.barrier()
+
+
+class _NoHostWait(FakeDevice):
+    """As on a GPU: the caller's next work is ordered after the stream without
+    the host waiting for it (and rows the host wrote need no wait to copy)."""
+
+    def to_host(self, x):
+        return x.detach().clone()
+
+    def wait(self, stream, place):
+        pass
+
+
+@world(2, timeout=120)
+def test_fake_staged_landing_does_not_block_the_host(fake_cuda):
+    """Rank 1 keeps its data flags in host memory, so its pair with rank 0 has
+    no device route: rank 0's chunk lands in rank 1's device out from a host
+    slot, by a copy on rank 1's stream. With that stream held (earlier GPU
+    work still running), rank 1's all_to_all_v returns at once (the engine
+    waited for the stream with its lock held, stalling the rank's every
+    thread), and the slot stays rank 1's until the copy ran: rank 0's next
+    message (slots=1) does not arrive before, and the rows that land are
+    rank 0's chunk, not that message."""
+    r0 = varcomm.testing.rank()
+    os.environ["VARCOMM_NVLINK_FLAGS"] = "host" if r0 == 1 else "device"
+    gpu = FakeGpu(fake_cuda)
+    dev = _NoHostWait(gpu)
+    arrays.set_device_memory(dev)
+    os.environ["VARCOMM_NVLINK"] = "1"
+    os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
+    with varcomm.init(transport="shm", bound=BOUND, slots=1, timeout=60) as comm:
+        r = comm.rank
+        assert comm.device_transport_for(1 - r) is None
+        xs = [torch.arange(12, dtype=torch.float32).reshape(6, 2) + 100 * q for q in range(2)]
+        splits = [[2, 4], [1, 5]]
+        x = _on(dev, xs[r])
+        out = dev.empty((16, 2), torch.float32, FAKE)
+        out.fill_(-1)
+        if r == 1:
+            word = gpu.alloc(8)
+            ctypes.c_uint64.from_address(word).value = 0
+            assert gpu.lib.cuStreamWaitValue64_v2(ctypes.c_void_p(dev.current), ctypes.c_ulonglong(word),
+                                                  ctypes.c_ulonglong(1), ctypes.c_uint(0)) == 0
+            fired = []
+
+            def release(by_net: bool = False) -> None:
+                fired.append(by_net)
+                ctypes.c_uint64.from_address(word).value = 1
+
+            net = threading.Timer(20, release, (True,))  # so that the unfixed wait ends
+            net.start()
+            _, rs = A.all_to_all_v(comm, x, splits[r], out=out)
+            assert not fired, "all_to_all_v waited for the held stream"
+            assert rs == [4, 5]
+            with pytest.raises(varcomm.TimeoutError):  # its slot is not free before the copy ran
+                comm.recv(0, timeout=1.0)
+            net.cancel()
+            release()
+            gpu.sync(dev.current)
+            assert out[:9].tolist() == torch.cat([xs[0][2:], xs[1][1:]]).tolist()
+            assert comm.recv(0).tolist() == [7, 7, 7]
+        else:
+            _, rs = A.all_to_all_v(comm, x, splits[r], out=out)
+            assert rs == [2, 1]
+            comm.send(np.full(3, 7), 1)  # takes rank 1's slot once its copy ran
+            gpu.sync(dev.current)
+            assert out[:3].tolist() == torch.cat([xs[0][:2], xs[1][:1]]).tolist()
         comm.barrier()
 
 

@@ -461,10 +461,11 @@ def test_fake_timeout_fails_the_path(fake_cuda, bad_splits):
     """Rank 1 never calls: rank 0's kernel gives up after its timeout
     (TimeoutError naming rank 1) and the device path stays failed; nothing
     hangs. With bad_splits, rank 0's splits are also bad for rank 1 (a per-call
-    error, recorded first): the timeout in the same call must still be recorded
-    and keep the path failed (it was dropped, being the call's second error, and
-    the kernel then handed out credits and a new epoch for a chunk it never
-    received, so later calls paired up the wrong messages)."""
+    error, recorded first): it is raised first, then the timeout in the same
+    call, which must still be recorded and keep the path failed (it was
+    dropped, being the call's second error, and the kernel then handed out
+    credits and a new epoch for a chunk it never received, so later calls
+    paired up the wrong messages)."""
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
     r, s = comm.rank, gpu.stream()
     with comm:
@@ -481,9 +482,227 @@ def test_fake_timeout_fails_the_path(fake_cuda, bad_splits):
                 first = FakeArray(gpu, (2,), "int64", s)
                 first.host[...] = [2, 9]  # rows [2, 11) of 4
             D.all_to_all_vdev(comm, x, first, out=out, timeout=1.0)
+            if bad_splits:  # raised first (errors come in call order, none hidden behind the hard one)
+                with pytest.raises(varcomm.InvalidArgument, match=r"give rows \[2, 11\) .*call 2\)"):
+                    D.synchronize(comm, s)
             with pytest.raises(varcomm.TimeoutError, match="timed out waiting for rank 1"):
                 D.synchronize(comm, s)
             with pytest.raises(varcomm.TimeoutError):  # stays failed
+                D.all_to_all_vdev(comm, x, sp, out=out)
+        comm.barrier()
+
+
+def _hold(gpu, s: int):
+    """Stream s runs nothing enqueued after this until the returned release()
+    (its next operation waits on a word of device memory)."""
+    word = gpu.alloc(8)
+    ctypes.c_uint64.from_address(word).value = 0
+    assert gpu.lib.cuStreamWaitValue64_v2(ctypes.c_void_p(s), ctypes.c_ulonglong(word), ctypes.c_ulonglong(1),
+                                          ctypes.c_uint(0)) == 0
+
+    def release() -> None:
+        ctypes.c_uint64.from_address(word).value = 1
+
+    return release
+
+
+def _rows_call(gpu, comm, s, rows_to, W=8, x_rows=None, out_rows=64):
+    """all_to_all_v with device splits on stream s: rows_to[d] rows to rank d."""
+    r = comm.rank
+    x = FakeArray(gpu, (x_rows if x_rows is not None else sum(rows_to), W), "float32", s)
+    x.host[...] = np.arange(x.host.size).reshape(x.host.shape) % 97 + 100 * r
+    sp = FakeArray(gpu, (comm.world_size,), "int64", s)
+    sp.host[...] = rows_to
+    out = FakeArray(gpu, (out_rows, W), "float32", s)
+    _, oso = comm.all_to_all_v(x, sp, out=out)
+    return x, sp, out, oso
+
+
+@world(2, timeout=120)
+def test_fake_errors_of_calls_not_raised_yet_are_all_kept(fake_cuda):
+    """Three calls enqueued before the stream ran any: call 2 with a chunk over
+    the slot, call 3 with splits past x (both on rank 0), call 4 clean. Each
+    call's error is raised once, in call order, by successive synchronize()s,
+    on both ranks, then nothing. (One record that each error overwrote: call
+    3's error replaced call 2's, which was never raised.)"""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    cap_rows = BOUND // (8 * 4)
+    with comm:
+        keep = [_rows_call(gpu, comm, s, [1, 1])]  # call 1 sets up
+        D.synchronize(comm, s)
+        release = _hold(gpu, s)
+        keep.append(_rows_call(gpu, comm, s, [1, cap_rows + 1] if r == 0 else [1, 1]))
+        keep.append(_rows_call(gpu, comm, s, [3, 9] if r == 0 else [1, 1], x_rows=10 if r == 0 else None))
+        keep.append(_rows_call(gpu, comm, s, [1, 1]))
+        release()
+        if r == 0:
+            with pytest.raises(varcomm.MessageTooLarge, match=r"chunk for rank 1 has .*call 2\)"):
+                D.synchronize(comm, s)
+            with pytest.raises(varcomm.InvalidArgument, match=r"give rows \[3, 12\) .*call 3\)"):
+                D.synchronize(comm, s)
+        else:
+            with pytest.raises(varcomm.VarcommError, match=r"rank 0's chunk for rank 1 had .*call 2\)"):
+                D.synchronize(comm, s)
+            with pytest.raises(varcomm.VarcommError, match=r"rank 0 passed send_splits outside .*call 3\)"):
+                D.synchronize(comm, s)
+        D.synchronize(comm, s)  # both raised: nothing left
+        assert _host(keep[-1][3])[0].tolist() == [1, 1]  # call 4 went through
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_more_unraised_errors_than_the_ring_are_reported_lost(fake_cuda):
+    """34 calls with bad splits on rank 0 before the host looks: the ring keeps
+    the last 32; the first look says 2 earlier errors were lost (never
+    silently), then the 32 kept are raised in call order."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    with comm:
+        keep = [_rows_call(gpu, comm, s, [1, 1])]  # call 1 sets up
+        D.synchronize(comm, s)
+        release = _hold(gpu, s)
+        for _ in range(34):  # calls 2 .. 35
+            keep.append(_rows_call(gpu, comm, s, [3, 9] if r == 0 else [1, 1], x_rows=10 if r == 0 else None))
+        release()
+        gpu.sync(s)
+        with pytest.raises(varcomm.InvalidArgument, match="2 errors of earlier calls were overwritten"):
+            D.synchronize(comm, s)
+        for call in range(4, 36):
+            with pytest.raises(varcomm.VarcommError, match=rf"call {call}\)"):
+                D.synchronize(comm, s)
+        D.synchronize(comm, s)
+        comm.barrier()
+
+
+@pytest.mark.parametrize("after", [0, 1, 2, 3, 4])
+@world(2, timeout=120)
+def test_fake_a_header_rewritten_while_read_is_used_as_checked(fake_cuda, after):
+    """Rank 1 plays a buggy peer that rewrites its header during rank 0's
+    receive: rank 0's slot for it says 3 rows, counts [3], and the count word
+    becomes 1000 after `after` reads. Each receive block reads it once and
+    uses what it checked: rank 0 takes the 3 rows or refuses the chunk
+    (naming the count), never writes past its 8-row out nor reads past the
+    slot. (The count was read again after the check: 1000 rows copied.)"""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 8
+    slot_of = gpu.lib.fake_cuda_a2a_slot
+    slot_of.restype, slot_of.argtypes = ctypes.c_ulonglong, [ctypes.c_uint, ctypes.c_uint]
+    tamper = gpu.lib.fake_cuda_a2a_tamper
+    tamper.restype, tamper.argtypes = ctypes.c_long, [ctypes.c_ulonglong, ctypes.c_long, ctypes.c_ulonglong]
+
+    def call(out):
+        x = FakeArray(gpu, (4, W), "float32", s)
+        x.host[...] = r + 1
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        _, oso = comm.all_to_all_v(x, sp, out=out)
+        return x, sp, oso
+
+    class View:  # the first 8 rows of a larger allocation: the rest is a guard
+        def __init__(self, a, rows):
+            self.__cuda_array_interface__ = dict(a.__cuda_array_interface__, shape=(rows, W))
+
+    with comm:
+        guard = FakeArray(gpu, (2048, W), "float32", s)
+        keep = [call(FakeArray(gpu, (8, W), "float32", s))]
+        D.synchronize(comm, s)  # both set up; rank 1's honest header (dtype, row bytes) stays in the slot
+        comm.barrier()  # rank 0 has read that slot: rank 1 may write it
+        if r == 1:
+            words = np.frombuffer((ctypes.c_char * 72).from_address(slot_of(0, 1)), dtype=np.uint64)
+            words[1], words[4], words[8] = 3, 0, 3  # rows, status ok, counts[0]
+            words[0] = 2  # the flag (call 2), last
+        comm.barrier()
+        if r == 0:
+            guard.host.view(np.uint8)[...] = 0xAB
+            tamper(slot_of(0, 1) + 64, after, 1000)
+            _, _, oso = keep_ = call(View(guard, 8))
+            gpu.sync(s)
+            reads = tamper(0, 0, 0)
+            got = _host(oso)[0].tolist()
+            assert got in ([2, 3], [2, 0]), got
+            if got == [2, 0]:
+                with pytest.raises(varcomm.VarcommError, match="says 3 rows but its per-expert counts add up to 1000"):
+                    D.synchronize(comm, s)
+            D.synchronize(comm, s)
+            assert (guard.host[:2] == 1).all()
+            assert (guard.host[2 + got[1]:].view(np.uint8) == 0xAB).all(), "written past the rows it took"
+            assert _host(oso)[1].tolist() == [0, 2]
+            assert reads == 2, f"the count was read {reads} times by 2 receive blocks"
+            del keep_
+        comm.barrier()  # rank 0 read the planted slot: rank 1's own call 2 may overwrite it
+        if r == 1:
+            keep.append(call(FakeArray(gpu, (8, W), "float32", s)))
+            D.synchronize(comm, s)
+        comm.barrier()
+        _, _, oso = call(FakeArray(gpu, (8, W), "float32", s))
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [2, 2]
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_a_destroyed_stream_is_never_used_again(fake_cuda):
+    """A call on stream a, then a destroyed (CUDA allows it: what it has
+    enqueued still runs), then calls on stream b, synchronize without a
+    stream, close: nothing uses a again (the fake driver fails any use of a
+    destroyed stream: the call on b raised cuStreamIsCapturing's error on a,
+    and synchronize() cuStreamQuery's, for good)."""
+    seed = seeded()
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, n, W = comm.rank, 2, 4
+    with comm:
+        kept = []
+        a = gpu.stream()
+        for it, s in enumerate([a, gpu.stream(), None]):
+            s = s or kept[-1][0]
+            splits = np.random.default_rng([seed, it]).integers(0, 9, (n, n))
+            xs = [_x(seed, it, q, int(splits[q].sum()), W, "float32") for q in range(n)]
+            x = FakeArray(gpu, xs[r].shape, "float32", s)
+            x.host[...] = xs[r]
+            sp = FakeArray(gpu, (n,), "int64", s)
+            sp.host[...] = splits[r]
+            out, oso = D.all_to_all_vdev(comm, x, sp)
+            kept.append((s, splits, xs, x, sp, out, oso))
+            if s == a:
+                assert gpu.lib.cuStreamDestroy_v2(ctypes.c_void_p(a)) == 0
+        D.synchronize(comm)
+        for it, (_s, splits, xs, _x_keep, _sp, out, oso) in enumerate(kept):
+            assert _host(oso)[0].tolist() == splits[:, r].tolist(), (seed, it)
+            total = int(splits[:, r].sum())
+            assert np.array_equal(_host(out)[:total], _expect(xs, splits, r)), f"seed {seed} call {it}"
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_graph_replayed_on_another_stream_is_an_error(fake_cuda):
+    """A call captured on stream s, its graph replayed on stream t while a
+    call on s is still running (rank 1 has not joined it): the two calls
+    read one call number, which would pair up the wrong chunks; the send
+    kernel finds the overlap, and rank 0's device path fails with an error
+    that says to replay on the capture stream (it timed out instead, or
+    worse, with rank 1 in the calls, took the wrong data)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, t = comm.rank, gpu.stream(), gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (4, 4), "float32", s)
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (64, 4), "float32", s)
+        D.all_to_all_vdev(comm, x, sp, out=out)  # sets up
+        D.synchronize(comm, s)
+        _begin(gpu, s)
+        D.all_to_all_vdev(comm, x, sp, out=out, timeout=2.0)
+        graph = _end(gpu, s)
+        comm.barrier()
+        if r == 0:
+            assert gpu.lib.cuGraphLaunch(graph, ctypes.c_void_p(t)) == 0
+            D.all_to_all_vdev(comm, x, sp, out=out, timeout=2.0)
+            gpu.sync(t)
+            with pytest.raises(varcomm.InvalidArgument, match="started before the previous call had ended.*"
+                               "replayed on the stream it was captured on"):
+                D.synchronize(comm, s)
+            with pytest.raises(varcomm.InvalidArgument, match="started before"):  # the path stays failed
                 D.all_to_all_vdev(comm, x, sp, out=out)
         comm.barrier()
 

@@ -10,6 +10,8 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -101,11 +103,20 @@ struct DeviceA2A::Impl {
   a2a::ErrorRecord* err = nullptr;  // host memory, registered (device-mapped)
   CUdeviceptr err_dev = 0;
   std::mutex mu;
-  std::set<uintptr_t> streams;  // every stream launched on (close waits for them)
+  // Per stream launched on outside a capture: an event recorded after its
+  // last call. Waits (synchronize without a stream, close, the next call on
+  // another stream) use it, never the stream: its owner may destroy a stream
+  // once its work is enqueued (CUDA allows it; a later use of the handle is
+  // undefined), and the event waits for our calls only, not its later work.
+  std::map<uintptr_t, CUevent> ran;
   std::optional<uintptr_t> last;  // the stream of the last all-to-all launch
-  uint64_t hops = 0;              // stream changes ordered so far (the workspace's hop word)
+  bool last_captured = false;     // ... which was captured (it runs at replay: nothing to wait for now)
   bool closed = false;
-  std::vector<std::pair<uintptr_t, uintptr_t>> pending;  // (allocation, stream) to free once the stream is idle
+  struct Pending {
+    uintptr_t p, stream;
+    CUevent ev;  // recorded on stream at free(); null: it was capturing then (recorded once it is not)
+  };
+  std::vector<Pending> pending;  // allocations to free once their stream ran what was enqueued before free()
   // A dead peer never writes its flag or credit, and the caller may wait on
   // the stream without ever calling synchronize (torch.cuda.synchronize, a
   // later kernel): this thread aborts the kernels' waits once the engine
@@ -136,17 +147,16 @@ struct DeviceA2A::Impl {
     watcher.join();
   }
 
-  // Frees what free() deferred, where its stream has drained (never querying
-  // a stream that is capturing a graph: that would invalidate the capture).
+  // Frees what free() deferred, where its event completed (a stream that was
+  // capturing at free() gets its event once it is not: querying a capturing
+  // stream would invalidate the capture).
   void sweep(bool all = false) {
     for (size_t i = 0; i < pending.size();) {
-      CUstream s = reinterpret_cast<CUstream>(pending[i].second);
-      CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-      bool idle = all;
-      if (!idle && d.StreamIsCapturing(s, &st) == CUDA_SUCCESS && st == CU_STREAM_CAPTURE_STATUS_NONE)
-        idle = d.StreamQuery(s) != CUDA_ERROR_NOT_READY;
-      if (idle) {
-        d.MemFree(CUdeviceptr(pending[i].first));
+      Pending& q = pending[i];
+      if (!q.ev && !all) q.ev = event_on(q.stream);
+      if (all || (q.ev && d.EventQuery(q.ev) != CUDA_ERROR_NOT_READY)) {
+        d.MemFree(CUdeviceptr(q.p));
+        if (q.ev) d.EventDestroy(q.ev);
         pending[i] = pending.back();
         pending.pop_back();
       } else {
@@ -155,22 +165,65 @@ struct DeviceA2A::Impl {
     }
   }
 
+  // A new event recorded on `stream` now; null while it is capturing (or on an error).
+  CUevent event_on(uintptr_t stream) {
+    CUstream s = reinterpret_cast<CUstream>(stream);
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (d.StreamIsCapturing(s, &st) != CUDA_SUCCESS || st != CU_STREAM_CAPTURE_STATUS_NONE) return nullptr;
+    CUevent ev = nullptr;
+    if (d.EventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return nullptr;
+    if (d.EventRecord(ev, s) != CUDA_SUCCESS) {
+      d.EventDestroy(ev);
+      return nullptr;
+    }
+    return ev;
+  }
+
+  // After a launch on `stream` outside a capture: its event moves on.
+  void ran_on(uintptr_t stream) {
+    auto it = ran.find(stream);
+    if (it == ran.end()) {
+      CUevent ev = nullptr;
+      check(d.EventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      it = ran.emplace(stream, ev).first;
+    }
+    check(d.EventRecord(it->second, reinterpret_cast<CUstream>(stream)), "cuEventRecord");
+  }
+
   Impl(Engine& e, const Driver& d) : e(e), d(d), rank(e.rank()), world(e.world()) {}
 
   void check(CUresult r, const char* what) const {
     if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, "device all-to-all: " + cu::error_string(d, r, what));
   }
 
-  uint64_t record(uint64_t* code_out, a2a::ErrorRecord* snap) const {
-    uint64_t c = __atomic_load_n(&err->code, __ATOMIC_ACQUIRE);
-    if (c == a2a::kErrBusy) return 0;  // being written: the next look sees it
-    *snap = *err;
-    *code_out = c;
-    return c;
+  // What the host raised of the ring so far: per-call errors 1 .. next_err - 1.
+  uint64_t next_err = 1;
+
+  // Ring entry next_err, if the device wrote it (and it was not overwritten
+  // while being read: its number is checked after the fields).
+  bool next_entry(a2a::ErrorEntry* out, uint64_t* lapped) const {
+    a2a::ErrorEntry& e = err->ring[(next_err - 1) % a2a::kErrRing];
+    const uint64_t n = __atomic_load_n(&e.seq, __ATOMIC_ACQUIRE);
+    *lapped = 0;
+    if (n == a2a::kEntryBusy || n < next_err) return false;  // not yet (or being written): the next look sees it
+    if (n > next_err) {  // kErrRing later errors were recorded before the host looked: some are gone
+      *lapped = n;
+      return false;
+    }
+    out->code = e.code;
+    out->call = e.call;
+    out->a = e.a;
+    out->b = e.b;
+    out->c = e.c;
+    out->d = e.d;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&e.seq, __ATOMIC_RELAXED) != n) return false;  // overwritten meanwhile: read it again
+    out->seq = n;
+    return true;
   }
 
   // The recorded error as the exception the host raises.
-  Error describe(const a2a::ErrorRecord& r) const {
+  Error describe(const a2a::ErrorEntry& r) const {
     const std::string me = "rank " + std::to_string(rank), call = " (device all-to-all call " +
                                                                       std::to_string(r.call) + ")";
     auto rk = [](uint64_t v) { return "rank " + std::to_string(v); };
@@ -219,6 +272,14 @@ struct DeviceA2A::Impl {
                                              call + "; is every rank calling it? The device path of this "
                                              "communicator stays failed",
                      int(r.a));
+      case a2a::kErrOverlap:
+        return Error(ErrorKind::Invalid, me + ": a device all-to-all call started before the previous call had "
+                                             "ended" + call +
+                                             ": two calls of one communicator ran at once, so they could pair up "
+                                             "the wrong chunks. A CUDA graph of device all-to-all calls must be "
+                                             "replayed on the stream it was captured on (or on one ordered after "
+                                             "every stream of earlier calls). The device path of this "
+                                             "communicator stays failed");
       case a2a::kErrAborted:
         return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted while waiting for " + rk(r.a) +
                                                  call + " (a peer failed or the communicator closed); the "
@@ -229,21 +290,39 @@ struct DeviceA2A::Impl {
     }
   }
 
+  // Per-call errors in the order they happened (one per look: each call
+  // raises the oldest not raised yet), then a hard error, for good (per-call
+  // errors of later calls than the hard one's stay behind it: the path is failed).
   void raise_recorded() {
-    if (uint64_t hard = __atomic_load_n(&err->hard, __ATOMIC_ACQUIRE)) {  // written once: no clearing, no tearing
-      a2a::ErrorRecord snap{};
+    const uint64_t hard = __atomic_load_n(&err->hard, __ATOMIC_ACQUIRE);  // written once: no clearing, no tearing
+    a2a::ErrorEntry snap{};
+    uint64_t lapped = 0;
+    if (next_entry(&snap, &lapped) && (!hard || snap.call <= err->hard_call)) {
+      ++next_err;
+      throw describe(snap);
+    }
+    if (lapped) {
+      // The newest entry tells which kErrRing errors the ring may still hold.
+      for (const a2a::ErrorEntry& e : err->ring) {
+        const uint64_t n = __atomic_load_n(&e.seq, __ATOMIC_ACQUIRE);
+        if (n != a2a::kEntryBusy && n > lapped) lapped = n;
+      }
+      const uint64_t lost = lapped - a2a::kErrRing + 1 - next_err;
+      next_err = lapped - a2a::kErrRing + 1;
+      throw Error(ErrorKind::Invalid,
+                  "device all-to-all: " + std::to_string(lost) +
+                      (lost == 1 ? " error of earlier calls was" : " errors of earlier calls were") +
+                      " overwritten before it could be raised (more than " + std::to_string(a2a::kErrRing) +
+                      " were not raised yet: synchronize more often); the later ones follow");
+    }
+    if (hard) {
+      snap = {};
       snap.code = hard;
       snap.call = err->hard_call;
       snap.a = err->hard_a;
       snap.b = err->hard_b;
       throw describe(snap);
     }
-    uint64_t code = 0;
-    a2a::ErrorRecord snap{};
-    if (!record(&code, &snap) || code == a2a::kErrNone) return;
-    if (code < a2a::kHard) __atomic_compare_exchange_n(&err->code, &code, a2a::kErrNone, false, __ATOMIC_ACQ_REL,
-                                                       __ATOMIC_ACQUIRE);
-    throw describe(snap);
   }
 
   void abort() { __atomic_store_n(&err->abort, 1ull, __ATOMIC_RELEASE); }
@@ -258,15 +337,20 @@ struct DeviceA2A::Impl {
       const auto deadline = Clock::now() + std::chrono::seconds(10);
       for (bool busy = true; busy && err;) {
         busy = false;
-        for (uintptr_t s : streams) busy |= d.StreamQuery(reinterpret_cast<CUstream>(s)) == CUDA_ERROR_NOT_READY;
+        for (auto& kv : ran) busy |= d.EventQuery(kv.second) == CUDA_ERROR_NOT_READY;
         bool dead = false;
         for (int q = 0; q < world && busy; ++q) dead |= q != rank && !e.peer_error(q).empty();
         if (busy && (dead || Clock::now() > deadline)) break;
         if (busy) std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
       if (err) abort();
-      for (uintptr_t s : streams) d.StreamSynchronize(reinterpret_cast<CUstream>(s));
-      for (auto& p : pending) d.StreamSynchronize(reinterpret_cast<CUstream>(p.second));
+      for (auto& kv : ran) {
+        d.EventSynchronize(kv.second);
+        d.EventDestroy(kv.second);
+      }
+      ran.clear();
+      for (auto& q : pending)
+        if (q.ev) d.EventSynchronize(q.ev);
       sweep(true);
       for (CUdeviceptr p : opened)
         if (p) d.IpcCloseMemHandle(p);
@@ -469,7 +553,9 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
   m.check(m.d.LaunchKernel(send ? m.p2p_send : m.p2p_recv, 1, 1, 1, a2a::kThreads, 1, 1, 0,
                            reinterpret_cast<CUstream>(c.stream), params, nullptr),
           send ? "cuLaunchKernel(p2p send)" : "cuLaunchKernel(p2p recv)");
-  m.streams.insert(c.stream);
+  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+  m.check(m.d.StreamIsCapturing(reinterpret_cast<CUstream>(c.stream), &cs), "cuStreamIsCapturing");
+  if (cs == CU_STREAM_CAPTURE_STATUS_NONE) m.ran_on(c.stream);
 }
 
 void DeviceA2A::launch(const DeviceA2ACall& c) {
@@ -487,52 +573,47 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);
   // A call reads its number from the epoch the last call's receive kernel
-  // advances, so it must not start before that kernel ended: on another
-  // stream than the last call's, the new stream first waits for the old one
-  // (a word written at the old stream's end, as an event would be; NCCL
-  // serializes a communicator's kernels the same way). Not while either is
-  // being captured: the graph's own edges order it, and a captured write
-  // would only happen at replay.
-  if (m.last && *m.last != c.stream) {
-    CUstream old = reinterpret_cast<CUstream>(*m.last);
-    CUstreamCaptureStatus so = CU_STREAM_CAPTURE_STATUS_NONE, sn = CU_STREAM_CAPTURE_STATUS_NONE;
-    m.check(m.d.StreamIsCapturing(old, &so), "cuStreamIsCapturing");
-    m.check(m.d.StreamIsCapturing(s, &sn), "cuStreamIsCapturing");
-    if (so == CU_STREAM_CAPTURE_STATUS_NONE && sn == CU_STREAM_CAPTURE_STATUS_NONE) {
-      const CUdeviceptr hop = m.ws + a2a::ws_state() + 32;
-      m.check(m.d.StreamWriteValue64(old, hop, m.hops + 1, CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue64");
-      ++m.hops;
-      m.check(m.d.StreamWaitValue64(s, hop, m.hops, CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue64");
-    }
+  // advances, so it must not start before that kernel ended: the stream
+  // first waits for the event recorded after the last call (NCCL serializes
+  // a communicator's kernels the same way; the old stream itself is not
+  // touched: it may be gone). Also on the same handle: a destroyed stream's
+  // handle may come back as a new stream. Not while this stream is being
+  // captured, nor after a captured call: the graph's own edges order those,
+  // and a captured call only runs at replay. What the host cannot order (a
+  // graph replayed on another stream) the send kernel detects (kErrOverlap).
+  CUstreamCaptureStatus sn = CU_STREAM_CAPTURE_STATUS_NONE;
+  m.check(m.d.StreamIsCapturing(s, &sn), "cuStreamIsCapturing");
+  const bool capturing = sn != CU_STREAM_CAPTURE_STATUS_NONE;
+  if (m.last && !m.last_captured && !capturing) {
+    auto it = m.ran.find(*m.last);
+    if (it != m.ran.end()) m.check(m.d.StreamWaitEvent(s, it->second, 0), "cuStreamWaitEvent");
   }
-  m.last = c.stream;
   void* params[] = {&a};
   m.check(m.d.LaunchKernel(m.send, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
           "cuLaunchKernel(send)");
   m.check(m.d.LaunchKernel(m.recv, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
           "cuLaunchKernel(recv)");
-  m.streams.insert(c.stream);
+  if (!capturing) m.ran_on(c.stream);
+  m.last = c.stream;
+  m.last_captured = capturing;
 }
 
 void DeviceA2A::synchronize(std::optional<uintptr_t> stream, std::optional<double> timeout) {
   Impl& m = *impl_;
-  std::vector<uintptr_t> streams;
+  std::vector<CUevent> events;
   {
     std::lock_guard<std::mutex> g(m.mu);
     if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
-    if (stream) streams.push_back(*stream);
-    else streams.assign(m.streams.begin(), m.streams.end());
+    if (!stream)
+      for (auto& kv : m.ran) events.push_back(kv.second);
   }
   Ctx scope(m.d, m.ctx);
   const auto start = Clock::now();
-  for (uintptr_t st : streams) {
-    CUstream s = reinterpret_cast<CUstream>(st);
-    if (!stream) {  // querying a stream being captured would invalidate its capture
-      CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-      if (m.d.StreamIsCapturing(s, &cs) != CUDA_SUCCESS || cs != CU_STREAM_CAPTURE_STATUS_NONE) continue;
-    }
-    wait_stream(s, start, timeout);
+  if (stream) {
+    CUstream s = reinterpret_cast<CUstream>(*stream);
+    wait_until([&] { return m.d.StreamQuery(s); }, "cuStreamQuery", start, timeout);
   }
+  for (CUevent ev : events) wait_until([&] { return m.d.EventQuery(ev); }, "cuEventQuery", start, timeout);
   {
     std::lock_guard<std::mutex> g(m.mu);
     if (!m.pending.empty()) m.sweep();
@@ -540,14 +621,13 @@ void DeviceA2A::synchronize(std::optional<uintptr_t> stream, std::optional<doubl
   check();
 }
 
-void DeviceA2A::wait_stream(void* stream, std::chrono::steady_clock::time_point start,
-                            std::optional<double> timeout) {
+void DeviceA2A::wait_until(const std::function<int()>& query, const char* what,
+                           std::chrono::steady_clock::time_point start, std::optional<double> timeout) {
   Impl& m = *impl_;
-  CUstream s = static_cast<CUstream>(stream);
   for (int i = 0;; ++i) {
-    CUresult r = m.d.StreamQuery(s);
+    CUresult r = query();
     if (r == CUDA_SUCCESS) break;
-    if (r != CUDA_ERROR_NOT_READY) m.check(r, "cuStreamQuery");
+    if (r != CUDA_ERROR_NOT_READY) m.check(r, what);
     if (i % 256 == 255) {
       // A dead peer never writes its flag or credit: end the kernels' waits now.
       for (int q = 0; q < m.world; ++q)
@@ -583,7 +663,7 @@ void DeviceA2A::free(uintptr_t p, uintptr_t stream) {
   std::lock_guard<std::mutex> g(m.mu);
   if (!m.retained) return;  // closed: the driver frees it with the process
   Ctx scope(m.d, m.ctx);
-  m.pending.push_back({p, stream});
+  m.pending.push_back({p, stream, m.event_on(stream)});
   m.sweep();
 }
 

@@ -13,6 +13,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -59,21 +60,26 @@ class DeviceA2A {
   // to send (one int), x at them. Receive: out bound-sized, its rows
   // written to out_splits_offsets[0]. Per pair, calls must be ordered.
   void launch_p2p(bool send, int peer, const DeviceA2ACall& c);
-  // Raises what the device recorded, if anything (no wait): a per-call
-  // error is cleared once raised; a timeout or abort stays.
+  // Raises what the device recorded, if anything (no wait): the oldest
+  // per-call error not raised yet (each is raised once, in call order; none
+  // is dropped for a later one), else a hard error (timeout, abort,
+  // overlapping calls), which stays.
   void check();
-  // Waits (host) until `stream` ran everything enqueued so far (none: every
-  // stream a call ran on, but those being captured); a dead peer meanwhile
-  // aborts the kernels' waits. Then check().
+  // Waits (host) until `stream` ran everything enqueued so far (none: until
+  // every call launched outside a capture ran, through events: the streams
+  // themselves may be gone); a dead peer meanwhile aborts the kernels'
+  // waits. Then check().
   void synchronize(std::optional<uintptr_t> stream, std::optional<double> timeout);
-  // Makes every spinning kernel give up, waits for the streams it launched
-  // on, frees the workspace. Later calls raise ClosedError.
+  // Waits for the calls launched (up to 10 s, less once a peer is dead),
+  // then makes every spinning kernel give up, frees the workspace. Later
+  // calls raise ClosedError.
   void close();
   // Device memory for outputs of callers that have no allocator of their own
   // (arrays that are not torch tensors): cuMemAlloc / cuMemFree on our GPU.
   uintptr_t alloc(uint64_t nbytes);
   // Frees p once `stream` has run what is enqueued on it now (a kernel may
-  // still write an output its caller dropped): at once when it is idle, else
+  // still write an output its caller dropped): an event recorded now (the
+  // stream must still exist; while it is capturing, at a later look), then
   // at a later launch, synchronize or close.
   void free(uintptr_t p, uintptr_t stream);
   uint64_t cap() const { return cap_; }
@@ -81,9 +87,10 @@ class DeviceA2A {
 
  private:
   struct Impl;
-  // Polls `stream` (a CUstream) until idle, aborting the kernels' waits on
-  // a dead peer or past `timeout` from `start`.
-  void wait_stream(void* stream, std::chrono::steady_clock::time_point start, std::optional<double> timeout);
+  // Polls `query` (cuStreamQuery or cuEventQuery) until it succeeds,
+  // aborting the kernels' waits on a dead peer or past `timeout` from `start`.
+  void wait_until(const std::function<int()>& query, const char* what, std::chrono::steady_clock::time_point start,
+                  std::optional<double> timeout);
   std::unique_ptr<Impl> impl_;
   uint64_t cap_;
 };

@@ -15,7 +15,8 @@
 //
 // Workspace of each rank (device memory, exported with CUDA IPC), offsets in
 // bytes (a2a_ws_* below):
-//   [state: epoch | blocks done | last call with an error | broken | hop (the host's stream changes)]
+//   [state: epoch | blocks done | last call with an error | broken | (unused) |
+//    errors numbered | send blocks started]
 //   [credits: one u64 per peer] [per source s: slot s]
 //   slot s = [ctl: flag, rows, dtype, row_bytes, status, pad | counts[kA2AMaxLocal]] [payload: cap bytes]
 // Rank d's slot s is where rank s writes its chunk for d; rank s's credits[d]
@@ -50,17 +51,21 @@ constexpr int kThreads = 256;        // threads per block of both kernels
 // Slot status, written by the sender with the flag.
 enum : u64 { kOk = 0, kOverCapacity = 1, kBadSplits = 2, kSenderFailed = 3 };
 
-// The error record (host-mapped memory, one per communicator). Codes below
-// kHard are per call: the exchange itself completed (every flag and credit
-// moved), so the host reports it and clears the record; the first of a call
-// wins: code goes 0 -> kBusy (fields being written) -> the code. kHard and
-// above (a timeout, an abort): sequence numbers may disagree between ranks,
-// so the device path of that communicator stays failed. Those have fields
-// of their own, written once by the first (a per-call error earlier in the
-// same call must not hide one: the host would clear it and go on).
+// The error record (host-mapped memory, one page per communicator). Codes
+// below kHard are per call: the exchange itself completed (every flag and
+// credit moved), so the host reports it once and goes on. The first of a call
+// wins (a word in the workspace), then takes the next entry of a ring: the
+// host may not look before later calls record theirs (launches are
+// asynchronous), so one record that each error overwrote lost the earlier
+// ones. The host raises entries in order, one per check; an entry's seq
+// (its error number, from 1) is written last, so a torn read shows as a
+// changed seq. kHard and above (a timeout, an abort, overlapping calls):
+// sequence numbers may disagree between ranks, so the device path of that
+// communicator stays failed. Those have fields of their own, written once
+// by the first (a per-call error earlier in the same call must not hide
+// one: the host would report it and go on).
 enum : u64 {
   kErrNone = 0,
-  kErrBusy = 1,
   kErrTooLarge = 2,   // a: dst (sender side) or src (receiver side), b: rows, c: bytes, d: capacity
   kErrMismatch = 3,   // a: src, b: its dtype word, c: its row bytes, d: ours (dtype << 32 | row bytes)
   kErrOutFull = 4,    // a: src, b: rows it sent, c: rows already placed, d: out rows
@@ -71,15 +76,23 @@ enum : u64 {
   kHard = 16,
   kErrTimeout = 16,   // a: peer, b: 0 waiting for its credit (send) / 1 for its data (recv)
   kErrAborted = 17,   // the host aborted the wait (a dead peer, close)
+  kErrOverlap = 18,   // a: the call number the kernel read, b: the calls' send blocks started before it
 };
 
+constexpr int kErrRing = 32;  // per-call errors the host may not have raised yet
+struct ErrorEntry {
+  u64 seq;  // the error's number (from 1); 0: never written; kEntryBusy: being written
+  u64 code, call, a, b, c, d;
+  u64 pad;
+};
+constexpr u64 kEntryBusy = ~0ull;
 struct ErrorRecord {
-  u64 code;
-  u64 call;  // the epoch (call number) it happened in
-  u64 a, b, c, d;
   u64 abort;  // set by the host: every spin gives up with kErrAborted
   u64 hard, hard_call, hard_a, hard_b;  // the first hard error: code (last written), call, a, b
+  u64 pad[3];
+  ErrorEntry ring[kErrRing];  // entry (n - 1) % kErrRing holds error n
 };
+static_assert(sizeof(ErrorRecord) <= 4096, "the error record is one page");
 
 // Workspace offsets.
 VC_HD inline u64 ws_state() { return 0; }
@@ -192,10 +205,16 @@ VC_HD inline u64* word(unsigned char* base, u64 off) { return reinterpret_cast<u
 // The workspace's "broken" word: set (for good) by the first hard error.
 VC_HD inline u64* broken_word(const Args& a) { return reinterpret_cast<u64*>(a.ws + ws_state() + 24); }
 
+// Workspace state words (a2a_ws_*): the last call with a per-call error, the
+// errors numbered so far, the send blocks started so far.
+VC_HD inline u64* err_call_word(const Args& a) { return reinterpret_cast<u64*>(a.ws + ws_state() + 16); }
+VC_HD inline u64* err_count_word(const Args& a) { return reinterpret_cast<u64*>(a.ws + ws_state() + 40); }
+VC_HD inline u64* sends_started_word(const Args& a) { return reinterpret_cast<u64*>(a.ws + ws_state() + 48); }
+
 // The first error of a call wins a word in device memory (atomics on host
-// memory are not portable: PCIe), then writes the host record with plain
-// stores: kErrBusy, the fields, the code. The first hard error wins the
-// broken word and writes the hard fields, whatever the call recorded before.
+// memory are not portable: PCIe) and a number, then writes its ring entry
+// with plain stores: busy, the fields, the number. The first hard error wins
+// the broken word and writes the hard fields, whatever the call recorded before.
 VC_HD inline void report(const Args& a, u64 code, u64 call, u64 x, u64 y, u64 z, u64 w) {
   if (code >= kHard) {
     if (!cas(broken_word(a), 0, 1)) return;  // the path is failed already: the first cause is what the host says
@@ -206,20 +225,24 @@ VC_HD inline void report(const Args& a, u64 code, u64 call, u64 x, u64 y, u64 z,
     store_release(&a.err->hard, code);
     return;
   }
-  u64* seq = reinterpret_cast<u64*>(a.ws + ws_state() + 16);
+  u64* seq = err_call_word(a);
   for (;;) {
     const u64 v = load_relaxed(seq);
     if (v >= call) return;  // this call's error is recorded already
     if (cas(seq, v, call)) break;
   }
-  store_release(&a.err->code, kErrBusy);
-  a.err->call = call;
-  a.err->a = x;
-  a.err->b = y;
-  a.err->c = z;
-  a.err->d = w;
+  const u64 n = fetch_add(err_count_word(a), 1) + 1;
+  ErrorEntry& e = a.err->ring[(n - 1) % kErrRing];
+  store_release(&e.seq, kEntryBusy);
   fence_system();
-  store_release(&a.err->code, code);
+  e.code = code;
+  e.call = call;
+  e.a = x;
+  e.b = y;
+  e.c = z;
+  e.d = w;
+  fence_system();
+  store_release(&e.seq, n);
 }
 
 // Waits until *p >= v. False (and the error reported) at the deadline or on the host's abort.
@@ -300,6 +323,18 @@ VC_HD inline void send_phase0(const Args& a, SendShared& sh, unsigned d) {
   sh.go = 0;
   sh.status = kOk;
   sh.rows = 0;
+  // Calls must run one after another (the number read above is the last
+  // call's, advanced at its very end). Every send block counts itself: while
+  // they do, world blocks start per call, so another number here means a
+  // second call started before the last ended (a graph replayed on another
+  // stream than its capture's, streams the host could not order): two calls
+  // with one number would pair up the wrong chunks.
+  const u64 started = fetch_add(sends_started_word(a), 1);
+  if (started / a.world != sh.call - 1) {
+    report(a, kErrOverlap, sh.call, sh.call, started, 0, 0);
+    sh.status = kSenderFailed;
+    return;
+  }
   if (!wait_geq(a, word(ws, ws_credit(int(d))), sh.call - 1, sh.call, int(d), 0)) {
     sh.status = kSenderFailed;
     return;
@@ -378,18 +413,29 @@ struct RecvShared {
   u64 src_row[kMaxLocal];  // row of each piece in our slot for s
   u64 dst_row[kMaxLocal];  // its row in out
   u64 cnt[kMaxLocal];
+  u64 col[kMaxLocal];      // phase 0: rows of every taken source for expert e
+  u64 pre[kMaxLocal];      // phase 0: the same, of the taken sources before s
 };
 
 VC_HD inline const unsigned char* slot_of(const Args& a, int s) {
   return a.ws + ws_slot(int(a.world), a.cap, s);
 }
+// A word of a peer's control block, read once per use site and kept: the
+// sender's header is not trusted, so what was checked must be what is used.
 VC_HD inline u64 ctl(const Args& a, int s, u64 off) {
-  return load_relaxed(reinterpret_cast<const u64*>(slot_of(a, s) + off));
+  const u64* p = reinterpret_cast<const u64*>(slot_of(a, s) + off);
+#if !defined(__CUDA_ARCH__) && defined(VC_HOST_CTL_READ)
+  VC_HOST_CTL_READ(p);  // tests (fake_libcuda.cc): a peer that rewrites its header while it is read
+#endif
+  return load_relaxed(p);
 }
-VC_HD inline u64 count_of(const Args& a, int s, unsigned e) { return ctl(a, s, kCounts + 8 * u64(e)); }
 
-// Thread 0: wait for every source's flag (the out layout needs every count),
-// decide which sources are taken (source order, while out has room), place s's pieces.
+// Thread 0: wait for every source's flag (acquire: the control block it
+// covers is complete), then read each source's control block exactly once
+// (a second read could see other words than the ones checked: a peer
+// writing its slot out of turn would then make this block copy past the
+// slot or out). In source order decide which chunks are taken (while out
+// has room) and place s's pieces.
 VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
   sh.call = load_acquire(word(a.ws, ws_state())) + 1;
   sh.go = 0;
@@ -403,32 +449,32 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
       }
       return;
     }
-  // taken[q]: q's chunk fits the rules; decided identically by every block.
-  bool taken[kMaxRanks];
-  u64 placed = 0;
+  u64* c = sh.src_row;  // source q's counts while q is looked at (src_row is written at the end)
+  for (unsigned e = 0; e < ne; ++e) sh.col[e] = sh.pre[e] = sh.cnt[e] = 0;
+  u64 placed = 0, before_s = 0;  // rows taken so far; of the taken sources before s
+  bool mine_taken = false;
   const u64 mine = u64(a.dtype) << 32 | a.row_bytes;
   for (unsigned q = 0; q < W; ++q) {
     const u64 st = ctl(a, int(q), kStatus), rows = ctl(a, int(q), kRows);
     const u64 dt = ctl(a, int(q), kDtype), rb = ctl(a, int(q), kRowBytes);
     bool ok = st == kOk;
     if (q == s) {  // each source's problem is reported by its own block
-      if (st == kOverCapacity) report(a, kErrPeerTooLarge, sh.call, q, rows, rows * rb, a.cap);
+      if (st == kOverCapacity) report(a, kErrPeerTooLarge, sh.call, q, rows, sat_mul(rows, rb), a.cap);
       if (st == kBadSplits) report(a, kErrPeerSplits, sh.call, q, 0, 0, 0);
     }
     if (ok && (dt != a.dtype || rb != a.row_bytes)) {
       if (q == s) report(a, kErrMismatch, sh.call, q, dt, rb, mine);
       ok = false;
     }
-    // The sender's header is not trusted (a buggy or mismatched peer): its
-    // rows must fit the slot and its counts add up to them, or nothing is
-    // read from the slot nor written to out for it.
+    // Its rows must fit the slot and its counts add up to them, or nothing
+    // is read from the slot nor written to out for it.
     if (ok && a.row_bytes && rows > a.cap / a.row_bytes) {
       if (q == s) report(a, kErrPeerTooLarge, sh.call, q, rows, sat_mul(rows, rb), a.cap);
       ok = false;
     }
     if (ok) {
       u64 sum = 0;
-      for (unsigned e = 0; e < ne; ++e) sum = sat_add(sum, count_of(a, int(q), e));
+      for (unsigned e = 0; e < ne; ++e) sum = sat_add(sum, c[e] = ctl(a, int(q), kCounts + 8 * u64(e)));
       if (sum != rows) {
         if (q == s) report(a, kErrPeerCounts, sh.call, q, rows, sum, 0);
         ok = false;
@@ -438,40 +484,35 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
       if (q == s) report(a, kErrOutFull, sh.call, q, rows, placed, a.out_rows);
       ok = false;
     }
-    taken[q] = ok;
-    if (ok) placed += rows;
-  }
-  // Offsets in the out layout's order over the taken pieces.
-  u64 before = 0;  // rows of taken pieces ahead of (s, e) in that order
-  if (a.out_layout == kOutExpertMajor) {
+    if (!ok) continue;
+    placed += rows;
     for (unsigned e = 0; e < ne; ++e) {
-      for (unsigned q = 0; q < W; ++q) {
-        if (q == s) {
-          sh.dst_row[e] = before;
-          sh.cnt[e] = taken[s] ? count_of(a, int(s), e) : 0;
-        }
-        if (taken[q]) before += count_of(a, int(q), e);
-      }
+      sh.col[e] += c[e];
+      if (q < s) sh.pre[e] += c[e];
+      if (q == s) sh.cnt[e] = c[e];
     }
-  } else {
-    for (unsigned q = 0; q < s; ++q)
-      if (taken[q])
-        for (unsigned e = 0; e < ne; ++e) before += count_of(a, int(q), e);
-    for (unsigned e = 0; e < ne; ++e) {
-      sh.dst_row[e] = before;
-      sh.cnt[e] = taken[s] ? count_of(a, int(s), e) : 0;
-      before += sh.cnt[e];
-    }
+    if (q < s) before_s += rows;
+    if (q == s) mine_taken = true;
   }
-  u64 in_slot = 0;
+  // Offsets in the out layout's order over the taken pieces: expert-major,
+  // (s, e) comes after every taken piece of experts before e and those of
+  // expert e from sources before s; rank-major, after the taken sources
+  // before s and s's own pieces before e.
+  u64 run = 0, in_slot = 0;
   for (unsigned e = 0; e < ne; ++e) {
+    if (a.out_layout == kOutExpertMajor) {
+      sh.dst_row[e] = run + sh.pre[e];
+      run += sh.col[e];
+    } else {
+      sh.dst_row[e] = before_s + in_slot;
+    }
     sh.src_row[e] = in_slot;
-    in_slot += taken[s] ? count_of(a, int(s), e) : 0;
+    in_slot += sh.cnt[e];
     const u64 i = a.out_layout == kOutExpertMajor ? u64(e) * W + s : u64(s) * ne + e;
     a.out_splits_offsets[i] = i64(sh.cnt[e]);
     a.out_splits_offsets[u64(W) * ne + i] = i64(sh.dst_row[e]);
   }
-  sh.go = taken[s];
+  sh.go = mine_taken;
 }
 
 VC_HD inline void recv_phase1(const Args& a, const RecvShared& sh, unsigned s, unsigned t, unsigned nt) {

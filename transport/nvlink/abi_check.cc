@@ -17,6 +17,7 @@ using CUcontext = ::CUcontext;
 using CUstream = ::CUstream;
 using CUmodule = ::CUmodule;
 using CUfunction = ::CUfunction;
+using CUevent = ::CUevent;
 using CUdevice_attribute = ::CUdevice_attribute;
 using CUpointer_attribute = ::CUpointer_attribute;
 using CUstreamCaptureStatus = ::CUstreamCaptureStatus;
@@ -58,6 +59,12 @@ CHECK_FN(IpcOpenMemHandle, cuIpcOpenMemHandle_v2)
 CHECK_FN(IpcCloseMemHandle, cuIpcCloseMemHandle)
 CHECK_FN(StreamCreate, cuStreamCreate)
 CHECK_FN(StreamDestroy, cuStreamDestroy_v2)
+CHECK_FN(EventCreate, cuEventCreate)
+CHECK_FN(EventRecord, cuEventRecord)
+CHECK_FN(EventQuery, cuEventQuery)
+CHECK_FN(EventSynchronize, cuEventSynchronize)
+CHECK_FN(EventDestroy, cuEventDestroy_v2)
+CHECK_FN(StreamWaitEvent, cuStreamWaitEvent)
 CHECK_FN(StreamSynchronize, cuStreamSynchronize)
 CHECK_FN(StreamQuery, cuStreamQuery)
 CHECK_FN(StreamGetCtx, cuStreamGetCtx)
@@ -75,6 +82,7 @@ static_assert(std::is_same<mine::CUcontext, ::CUcontext>::value, "CUcontext");
 static_assert(std::is_same<mine::CUstream, ::CUstream>::value, "CUstream");
 static_assert(std::is_same<mine::CUmodule, ::CUmodule>::value, "CUmodule");
 static_assert(std::is_same<mine::CUfunction, ::CUfunction>::value, "CUfunction");
+static_assert(std::is_same<mine::CUevent, ::CUevent>::value, "CUevent");
 static_assert(std::is_same<mine::CUdeviceptr, ::CUdeviceptr>::value, "CUdeviceptr");
 static_assert(std::is_same<mine::CUdevice, ::CUdevice>::value, "CUdevice");
 static_assert(std::is_same<mine::cuuint64_t, ::cuuint64_t>::value, "cuuint64_t");
@@ -103,3 +111,4 @@ static_assert(mine::kHostRegisterPortable == CU_MEMHOSTREGISTER_PORTABLE, "porta
 static_assert(mine::kHostRegisterDeviceMap == CU_MEMHOSTREGISTER_DEVICEMAP, "devicemap");
 CHECK_EQ(CU_STREAM_WRITE_VALUE_DEFAULT)
 CHECK_EQ(CU_STREAM_WAIT_VALUE_GEQ)
+CHECK_EQ(CU_EVENT_DISABLE_TIMING)

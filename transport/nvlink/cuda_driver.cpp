@@ -149,15 +149,34 @@ void check_stream(const Driver& d, CUcontext ctx, int ordinal, CUstream s, const
                                         "varcomm.init");
 }
 
-void copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src, size_t n,
-                std::uintptr_t stream, bool wait) {
-  if (!n) return;
+CUevent copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src,
+                   size_t n, std::uintptr_t stream, bool mark) {
+  if (!n) return nullptr;
   CtxScope scope(d, ctx);
   CUstream s = reinterpret_cast<CUstream>(stream);
   check_stream(d, ctx, ordinal, s, "all-to-all", who);
-  check(d, d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s), who,
-        "cuMemcpyAsync (local copy)");
-  if (wait) check(d, d.StreamSynchronize(s), who, "cuStreamSynchronize (local copy)");
+  // The event first: once the copy is enqueued it must be marked (the caller
+  // holds src until the mark says the copy ran).
+  CUevent ev = nullptr;
+  if (mark) check(d, d.EventCreate(&ev, CU_EVENT_DISABLE_TIMING), who, "cuEventCreate (local copy)");
+  CUresult r = d.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s);
+  if (r == CUDA_SUCCESS && ev) r = d.EventRecord(ev, s);
+  if (r != CUDA_SUCCESS && ev) {
+    // Not marked: nothing tells when a copy that was enqueued runs, so wait for it here.
+    d.StreamSynchronize(s);
+    d.EventDestroy(ev);
+  }
+  check(d, r, who, "cuMemcpyAsync / cuEventRecord (local copy)");
+  return ev;
+}
+
+bool copied(const Driver& d, CUcontext ctx, CUevent ev, bool wait) {
+  if (!ev) return true;
+  CtxScope scope(d, ctx);
+  CUresult r = wait ? d.EventSynchronize(ev) : d.EventQuery(ev);
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  d.EventDestroy(ev);
+  return true;
 }
 
 }  // namespace cu

@@ -14,6 +14,7 @@ struct CUctx_st;     // as in <cuda.h>: opaque handles
 struct CUstream_st;
 struct CUmod_st;
 struct CUfunc_st;
+struct CUevent_st;
 
 namespace varcomm {
 namespace cu {
@@ -25,6 +26,7 @@ using CUcontext = ::CUctx_st*;
 using CUstream = ::CUstream_st*;
 using CUmodule = ::CUmod_st*;
 using CUfunction = ::CUfunc_st*;
+using CUevent = ::CUevent_st*;
 using CUdevice_attribute = int;
 using CUpointer_attribute = int;
 using CUstreamCaptureStatus = int;
@@ -50,6 +52,7 @@ constexpr unsigned int kHostRegisterPortable = 1;
 constexpr unsigned int kHostRegisterDeviceMap = 2;
 constexpr unsigned int CU_STREAM_WRITE_VALUE_DEFAULT = 0;
 constexpr unsigned int CU_STREAM_WAIT_VALUE_GEQ = 0;
+constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
 
 // X(member, return type, parameters, symbols to try in order). The symbols are
 // the versioned names that <cuda.h>'s macros select (cuMemAlloc -> cuMemAlloc_v2).
@@ -91,6 +94,14 @@ constexpr unsigned int CU_STREAM_WAIT_VALUE_GEQ = 0;
   X(StreamQuery, CUresult, (CUstream stream), "cuStreamQuery")                                                    \
   X(StreamGetCtx, CUresult, (CUstream stream, CUcontext * pctx), "cuStreamGetCtx")                                \
   X(StreamIsCapturing, CUresult, (CUstream stream, CUstreamCaptureStatus * status), "cuStreamIsCapturing")        \
+  /* Events: "the work enqueued so far on a stream ran", without keeping the */                                   \
+  /* stream (its owner may destroy it) nor waiting for its later work. */                                         \
+  X(EventCreate, CUresult, (CUevent * event, unsigned int flags), "cuEventCreate")                                \
+  X(EventRecord, CUresult, (CUevent event, CUstream stream), "cuEventRecord")                                     \
+  X(EventQuery, CUresult, (CUevent event), "cuEventQuery")                                                        \
+  X(EventSynchronize, CUresult, (CUevent event), "cuEventSynchronize")                                            \
+  X(EventDestroy, CUresult, (CUevent event), "cuEventDestroy_v2")                                                 \
+  X(StreamWaitEvent, CUresult, (CUstream stream, CUevent event, unsigned int flags), "cuStreamWaitEvent")         \
   /* The _v2 stream memory operations (driver 11.7+) need no opt-in; the first */                                 \
   /* ones needed CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS. */                                                   \
   X(StreamWriteValue64, CUresult, (CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags),      \
@@ -138,9 +149,13 @@ void check_stream(const Driver& d, CUcontext ctx, int ordinal, CUstream s, const
 
 // Transport::copy_async for every device transport: n bytes between device
 // and/or host memory (unified addressing) on `stream`, after its earlier
-// work, in `ctx`; with `wait`, returns once the copy ran.
-void copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src, size_t n,
-                std::uintptr_t stream, bool wait);
+// work, in `ctx`; with `mark`, returns an event recorded after the copy
+// (null when n is 0), for copied().
+CUevent copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src,
+                   size_t n, std::uintptr_t stream, bool mark);
+// Transport::copy_done: whether the copy `ev` marks ran (`wait`: blocks until
+// it has); once true (also on a driver error: nothing more runs), `ev` is destroyed.
+bool copied(const Driver& d, CUcontext ctx, CUevent ev, bool wait);
 
 // Makes `ctx` current for the scope when another (or none) is, and restores it.
 class CtxScope {

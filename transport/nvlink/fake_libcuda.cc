@@ -27,6 +27,20 @@
 #include <thread>
 #include <vector>
 
+// For tests that play a peer rewriting its header while the receiver reads
+// it (fake_cuda_a2a_tamper): called before every read of a peer's control word.
+namespace fake_tamper {
+std::atomic<uintptr_t> addr{0};
+std::atomic<long> after{0}, reads{0};
+std::atomic<unsigned long long> value{0};
+inline void on_read(const void* p) {
+  if (uintptr_t(p) != addr.load()) return;
+  if (reads.fetch_add(1) == after.load())  // reads 1 .. after saw the old value
+    __atomic_store_n(reinterpret_cast<unsigned long long*>(uintptr_t(p)), value.load(), __ATOMIC_RELAXED);
+}
+}  // namespace fake_tamper
+#define VC_HOST_CTL_READ(p) fake_tamper::on_read(p)
+
 // The device-split all-to-all's kernel bodies, compiled as host C++: a launch
 // runs the real algorithm (a2a_kernels.cuh) on the stream's thread.
 #include "a2a_kernels.cuh"
@@ -113,6 +127,16 @@ Stream* g_legacy = nullptr;
 thread_local Ctx* t_ctx = nullptr;
 thread_local std::deque<Ctx*> t_stack;
 
+// Destroyed streams: every later use of the handle fails with
+// CUDA_ERROR_INVALID_HANDLE (as the real driver mostly reports it; a use
+// after destroy is undefined there), so a test sees it instead of a crash.
+std::set<void*> g_dead;
+bool dead(void* s) {
+  std::lock_guard<std::mutex> g(g_mu);
+  return s && g_dead.count(s);
+}
+constexpr CUresult kInvalidHandle = 400;
+
 Stream* stream_of(void* s) {
   if (s) return static_cast<Stream*>(s);
   std::lock_guard<std::mutex> g(g_mu);
@@ -193,11 +217,13 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
   return 0;
 }
 API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void* s) {
+  if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
   stream_of(s)->push([=] { std::memset(reinterpret_cast<void*>(p), v, n); });
   return 0;
 }
 API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
+  if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
   stream_of(s)->push([=] { std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n); });
   return 0;
@@ -266,14 +292,75 @@ API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   munmap(reinterpret_cast<void*>(p), n);
   return 0;
 }
-API CUresult cuStreamCreate(void** s, unsigned int) { *s = new Stream(); return 0; }
-API CUresult cuStreamDestroy_v2(void* s) { delete static_cast<Stream*>(s); return 0; }
-API CUresult cuStreamSynchronize(void* s) { stream_of(s)->sync(); return 0; }
-API CUresult cuStreamQuery(void* s) { return stream_of(s)->idle() ? 0 : 600; }  // CUDA_ERROR_NOT_READY
-API CUresult cuStreamGetCtx(void*, Ctx** c) { *c = &g_ctx; return 0; }
+API CUresult cuStreamCreate(void** s, unsigned int) {
+  *s = new Stream();
+  std::lock_guard<std::mutex> g(g_mu);
+  g_dead.erase(*s);  // a handle may come back (the real driver may reuse one too)
+  return 0;
+}
+// As the real driver: work already enqueued still runs (the worker drains its queue).
+API CUresult cuStreamDestroy_v2(void* s) {
+  if (!s || dead(s)) return kInvalidHandle;
+  delete static_cast<Stream*>(s);
+  std::lock_guard<std::mutex> g(g_mu);
+  g_dead.insert(s);
+  return 0;
+}
+API CUresult cuStreamSynchronize(void* s) {
+  if (dead(s)) return kInvalidHandle;
+  stream_of(s)->sync();
+  return 0;
+}
+API CUresult cuStreamQuery(void* s) {
+  if (dead(s)) return kInvalidHandle;
+  return stream_of(s)->idle() ? 0 : 600;  // CUDA_ERROR_NOT_READY
+}
+API CUresult cuStreamGetCtx(void* s, Ctx** c) {
+  if (dead(s)) return kInvalidHandle;
+  *c = &g_ctx;
+  return 0;
+}
+// Events: records counted, the stream marks each one complete when it gets
+// there; a wait on an event waits for the records made before it.
+struct Event {
+  std::atomic<uint64_t> recorded{0}, completed{0};
+};
+API CUresult cuEventCreate(Event** e, unsigned int) {
+  *e = new Event();
+  return 0;
+}
+API CUresult cuEventDestroy_v2(Event* e) {
+  delete e;  // only after its completion in the tests' use (varcomm waits for it first)
+  return 0;
+}
+API CUresult cuEventRecord(Event* e, void* s) {
+  if (dead(s)) return kInvalidHandle;
+  const uint64_t gen = ++e->recorded;
+  stream_of(s)->push([e, gen] {
+    uint64_t c = e->completed.load();
+    while (c < gen && !e->completed.compare_exchange_weak(c, gen)) {
+    }
+  });
+  return 0;
+}
+API CUresult cuEventQuery(Event* e) { return e->completed.load() >= e->recorded.load() ? 0 : 600; }
+API CUresult cuEventSynchronize(Event* e) {
+  const uint64_t want = e->recorded.load();
+  for (int i = 0; e->completed.load() < want; ++i) i < 100 ? (void)sched_yield() : (void)usleep(20);
+  return 0;
+}
+API CUresult cuStreamWaitEvent(void* s, Event* e, unsigned int) {
+  if (dead(s)) return kInvalidHandle;
+  const uint64_t want = e->recorded.load();
+  stream_of(s)->push([e, want] {
+    for (int i = 0; e->completed.load() < want; ++i) i < 100 ? (void)sched_yield() : (void)usleep(20);
+  });
+  return 0;
+}
 static std::mutex g_capture_mu;
 static std::set<void*> g_capturing;  // streams fake_cuda_set_capturing marked
 API CUresult cuStreamIsCapturing(void* s, int* st) {
+  if (dead(s)) return kInvalidHandle;
   Stream* x = stream_of(s);
   std::lock_guard<std::mutex> g(x->mu);
   std::lock_guard<std::mutex> c(g_capture_mu);
@@ -292,6 +379,7 @@ struct Graph {
   std::vector<std::function<void()>> ops;
 };
 API CUresult cuStreamBeginCapture_v2(void* s, int) {
+  if (dead(s)) return kInvalidHandle;
   if (!s) return 1;  // the legacy stream cannot capture
   Stream* x = stream_of(s);
   std::lock_guard<std::mutex> g(x->mu);
@@ -300,6 +388,7 @@ API CUresult cuStreamBeginCapture_v2(void* s, int) {
   return 0;
 }
 API CUresult cuStreamEndCapture(void* s, Graph** graph) {
+  if (dead(s)) return kInvalidHandle;
   Stream* x = stream_of(s);
   std::lock_guard<std::mutex> g(x->mu);
   if (!x->capture) return 901;  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
@@ -312,18 +401,21 @@ API CUresult cuGraphInstantiateWithFlags(Graph** exec, Graph* graph, unsigned lo
   return 0;
 }
 API CUresult cuGraphLaunch(Graph* exec, void* s) {
+  if (dead(s)) return kInvalidHandle;
   for (auto& op : exec->ops) stream_of(s)->push(op);
   return 0;
 }
 API CUresult cuGraphDestroy(Graph* g) { delete g; return 0; }
 API CUresult cuGraphExecDestroy(Graph* g) { delete g; return 0; }
 API CUresult cuStreamWriteValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
+  if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
   if (!find(uintptr_t(addr), nullptr)) return 1;  // must be device or registered memory
   stream_of(s)->push([=] { __atomic_store_n(reinterpret_cast<uint64_t*>(addr), v, __ATOMIC_RELEASE); });
   return 0;
 }
 API CUresult cuStreamWaitValue64_v2(void* s, CUdeviceptr addr, uint64_t v, unsigned int) {
+  if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
   if (!find(uintptr_t(addr), nullptr)) return 1;
   // A GPU waits without a host core; a stream thread spinning here would take
@@ -368,6 +460,7 @@ API CUresult cuModuleGetFunction(Function** f, Module*, const char* name) {
 static varcomm::a2a::Args g_last_a2a{};  // the last all-to-all launch's arguments, for fake_cuda_a2a_slot
 API CUresult cuLaunchKernel(Function* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                             unsigned bz, unsigned shmem, void* s, void** params, void** extra) {
+  if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
   if ((f == &g_p2p_send || f == &g_p2p_recv) && params && !extra) {
     namespace a2a = varcomm::a2a;
@@ -425,6 +518,17 @@ API unsigned long long fake_cuda_a2a_slot(unsigned dst, unsigned src) {
   const varcomm::a2a::Args& a = g_last_a2a;
   if (!a.world || dst >= a.world || src >= a.world) return 0;
   return uintptr_t(a.peer_ws[dst]) + varcomm::a2a::ws_slot(int(a.world), a.cap, int(src));
+}
+// For tests: the control word at `addr` (a slot's, as mapped here) becomes
+// `value` once the kernels have read it `after` times (addr 0: off). Returns
+// the reads counted since the last call.
+API long fake_cuda_a2a_tamper(unsigned long long addr, long after, unsigned long long value) {
+  fake_tamper::addr.store(0);
+  const long n = fake_tamper::reads.exchange(0);
+  fake_tamper::after.store(after);
+  fake_tamper::value.store(value);
+  fake_tamper::addr.store(uintptr_t(addr));
+  return n;
 }
 // For tests: how many kernels were launched in this process.
 API unsigned long long fake_cuda_launches() { return g_launches.load(); }

@@ -335,8 +335,11 @@ class NvlinkTransport : public Transport {
     if (host_dst) check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv into host memory)");
   }
 
-  void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) override {
-    cu::copy_async(d_, ctx_, ordinal_, "nvlink", dst, src, n, stream, wait);
+  uintptr_t copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool mark) override {
+    return reinterpret_cast<uintptr_t>(cu::copy_async(d_, ctx_, ordinal_, "nvlink", dst, src, n, stream, mark));
+  }
+  bool copy_done(uintptr_t mark, bool wait) override {
+    return cu::copied(d_, ctx_, reinterpret_cast<cu::CUevent>(mark), wait);
   }
 
  private:

@@ -180,8 +180,11 @@ class RdmaGpuTransport final : public Transport {
   bool device() const override { return true; }
   // The self chunk of an all-to-all, or a staged host message into device
   // memory, on a rank whose GPU transport is this one: no endpoint involved.
-  void copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool wait) override {
-    cu::copy_async(d_, ctx_, ordinal_, "rdma-gpu", dst, src, n, stream, wait);
+  uintptr_t copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool mark) override {
+    return reinterpret_cast<uintptr_t>(cu::copy_async(d_, ctx_, ordinal_, "rdma-gpu", dst, src, n, stream, mark));
+  }
+  bool copy_done(uintptr_t mark, bool wait) override {
+    return cu::copied(d_, ctx_, reinterpret_cast<cu::CUevent>(mark), wait);
   }
 
   std::string expose(void* /*base*/, size_t /*size*/) override {

@@ -21,7 +21,9 @@ allocated.
 
 Errors are found by the kernels and recorded in host-mapped memory; the
 host raises them at ``DeviceWork.synchronize()``, at ``synchronize(comm)``,
-or at the next device all-to-all call, whichever comes first:
+or at the next device all-to-all call, whichever comes first, one per look
+and in call order (each names its call; calls enqueued before the host
+looked keep theirs):
 
 * a chunk over its receiver's slot (the bound): nothing of it is sent, the
   receiver gets 0 rows from that source; MessageTooLarge on the sender,
@@ -35,7 +37,9 @@ or at the next device all-to-all call, whichever comes first:
   thread, whoever waits on the stream) or a close:
   PeerFailure. After these two the device path of the communicator stays
   failed (its sequence numbers may disagree between ranks); point-to-point
-  and host collectives go on working.
+  and host collectives go on working. The same holds after a call that
+  started while another still ran (InvalidArgument): a CUDA graph replayed
+  on another stream than the one it was captured on.
 
 Nothing is ever written past ``out``, ``out_splits_offsets`` or a slot.
 
@@ -43,7 +47,12 @@ CUDA graphs: every sequence number, flag and credit lives in device memory
 and is advanced by the kernels, so a call (or a whole MoE dispatch and
 combine) captured once replays with new routing each time: same buffers,
 new contents of ``send_splits``. Call it once before capturing (the first
-call sets up the workspaces, a collective through the host).
+call sets up the workspaces, a collective through the host), and replay
+on the capture stream (or one ordered after every earlier call's).
+
+Streams: a stream may be destroyed once its calls are enqueued (varcomm
+keeps an event, not the stream); one given to ``synchronize(stream=)`` or
+a ``DeviceArray``'s must still exist when it is used.
 
 Point-to-point with the row count on the device (``setup_p2p`` once, then
 ``send_rows`` / ``recv_rows``) uses the same kernels' protocol per pair and
