@@ -324,8 +324,10 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
 std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint32_t out_dtype, ErrorKind* kind,
                            bool device) {
   // Every receive into an out asks; the words are built only for a refusal.
-  if ((!out_dtype || out_dtype == h.dtype) && h.nbytes <= out_cap && !(h.flags & kDescriptor) &&
-      !(device && (h.flags & kRendezvous)))
+  const bool exact = out_dtype & kOutExact;
+  out_dtype &= ~kOutExact;
+  if ((!out_dtype || out_dtype == h.dtype) && h.nbytes <= out_cap && (!exact || h.nbytes == out_cap) &&
+      !(h.flags & kDescriptor) && !(device && (h.flags & kRendezvous)))
     return "";
   std::string head = "recv from " + peer_str(peer) + " tag " + std::to_string(h.tag) + ": ";
   const char* kept = "; the message was kept for the next recv";
@@ -341,6 +343,11 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
                                                : "";
     return head + "message of " + std::to_string(h.nbytes) + " bytes" + what + " does not fit out (" +
            std::to_string(out_cap) + " bytes)" + kept;
+  }
+  if (exact && h.nbytes < out_cap && !(h.flags & kDescriptor)) {
+    *kind = ErrorKind::Mismatch;
+    return head + "message of " + std::to_string(h.nbytes) + " bytes does not fill out (" + std::to_string(out_cap) +
+           " bytes) exactly, as this receive asks (pass an out of the message's size, or receive without out)" + kept;
   }
   // A rendezvous message reaches GPU memory through its head's host slot
   // (copied there once, then by the device transport): within the bound, and

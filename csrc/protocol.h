@@ -89,6 +89,10 @@ inline uint64_t rv_word(uint64_t seq, RvState s) { return seq * 4 + s; }
 // kind (array="auto"). The core carries it and never acts on it.
 constexpr int kArrayShift = 8;
 constexpr uint64_t kArrayMask = 0xFFull << kArrayShift;
+// A receive's out dtype word (DLPack, 24 bits) with this bit: the message
+// must fill out exactly (torch.distributed.recv's contract), else it is
+// refused and kept like one that does not fit (Engine::misfit).
+constexpr uint32_t kOutExact = 1u << 31;
 // Payload bytes a message occupies in its slot.
 inline uint64_t payload_bytes(const MsgHeader& h) { return (h.flags & (kDescriptor | kRendezvous)) ? 0 : h.nbytes; }
 static_assert(sizeof(MsgHeader) <= kHeaderBytes, "header must fit its slot area");

@@ -114,6 +114,52 @@ def test_timeouts_nan_is_refused_inf_and_huge_mean_none(transport):
         varcomm.init(transport=transport, timeout=math.nan)
 
 
+BAD_TIMEOUTS = ["3", [1], True, -1, -0.5, -math.inf]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_timeouts_that_are_not_seconds_are_refused_before_anything_is_posted(transport):
+    """A str, a list, a bool or a negative number as a call's timeout is
+    InvalidArgument naming it, raised before the receive is posted (one posted
+    and orphaned by the refusal would take the next message and drop it) and
+    before anything is sent."""
+    with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=30) as comm:
+        if comm.rank == 0:
+            for bad in BAD_TIMEOUTS:
+                for x in (torch.tensor([0]), np.array([0])):
+                    with pytest.raises(varcomm.InvalidArgument, match="timeout"):
+                        comm.send(x, 1, timeout=bad)
+                with pytest.raises(varcomm.InvalidArgument, match="timeout"):
+                    comm.barrier(timeout=bad)
+            comm.barrier()
+            for v in (42, 43):
+                comm.send(torch.tensor([v]), 1)
+            comm.send(torch.tensor([44]), 1, timeout=np.float64(5))  # a numpy number is seconds too
+        else:
+            comm.barrier()
+            time.sleep(0.2)  # 42 and 43 have arrived
+            for bad in BAD_TIMEOUTS:
+                for how in ({}, {"out": torch.zeros(4, dtype=torch.int64)}, {"out": np.zeros(4, dtype=np.int64)}):
+                    with pytest.raises(varcomm.InvalidArgument, match="timeout"):
+                        comm.recv(0, timeout=bad, **how)
+            assert [comm.recv(0).item() for _ in range(3)] == [42, 43, 44], "a refused recv took a message"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90, expect_exit={1: None})
+def test_a_barrier_fails_when_a_peer_died(transport):
+    """The barrier is counted in the store, which never hears from a dead
+    rank: it checks its peers and fails with PeerFailure naming the dead one
+    (it used to wait out its timeout, then raise TimeoutError)."""
+    with varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30) as comm:
+        comm.barrier()
+        if comm.rank == 1:
+            os._exit(0)
+        with pytest.raises(varcomm.PeerFailure, match="rank 1"):
+            comm.barrier()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=90)
 def test_views_and_byte_orders_are_sent_as_their_values(transport):

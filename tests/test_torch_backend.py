@@ -67,9 +67,14 @@ def test_send_recv_exact_sizes_and_refusals():
             y = torch.zeros(5)
             dist.recv(y, src=0)  # the refused message was kept
             assert y.tolist() == [1.0] * 5
-            with pytest.raises(RuntimeError, match=r"16 bytes.*shape \(3,\), 12 bytes"):
-                dist.recv(torch.zeros(4), src=0)
-            with pytest.raises(RuntimeError, match="another dtype.*int32 does not match.*float32"):
+            four = torch.full((4,), -1.0)
+            with pytest.raises(RuntimeError, match=r"16 bytes.*12 bytes does not fill out \(16 bytes\) exactly.*kept"):
+                dist.recv(four, src=0)
+            assert four.tolist() == [-1.0] * 4  # refused before anything was written
+            three = torch.zeros(3)
+            dist.recv(three, src=0)  # the refused message was kept
+            assert three.tolist() == [1.0] * 3
+            with pytest.raises(RuntimeError, match="does not match it.*int32 does not match.*float32"):
                 dist.recv(torch.zeros(4), src=0)
             assert dist.recv(torch.zeros(4, dtype=torch.int32), src=0) == 0  # the kept int32 message
             with pytest.raises(RuntimeError, match=r"larger.*800000 bytes does not fit out \(80 bytes\).*kept"):
@@ -113,8 +118,8 @@ def test_large_receives_waited_out_of_order_get_their_own_messages():
 
 @world(2, timeout=90)
 def test_large_refusal_timeout_and_bounds_leave_the_channel_right():
-    """Messages over the bound: one smaller than the tensor is received and
-    refused (as below the bound); a wait that times out before its message came
+    """Messages over the bound: one smaller than the tensor is refused and
+    kept (as below the bound); a wait that times out before its message came
     gives up that receive and the next one gets the message; a later receive's
     wait finishes an earlier one's; a receiver with a larger bound than the
     sender's gets the right bytes."""
@@ -136,8 +141,13 @@ def test_large_refusal_timeout_and_bounds_leave_the_channel_right():
             dist.recv(torch.empty(0), src=1, tag=5)
         else:
             assert pg.comm.peer_bound(0) == 64 * 1024
-            with pytest.raises(RuntimeError, match=r"the message has shape \(49152,\), 196608 bytes"):
-                dist.recv(torch.empty(70_000), src=0)  # smaller than the tensor: received, then refused
+            big = torch.full((70_000,), -1.0)
+            with pytest.raises(RuntimeError, match=r"196608 bytes does not fill out \(280000 bytes\) exactly.*kept"):
+                dist.recv(big, src=0)  # smaller than the tensor: refused before anything is written, and kept
+            assert bool((big == -1.0).all())
+            kept = torch.empty_like(a)
+            dist.recv(kept, src=0)
+            assert torch.equal(kept, a)
             got = torch.empty(70_000)
             dist.recv(got, src=0)
             assert torch.equal(got, b)

@@ -57,6 +57,28 @@ std::optional<double> timeout_of(std::optional<double> t) {
   return t;
 }
 
+// The same rule for whatever a caller passed as a timeout (a str, a list, a
+// bool, a negative number are refused, naming it), checked before a blocking
+// call posts anything: an unusable timeout found only at the wait would leave
+// a receive posted that takes (and drops) the next message.
+std::optional<double> seconds_of(py::handle o) {
+  PyObject* p = o.ptr();
+  if (p == Py_None) return std::nullopt;
+  if (!PyBool_Check(p) && (PyFloat_Check(p) || PyLong_Check(p) || (PyNumber_Check(p) && !PyUnicode_Check(p)))) {
+    double d = PyFloat_AsDouble(p);
+    if (!(d == -1.0 && PyErr_Occurred())) {
+      if (d < 0)
+        throw Error(ErrorKind::Invalid, "timeout " + std::string(py::repr(o)) +
+                                            ": pass seconds (>= 0), or None (or inf) for no limit");
+      return timeout_of(d);
+    }
+    PyErr_Clear();
+  }
+  throw Error(ErrorKind::Invalid, "timeout " + std::string(py::repr(o)) + " (" +
+                                      std::string(py::str(py::type::of(o).attr("__name__"))) +
+                                      "): pass seconds as a number (>= 0), or None (or inf) for no limit");
+}
+
 // Buffer-protocol format -> DLPack dtype word.
 uint32_t dtype_of_format(const std::string& f, ssize_t itemsize) {
   auto w = [](uint32_t code, uint32_t bits) { return (code << 16) | (bits << 8) | 1u; };
@@ -544,7 +566,7 @@ bool timeout_arg(PyObject* o, std::optional<double>* t) {
   }
   if (PyFloat_CheckExact(o)) {
     *t = PyFloat_AS_DOUBLE(o);
-    return true;
+    return *t >= 0;  // a negative one: the general path refuses it (seconds_of)
   }
   if (PyLong_CheckExact(o)) {
     double d = PyLong_AsDouble(o);
@@ -553,7 +575,7 @@ bool timeout_arg(PyObject* o, std::optional<double>* t) {
       return false;
     }
     *t = d;
-    return true;
+    return d >= 0;
   }
   return false;
 }
@@ -1226,9 +1248,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("build_info") = build;
   m.def("dtype_name", &dtype_name, py::arg("word"));
   // A point-to-point tag as every send and receive checks it (batch_isend_irecv validates first).
+  m.attr("OUT_EXACT") = kOutExact;
   m.def("check_tag", &tag_of, py::arg("tag"));
+  m.def("check_timeout", &seconds_of, py::arg("timeout"),
+        "seconds, or None for no limit; InvalidArgument for anything else (one rule for every call)");
   // A timeout as every wait checks it: None for none (inf, huge), NaN refused.
-  m.def("check_timeout", &timeout_of, py::arg("timeout"));
   bind_collectives(m);
   bind_fallback_mover(m);
   bind_device_a2a(m);

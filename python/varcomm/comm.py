@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
 _Status: Any = None  # varcomm._C.Status, set at the first init (importing _C here would load the core on import)
+_check_timeout: Any = None  # varcomm._C.check_timeout, set with _Status
+_OUT_EXACT = 0  # varcomm._C.OUT_EXACT, set with _Status
 _TORCH_WORDS: dict[torch.dtype, int] = {}  # filled at init: torch dtype -> dtype word, for the hot path
 _CLOSE_FLUSH_S = 10.0  # close() writes queued sends for at most this long
 
@@ -132,10 +134,12 @@ class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
     def __init__(self, placement: bootstrap.Placement, store: Store, owner: Store | None, options: Options):
-        global _Status
+        global _Status, _check_timeout, _OUT_EXACT
         from . import _C
 
         _Status = _C.Status
+        _check_timeout = _C.check_timeout
+        _OUT_EXACT = _C.OUT_EXACT
         self.options = options  # resolved: every field set (see varcomm.options)
         self.rank = placement.rank
         self.world_size = placement.world_size
@@ -186,15 +190,26 @@ class Communicator:
             out = self._c.setup_step(blobs)
             rnd += 1
 
-    def _wait_count(self, key: str, n: int) -> None:
-        limit = self._timeout or 300
-        deadline = time.monotonic() + limit
+    def _wait_count(self, key: str, n: int, timeout: float | None = None) -> None:
+        limit = timeout if timeout is not None else self._timeout or 300
+        now = time.monotonic()
+        deadline, check = now + limit, now + 0.2
         while (got := int(self._store.add(key, 0))) < n:
             if self._routes_ready:
                 self._c.progress()  # a rank in a barrier still serves incoming rdma writes
+                if time.monotonic() > check:  # a rank that died never arrives: say so within seconds
+                    check = time.monotonic() + 0.2
+                    for r in range(self.world_size):
+                        if r != self.rank and (why := self._c.peer_error(r)):
+                            if int(self._store.add(key, 0)) >= n:
+                                return  # it arrived before it died: the barrier is complete
+                            from .errors import PeerFailure
+
+                            raise PeerFailure(f"{key.split('/')[0]}: {got} of {n} ranks arrived, and rank {r} "
+                                              f"failed: {why}")
             if time.monotonic() > deadline:
                 raise _Timeout(f"{key.split('/')[0]}: {got} of {n} ranks arrived within {limit:.3g} s "
-                               "(does every rank call it? a rank that died is reported by its peers' operations)")
+                               "(does every rank call it?)")
             time.sleep(0.002)
 
     # ---- introspection --------------------------------------------------------
@@ -236,7 +251,10 @@ class Communicator:
     def _check_peer(self, peer: int, what: str) -> None:
         if isinstance(peer, bool):  # an int to Python, but never meant as a rank
             raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not a bool ({peer!r})")
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size:
+        if not isinstance(peer, (int, np.integer)):
+            raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not {type(peer).__name__} "
+                                  f"({peer!r})")
+        if not 0 <= peer < self.world_size:
             raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.world_size})")
         if self._closed:
             from .errors import ClosedError
@@ -263,6 +281,7 @@ class Communicator:
             word = _TORCH_WORDS.get(tensor.dtype)
             if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, tensor.shape, t, 2):  # type: ignore[union-attr]
                 return
+        t = _check_timeout(t)
         if not (type(dst) is int and 0 <= dst < self.world_size):
             self._check_peer(dst, "dst")
             dst = int(dst)
@@ -340,6 +359,7 @@ class Communicator:
             if r is not None:
                 # out, a view of its front, or the message's Status (then the view is made here)
                 return arrays.prefix_view(out, r.nbytes, r.shape) if type(r) is _Status else r
+        t = _check_timeout(t)  # before anything is posted
         if not (type(src) is int and 0 <= src < self.world_size):
             self._check_peer(src, "src")
             src = int(src)
@@ -367,30 +387,35 @@ class Communicator:
         self._check_peer(dst, "dst")
         return P2PWork(self, self._c.isend_descriptor(dst, tag, nbytes, dtype, tuple(shape)), None, dst, "send")
 
-    def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True, array: str | None = None) -> Work:
+    def irecv(self, src: int, tag: int = 0, out: Any = None, copy: bool = True, array: str | None = None, *,
+              exact: bool = False) -> Work:
         """Post a receive; wait() returns what recv() would. Receives from one
         source match its messages in posting order. A Work dropped without
         wait() still takes its message (and drops it, so later messages stay
-        in order); with out=, the message still lands in out."""
+        in order); with out=, the message still lands in out. exact=True: the
+        message must fill out exactly (torch.distributed.recv's contract), else
+        MessageMismatch (or MessageTooLarge) and the message is kept."""
         self._check_peer(src, "src")
         src = int(src)
         c = self._c
         if out is not None and not arrays.is_native(out):  # a DLPack array: received into a torch or numpy view
             nout = arrays.native(out, "out")
-            w = cast(P2PWork, self.irecv(src, tag, nout, copy))
+            w = cast(P2PWork, self.irecv(src, tag, nout, copy, exact=exact))
             inner = w._finish
             if inner is not None:
                 w._finish = lambda: arrays.like(out, nout, inner())
             return w
         if out is not None:
             ptr, cap, word, stream = arrays.describe_recv(out)
+            if exact:
+                word |= _OUT_EXACT
             if stream >= 0 and self._device_routes[src] is None:
                 # No GPU path to src (no nvlink or rdma-gpu for the pair): land in host
                 # memory, then copy into out on the current stream.
                 dout = cast("torch.Tensor", out)  # a CUDA tensor (stream >= 0)
                 bounce = arrays.torch.empty(dout.shape, dtype=dout.dtype)
                 bptr, bcap, bword = arrays.describe_out(bounce)
-                rid = c.irecv(src, tag, bptr, bcap, bword)
+                rid = c.irecv(src, tag, bptr, bcap, bword | (word & _OUT_EXACT))
 
                 def staged() -> Any:
                     st = c.info(rid)
@@ -555,16 +580,21 @@ class Communicator:
 
         return alltoall.all_to_all(self, output_tensor_list, input_tensor_list, async_op=async_op, timeout=timeout)
 
-    def barrier(self) -> None:
-        """Every rank reaches this point (through the store; not on the data path)."""
+    def barrier(self, timeout: float | None = None) -> None:
+        """Every rank reaches this point (through the store; not on the data path).
+        A rank that died makes it fail (PeerFailure) within a second or so;
+        `timeout` (seconds; default: the communicator's) bounds the wait."""
         if self._closed:
             from .errors import ClosedError
 
             raise ClosedError("communicator is closed")
+        limit = _check_timeout(timeout)
+        if timeout is not None and limit is None:
+            limit = 1e9  # inf: no limit
         n = getattr(self, "_barriers", 0) + 1
         self._barriers = n
         self._store.add(f"barrier/{n}", 1)
-        self._wait_count(f"barrier/{n}", self.world_size)
+        self._wait_count(f"barrier/{n}", self.world_size, limit)
 
     # ---- lifetime -------------------------------------------------------------
 

@@ -128,7 +128,7 @@ def _splits(splits: Any, n: int, total: int | None, what: str) -> list[int]:
 
 
 def _check_timeout(timeout: float | None) -> None:
-    """NaN is refused before the collective starts (the core's rule)."""
+    """NaN, a negative number or a non-number is refused before the collective starts (the core's rule)."""
     if timeout is not None:
         _C.check_timeout(timeout)
 

@@ -263,7 +263,8 @@ class VarcommProcessGroup(dist.ProcessGroup):
                 "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
                 "which returns it")
 
-        works = [comm.irecv(src, tag, out=dst)]
+        # exact: a message of another size is refused before anything is written, and kept.
+        works = [comm.irecv(src, tag, out=dst, exact=True)]
 
         def finish(timeout: float | None) -> None:
             try:
@@ -271,11 +272,9 @@ class VarcommProcessGroup(dist.ProcessGroup):
             except MessageTooLarge as e:
                 raise refuse(f"the message is larger ({e})") from e
             except MessageMismatch as e:
-                raise refuse(f"the message has another dtype ({e})") from e
+                raise refuse(f"the message does not match it ({e})") from e
             if not isinstance(got, torch.Tensor):  # a descriptor's Status: it carries no data
                 raise refuse(f"the message is a descriptor of {got.nbytes} bytes")
-            if got.numel() != t.numel():
-                raise refuse(f"the message has shape {tuple(got.shape)}, {got.nbytes} bytes")
             if dst is not t:
                 with torch.no_grad():
                     t.copy_(dst)
