@@ -287,3 +287,21 @@ def test_distributed_over_a_running_torch_group_and_standalone():
     finally:
         vdist.destroy_process_group()
         dist.destroy_process_group()
+
+
+def test_a_misspelled_variable_is_named_once_with_the_nearest_option(monkeypatch):
+    """VARCOMM_BOUNDS=1K used to be ignored silently: now a warning names it
+    and the option meant, once per process; real options, tool, build and
+    varcomm-bench variables stay quiet."""
+    monkeypatch.setattr(options, "_warned", set())
+    monkeypatch.setenv("VARCOMM_BOUNDS", "1K")
+    for quiet in ("VARCOMM_BOUND", "VARCOMM_TEST_SEED", "VARCOMM_NO_CUDA", "VARCOMM_BENCH_CMD"):
+        monkeypatch.setenv(quiet, os.environ.get(quiet, "1") if quiet != "VARCOMM_BOUND" else "4096")
+    with pytest.warns(UserWarning, match=r"VARCOMM_BOUNDS is not a varcomm variable \(did you mean VARCOMM_BOUND\?\)") as got:
+        assert Options.resolve().bound == 4096
+    assert len(got) == 1, [str(w.message) for w in got]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Options.resolve()  # said once
+        Options.resolve({"VARCOMM_NOPE": "1"})  # an explicit mapping is the caller's business

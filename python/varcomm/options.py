@@ -17,10 +17,12 @@ it without torch).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypedDict, TypeVar
 
@@ -268,6 +270,8 @@ class _Declared:
         """The options from `environ` (default: os.environ), with `overrides`
         (keyword values) winning; see `override`."""
         env = os.environ if environ is None else environ
+        if environ is None:
+            _warn_unknown(env)
         values = {name: _convert(spec, env[spec.env], spec.env)
                   for name, spec in cls.specs().items() if env.get(spec.env, "").strip()}
         return cls(**values).override(keyword_origin=keyword_origin, **overrides)
@@ -423,6 +427,28 @@ class ToolOptions(_Declared):
 
 #: Read by setup.py at build time, not here.
 BUILD_VARIABLES = ("VARCOMM_NO_CUDA", "VARCOMM_NVCC", "VARCOMM_OPT", "VARCOMM_CUDA_ARCHS", "VARCOMM_NO_RDMA")
+
+
+_warned: set[str] = set()
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    """A VARCOMM_ variable that no option, tool or build step reads is most
+    likely a misspelled one (VARCOMM_BOUNDS=1K): say so once per process,
+    with the nearest name, instead of ignoring it silently as before. (A
+    keyword of init() that does not exist is a TypeError already.)
+    VARCOMM_BENCH_* belong to varcomm-bench."""
+    names = [n for n in env if n.startswith("VARCOMM_") and not n.startswith("VARCOMM_BENCH_") and n not in _warned]
+    if not names:
+        return
+    known = ({s.env for s in Options.specs().values()} | {s.env for s in ToolOptions.specs().values()}
+             | set(BUILD_VARIABLES))
+    for name in sorted(set(names) - known):
+        _warned.add(name)
+        near = difflib.get_close_matches(name, sorted(known), 1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        warnings.warn(f"{name} is not a varcomm variable{hint}: it is ignored (`varcomm-doctor` lists the options)",
+                      stacklevel=3)
 
 
 def env_name(cls: type[_Declared], field: str) -> str:
