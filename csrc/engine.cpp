@@ -400,7 +400,8 @@ uint64_t Engine::send_limit(int peer, bool device) const {
 bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {
   if (mem.device) return false;
   const Peer& p = peers_[peer];
-  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && p.pulls);
+  uint64_t sc = p.t ? p.t->stream_chunk() : 0;
+  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && p.pulls) || (sc && nbytes > 2 * sc);
 }
 
 bool Engine::streams_in(int peer, const MsgHeader& h) const {
@@ -542,7 +543,8 @@ bool Engine::try_write(int peer, Request& r) {
     if (r.streaming) {
       h.flags = kChunk;
       h.tag = int64_t(r.head_seq);
-      h.nbytes = std::min<uint64_t>(L.bound, r.nbytes - r.sent);
+      uint64_t piece = p.t->stream_chunk() ? std::min<uint64_t>(L.bound, p.t->stream_chunk()) : L.bound;
+      h.nbytes = std::min<uint64_t>(piece, r.nbytes - r.sent);
       ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h),
                                   static_cast<const char*>(r.data) + r.sent, h.nbytes, h.seq);
       if (!ticket) return false;

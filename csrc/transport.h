@@ -49,6 +49,10 @@ class Transport {
   virtual bool flushed(int /*peer*/) { return true; }
   // One-sided store of an 8-byte value into the peer's region (credits).
   virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
+  // Where the wire is slower than a memcpy, a large message moves best as a
+  // pipeline of chunks of this many bytes (the receiver copies one out of its
+  // slot while the next is on the wire); 0: in one piece where it fits.
+  virtual uint64_t stream_chunk() const { return 0; }
   // Single-copy reads of a peer's memory (rendezvous, protocol.h kRendezvous):
   // empty when this rank can copy straight out of `peer`'s address space, else
   // why not (then rendezvous data streams through the slots).

@@ -399,3 +399,25 @@ def test_failing_the_pair_withdraws_a_moved_send():
             os.unlink(failed)
             with pytest.raises(varcomm.PeerFailure, match="withdrew"):
                 comm.recv(0, tag=1)
+
+
+@world(2, timeout=60)
+def test_rdma_streams_a_message_over_twice_its_chunk_even_under_the_bound():
+    """On rdma a host message over twice rdma_chunk goes by rendezvous in
+    rdma_chunk pieces, although it fits the slot: the send completes only once
+    the receiver has it (an eager send completes when written), and it
+    arrives whole, interleaved with small ones."""
+    chunk, n = 4096, 40 * 4096 + 3
+    with varcomm.init(transport="rdma", bound=1 << 20, slots=4, rdma_chunk=chunk, timeout=30) as comm:
+        if comm.rank == 0:
+            eager = comm.isend(_data(2 * chunk, 1), 1, tag=1)  # not over twice the chunk: eager
+            w = comm.isend(_data(n, 2), 1, tag=2)
+            time.sleep(0.3)
+            assert not w.is_completed(), "a message over twice rdma_chunk completed before it was received"
+            eager.wait()
+            comm.send(torch.tensor([5]), 1, tag=3)
+            w.wait()
+        else:
+            assert comm.recv(0, tag=3).item() == 5
+            assert torch.equal(comm.recv(0, tag=2), _data(n, 2))
+            assert torch.equal(comm.recv(0, tag=1), _data(2 * chunk, 1))

@@ -147,6 +147,44 @@ def test_timeouts_that_are_not_seconds_are_refused_before_anything_is_posted(tra
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_checked_timeout_keeps_its_meaning_and_a_refused_wait_keeps_the_work(transport):
+    """inf on the general path (a numpy rank) is no limit, not the
+    communicator's 1 s; a Work waited with a str timeout is refused and stays
+    pending, then gets its own message (it used to be marked done with its
+    receive still posted, which took the next message)."""
+    with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=1) as comm:
+        if comm.rank == 0:
+            comm.barrier()
+            time.sleep(2)
+            comm.send(torch.tensor([1]), 1)
+            comm.send(torch.tensor([2]), 1)
+            comm.send(torch.tensor([3]), 1)
+        else:
+            comm.barrier()
+            assert comm.recv(np.int64(0), timeout=math.inf).item() == 1
+            w = comm.irecv(0)
+            with pytest.raises(varcomm.InvalidArgument, match="timeout"):
+                w.wait("5")
+            assert w.wait(10).item() == 2
+            assert comm.recv(0, timeout=10).item() == 3
+
+
+@world(3, timeout=90, expect_exit={2: None})
+def test_a_barrier_does_not_blame_a_rank_that_arrived_then_died():
+    """Rank 2 reaches the barrier and exits; rank 1 comes late: the barrier
+    completes on ranks 0 and 1 (rank 2 is not the one missing)."""
+    with varcomm.init(transport="shm", bound=BOUND, slots=2, timeout=30) as comm:
+        comm.barrier()
+        if comm.rank == 2:
+            comm.barrier()
+            os._exit(0)
+        if comm.rank == 1:
+            time.sleep(1.5)
+        comm.barrier()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=90, expect_exit={1: None})
 def test_a_barrier_fails_when_a_peer_died(transport):
     """The barrier is counted in the store, which never hears from a dead

@@ -57,10 +57,12 @@ class P2PWork:
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done:
+            t = self._comm._timeout if timeout is None else timeout
+            _check_timeout(t)  # a bad one is refused here, the Work still pending
             try:
-                self._comm._c.wait(self._id, self._comm._timeout if timeout is None else timeout)
+                self._comm._c.wait(self._id, t)
             except InvalidArgument:
-                raise  # a bad timeout (NaN), refused before anything was done: still pending
+                raise  # refused before anything was done: still pending
             except BaseException as e:
                 # The core cancelled or failed the request (and forgot it): this
                 # Work is over, and every later wait says why.
@@ -203,6 +205,8 @@ class Communicator:
                         if r != self.rank and (why := self._c.peer_error(r)):
                             if int(self._store.add(key, 0)) >= n:
                                 return  # it arrived before it died: the barrier is complete
+                            if self._store.check([f"{key}/{r}"]):
+                                continue  # it arrived, then died: the others may still come
                             from .errors import PeerFailure
 
                             raise PeerFailure(f"{key.split('/')[0]}: {got} of {n} ranks arrived, and rank {r} "
@@ -281,7 +285,7 @@ class Communicator:
             word = _TORCH_WORDS.get(tensor.dtype)
             if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, tensor.shape, t, 2):  # type: ignore[union-attr]
                 return
-        t = _check_timeout(t)
+        _check_timeout(t)
         if not (type(dst) is int and 0 <= dst < self.world_size):
             self._check_peer(dst, "dst")
             dst = int(dst)
@@ -359,7 +363,7 @@ class Communicator:
             if r is not None:
                 # out, a view of its front, or the message's Status (then the view is made here)
                 return arrays.prefix_view(out, r.nbytes, r.shape) if type(r) is _Status else r
-        t = _check_timeout(t)  # before anything is posted
+        _check_timeout(t)  # before anything is posted (t stays as given: inf is no limit, None the default)
         if not (type(src) is int and 0 <= src < self.world_size):
             self._check_peer(src, "src")
             src = int(src)
@@ -593,6 +597,7 @@ class Communicator:
             limit = 1e9  # inf: no limit
         n = getattr(self, "_barriers", 0) + 1
         self._barriers = n
+        self._store.set(f"barrier/{n}/{self.rank}", "1")  # who arrived: a rank that died after it is not blamed
         self._store.add(f"barrier/{n}", 1)
         self._wait_count(f"barrier/{n}", self.world_size, limit)
 

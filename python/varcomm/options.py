@@ -344,7 +344,9 @@ class Options(_Declared):
                                     "rdma: post each credit at once instead of with the next write", "`0`")
     rdma_chunk: int = _opt("VARCOMM_RDMA_CHUNK", _bytes(4096), 1 * MiB,
                            "rdma: GPU messages move in chunks of this size, so the device-to-host copy, the wire "
-                           "and the host-to-device copy overlap", "1 MiB")
+                           "and the host-to-device copy overlap; host messages over twice it go by rendezvous in "
+                           "such chunks, so the receiver copies one out of its slot while the next is on the wire",
+                           "1 MiB")
     rdma_hmem: str = _opt("VARCOMM_RDMA_HMEM", _choice("auto", "on", "off", aliases=(
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
         "rdma: GPUDirect RDMA for GPU messages (NIC reads and writes GPU memory); `auto`: when the provider is "
@@ -448,7 +450,7 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
         near = difflib.get_close_matches(name, sorted(known), 1)
         hint = f" (did you mean {near[0]}?)" if near else ""
         warnings.warn(f"{name} is not a varcomm variable{hint}: it is ignored (`varcomm-doctor` lists the options)",
-                      stacklevel=3)
+                      stacklevel=4)  # the caller of init() (warn <- here <- resolve <- init)
 
 
 def env_name(cls: type[_Declared], field: str) -> str:

@@ -215,6 +215,7 @@ class RdmaTransport final : public Transport, public rdma::Port {
   ~RdmaTransport() override;
 
   std::string name() const override { return "rdma"; }
+  uint64_t stream_chunk() const override { return stream_chunk_; }
   std::string describe() const override { return describe_; }
   std::map<std::string, std::string> properties() const override {
     return {{"provider", info_->fabric_attr->prov_name},
@@ -342,6 +343,7 @@ class RdmaTransport final : public Transport, public rdma::Port {
   size_t queued_credits_ = 0;
   bool said_hello_ = false;
   bool eager_credits_ = false;  // option rdma_eager_credits: post each credit at once
+  uint64_t stream_chunk_ = 0;   // option rdma_chunk: host messages over twice this stream in such chunks
   size_t max_ride_ = 0;         // credits per message write: rma_iov_limit - 1, at most kMaxRide
   int listen_fd_ = -1;
   std::string live_ip_;
@@ -388,6 +390,7 @@ void RdmaTransport::init(std::string provider, std::string iface, const Options&
   }
   mr_mode_ = info_->domain_attr->mr_mode;
   eager_credits_ = o.rdma_eager_credits;
+  stream_chunk_ = o.rdma_chunk;
   max_ride_ = info_->tx_attr->rma_iov_limit > 1 ? std::min(kMaxRide, info_->tx_attr->rma_iov_limit - 1) : 0;
   if (o.rdma_strict) {  // tests: take the verbs/efa registration path on tcp too
     mr_mode_ |= FI_MR_LOCAL;

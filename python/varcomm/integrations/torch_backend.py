@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import bootstrap
+from .. import _C, bootstrap
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
@@ -86,9 +86,11 @@ class VarcommWork(dist.Work):
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         if self._finish is not None:
+            secs = _seconds(timeout)
+            _C.check_timeout(secs)  # a bad one is refused with the Work still pending
             f, self._finish = self._finish, None
             try:
-                f(_seconds(timeout))
+                f(secs)
             except BaseException as e:
                 self._error = e
         if self._error is not None:
