@@ -354,9 +354,10 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   // where this rank copies from the sender itself.
   if (device && (h.flags & kRendezvous) && (h.nbytes > layout_.bound || !peers_[peer].pulls)) {
     *kind = ErrorKind::Invalid;
-    return head + "a message of " + std::to_string(h.nbytes) + " bytes from host memory over this rank's bound (" +
-           std::to_string(layout_.bound) + " bytes) cannot land in GPU memory: receive it into host memory, or "
-           "raise the bound" + kept;
+    return head + "a rendezvous message of " + std::to_string(h.nbytes) + " bytes from host memory cannot land in "
+           "GPU memory " + (h.nbytes > layout_.bound ? "over this rank's bound (" + std::to_string(layout_.bound) +
+           " bytes)" : std::string("on a pair that streams it (no single-copy read)")) +
+           ": receive it into host memory, or raise the bound" + kept;
   }
   if (h.flags & kDescriptor) {
     *kind = ErrorKind::Mismatch;
@@ -400,7 +401,9 @@ uint64_t Engine::send_limit(int peer, bool device) const {
 bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {
   if (mem.device) return false;
   const Peer& p = peers_[peer];
-  uint64_t sc = p.t ? p.t->stream_chunk() : 0;
+  // (Not where a device route exists: a host message streamed to a GPU out
+  // cannot land there, see misfit.)
+  uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;
   return nbytes > p.layout.bound || (nbytes > opt_.eager_max && p.pulls) || (sc && nbytes > 2 * sc);
 }
 
@@ -977,6 +980,36 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.state = ReqState::Done;
+    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device) {
+      // A receive without out that matched a rendezvous head takes the data
+      // now, into memory of its own (one copy more, at copy_out): its sender
+      // waits for this answer, and the caller may be waiting on its own
+      // send to that sender before it waits here (torch pipelining's
+      // schedules, Megatron's p2p), which would deadlock until the timeout.
+      std::unique_ptr<char[]> buf(new (std::nothrow) char[r.hdr.nbytes ? r.hdr.nbytes : 1]);
+      if (!buf) {  // no memory now: the old way, answered when it is copied out
+        r.slot = m->slot;
+        m->claimed = true;
+        r.state = ReqState::Matched;
+      } else {
+        int k = m->slot;
+        p.ready.erase(m);
+        std::string why;
+        int got = consume(peer, k, r.hdr, buf.get(), Mem{}, *it, &why);
+        if (got < 0) {
+          fail_peer(peer, why);  // this recv with it: it is still posted
+          return;
+        }
+        r.own = std::move(buf);
+        r.slot = -1;  // no slot: the data is in r.own (copy_out, release_locked)
+        if (got == 0) {
+          r.state = ReqState::Streaming;  // Matched once every chunk is in (route_chunks)
+          it = p.posted.erase(it);
+          if (!route_chunks(peer)) return;
+          continue;
+        }
+        r.state = ReqState::Matched;
+      }
     } else {
       r.slot = m->slot;
       m->claimed = true;
@@ -1024,7 +1057,8 @@ bool Engine::route_chunks(int peer) {
     if (st.got == st.total) {
       if (st.id) {
         Request& r = reqs_[uint32_t(st.id)];
-        r.state = ReqState::Done;
+        // Into memory of its own (a receive without out): ready to copy out.
+        r.state = r.own && r.slot < 0 && r.kind == ReqKind::Recv && !r.copied ? ReqState::Matched : ReqState::Done;
         if (r.detached) recycle(st.id);
       }
       p.streams.erase(s);
@@ -1281,6 +1315,14 @@ bool Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   if (closed_ && (r.hdr.flags & kDevicePayload))
     throw Error(ErrorKind::Closed, "communicator closed before this device message was copied out");
   Peer& p = peers_[r.peer];
+  if (r.own && r.slot < 0) {  // taken early (progress_recvs): the data is ours already
+    if (mem.device)
+      local_device().copy_async(dst, r.own.get(), r.hdr.nbytes, mem.stream, true);
+    else
+      std::memcpy(dst, r.own.get(), r.hdr.nbytes);
+    recycle(id);
+    return true;
+  }
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
     if (a->seq == r.hdr.seq) {
       p.ready.erase(a);
@@ -1313,6 +1355,10 @@ void Engine::release(uint64_t id) {
 
 void Engine::release_locked(uint64_t id) {
   Request& r = reqs_[uint32_t(id)];
+  if (r.own && r.slot < 0) {  // taken early: no slot to give back
+    recycle(id);
+    return;
+  }
   Peer& p = peers_[r.peer];
   uint64_t seq = r.hdr.seq;
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
@@ -1342,7 +1388,8 @@ Engine::Cancelled Engine::cancel(uint64_t id, bool report) {
   } else if (r.state == ReqState::Posted) {
     p.posted.erase(std::find(p.posted.begin(), p.posted.end(), id));
   } else if (r.state == ReqState::Matched) {
-    // Matched but unread: put the message back for the next receive.
+    // Matched but unread: put the message back for the next receive (one
+    // taken early into memory of its own cannot go back, and is dropped).
     for (auto& a : p.ready)
       if (a.seq == r.hdr.seq) a.claimed = false;
   } else if (r.state == ReqState::Streaming) {

@@ -192,15 +192,21 @@ class VarcommChannel:
 
     def __init__(self, comm: varcomm.Communicator):
         self.comm = comm
+        self.pending: list[Any] = []
 
     def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        self.comm.send(t, dst, tag)
+        # Posted, completed at flush: a large activation goes by rendezvous
+        # (done only once received), and in 1F1B both neighbours send before
+        # they receive.
+        self.pending.append(self.comm.isend(t, dst, tag))
 
     def recv(self, src: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
         return self.comm.recv(src, tag)
 
     def flush(self) -> None:
-        pass  # send() returned when the data was in the receiver's slot
+        for w in self.pending:
+            w.wait()
+        self.pending.clear()
 
 
 class MegatronChannel:

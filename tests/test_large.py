@@ -421,3 +421,24 @@ def test_rdma_streams_a_message_over_twice_its_chunk_even_under_the_bound():
             assert comm.recv(0, tag=3).item() == 5
             assert torch.equal(comm.recv(0, tag=2), _data(n, 2))
             assert torch.equal(comm.recv(0, tag=1), _data(2 * chunk, 1))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_receives_without_out_answer_rendezvous_before_they_are_waited(transport):
+    """Two stages post receives without out (torch pipelining's placeholders),
+    send each other a large message, and wait for their sends first (as its
+    1F1B schedule does): each posted receive takes its message as it comes, so
+    both sends complete; a receive waited only later used to leave its sender
+    waiting for an answer, and both waited until their timeout."""
+    n = 64 * BOUND + 5
+    with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=20) as comm:
+        peer = 1 - comm.rank
+        for i in range(3):
+            rw = comm.irecv(peer, tag=i)
+            sw = comm.isend(_data(n, 10 * i + comm.rank), peer, tag=i)
+            sw.wait()
+            assert torch.equal(rw.wait(), _data(n, 10 * i + peer))
+        rw = comm.irecv(peer, tag=9)
+        comm.send(torch.tensor([comm.rank]), peer, tag=9)
+        assert rw.wait().item() == peer

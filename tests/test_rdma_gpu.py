@@ -89,8 +89,9 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
             p = gpu.alloc(5000)
             gpu.put(p, _payload(1000, 5000))
             c.send(1, 1, p, 5000, U8, (5000,), 30.0, s)  # dropped unread
-            host = np.frombuffer(_payload(1001, 3000), dtype=np.uint8).copy()
-            # a host message into device memory
+            # a host message into device memory (over twice rdma_chunk: on a pair with a device route it
+            # stays eager, since a streamed one could not land in GPU memory)
+            host = np.frombuffer(_payload(1001, 3 * CHUNK + 7), dtype=np.uint8).copy()
             c.send(1, 2, host.ctypes.data, host.nbytes, U8, (host.size,), 30.0, -1, host)
             for i in range(4):  # after the dropped one: its slot must come back
                 p = gpu.alloc(2 * CHUNK)
@@ -125,7 +126,7 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
             c.release(rid)
             h = c.recv_into(0, 2, out, BOUND, U8, 30.0, s)
             gpu.sync(s)
-            assert h.nbytes == 3000 and gpu.get(out, 3000) == _payload(1001, 3000)
+            assert h.nbytes == 3 * CHUNK + 7 and gpu.get(out, 3 * CHUNK + 7) == _payload(1001, 3 * CHUNK + 7)
             for i in range(4):
                 c.recv_into(0, 3, out, BOUND, U8, 30.0, s)
                 gpu.sync(s)

@@ -750,6 +750,25 @@ PyObject* fast_send_ptr(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
   });
 }
 
+// isend(obj, dst, tag, array) -> request id: a buffer-protocol (numpy)
+// array, posted in one call; 0, nothing posted, when not taken here (the
+// caller keeps obj alive until the Work is done, as for any isend).
+PyObject* fast_isend(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
+  VARCOMM_NARGS(4)
+  return guarded([&]() -> PyObject* {
+    auto* f = reinterpret_cast<FastObj*>(self);
+    int dst;
+    if (!rank_arg(a[1], f->world, &dst)) return PyLong_FromLong(0);
+    int64_t tag = tag_of(a[2]);
+    Buf b;
+    if (!b.get(a[0], false)) return PyLong_FromLong(0);
+    uint32_t array = uint32_t(PyLong_AsUnsignedLong(a[3]));
+    if (PyErr_Occurred()) return nullptr;
+    return PyLong_FromUnsignedLongLong(
+        f->c->engine->isend(dst, tag, b.v.buf, b.nbytes, b.dtype, b.shape, b.ndim, Mem{}, array));
+  });
+}
+
 // recv(src, tag, out, timeout): into a buffer-protocol (numpy) out; out, a
 // view of its front (1-d), the message's Status, or None: not taken here.
 PyObject* fast_recv(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
@@ -829,6 +848,7 @@ PyObject* fast_recv_loan(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
 PyMethodDef fast_methods[] = {
     {"send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_send)), METH_FASTCALL, nullptr},
     {"send_ptr", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_send_ptr)), METH_FASTCALL, nullptr},
+    {"isend", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_isend)), METH_FASTCALL, nullptr},
     {"recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv)), METH_FASTCALL, nullptr},
     {"recv_ptr", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv_ptr)), METH_FASTCALL, nullptr},
     {"recv_new", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_recv_new)), METH_FASTCALL, nullptr},

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .arrays import Array, Splits
 
 _Tensor: Any = arrays.torch.Tensor if arrays.torch is not None else None
+_STRIDED: Any = arrays.torch.strided if arrays.torch is not None else None  # sparse tensors take the general path
 _Status: Any = None  # varcomm._C.Status, set at the first init (importing _C here would load the core on import)
 _check_timeout: Any = None  # varcomm._C.check_timeout, set with _Status
 _OUT_EXACT = 0  # varcomm._C.OUT_EXACT, set with _Status
@@ -281,7 +282,8 @@ class Communicator:
         # call, hence the ignores. Complex dtypes are not in _TORCH_WORDS (a
         # conjugate view's bits are not its values): they, and negative views,
         # take describe_send.
-        elif kind is _Tensor and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg():  # type: ignore[union-attr]
+        elif (kind is _Tensor and tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
+              and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
             if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, tensor.shape, t, 2):  # type: ignore[union-attr]
                 return
@@ -301,8 +303,18 @@ class Communicator:
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
+        kind = type(tensor)
+        if kind is np.ndarray:  # one core call (0: not taken there, e.g. strided: the general path)
+            rid = self._f.isend(tensor, dst, tag, 1)
+            if rid:
+                return P2PWork(self, rid, None, dst, "send", tensor)
+        elif (kind is _Tensor and tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
+              and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
+            word = _TORCH_WORDS.get(tensor.dtype)
+            if word is not None and type(dst) is int and 0 <= dst < self.world_size:
+                return P2PWork(self, self._c.isend(dst, tag, tensor.data_ptr(), tensor.nbytes, word,  # type: ignore[union-attr]
+                                                   tensor.shape, -1, 2), None, dst, "send", tensor)
         self._check_peer(dst, "dst")
-        kind = type(tensor)  # exact types first: the common cases without two isinstance walks
         if kind is _Tensor:
             array = arrays.TORCH
         elif kind is np.ndarray:
@@ -356,7 +368,7 @@ class Communicator:
             if kind is np.ndarray:
                 r = f.recv(src, tag, out, t)
             # Inlined, as in send.
-            elif kind is _Tensor and out.is_cpu and out.is_contiguous() and not out.is_neg():
+            elif kind is _Tensor and out.layout is _STRIDED and out.is_cpu and out.is_contiguous() and not out.is_neg():
                 word = _TORCH_WORDS.get(out.dtype)
                 if word is not None:
                     r = f.recv_ptr(src, tag, out, out.data_ptr(), out.nbytes, word, out.shape, t)
