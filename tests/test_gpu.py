@@ -531,7 +531,7 @@ def test_fake_host_rendezvous_into_device_memory(fake_cuda):
     """A host message sent by rendezvous (shm with CMA, over eager_max) lands in
     device memory through its head's host slot; one over the bound is refused
     for a device out (InvalidArgument, message kept) and taken into host memory."""
-    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2, eager_max=1024)
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2, eager_max=1024, cma="on")
     c, r = comm._c, comm.rank
     s = gpu.stream()
     with comm:

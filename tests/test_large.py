@@ -179,7 +179,7 @@ def test_cancelled_stream_drops_the_rest_and_the_pair_goes_on(transport):
             except varcomm.TimeoutError as e:
                 timed_out = True
                 msg = str(e)
-            if timed_out and comm.describe_transport(0).find("CMA)") < 0:
+            if timed_out and comm.route_info(0).get("cma") != "on":
                 assert "mid-message" in msg or "nothing arrived" in msg, msg
             snap = out.clone()
             got = comm.recv(0)
@@ -237,7 +237,7 @@ def test_shm_copies_once_over_eager_max_and_says_so():
     """Under the bound but over eager_max, a shm pair with CMA sends by
     rendezvous: the send completes only once the receiver has copied the data
     out of the sender's memory (an eager send completes when written)."""
-    with varcomm.init(transport="shm", bound=1 << 20, eager_max=64 << 10, timeout=30) as comm:
+    with varcomm.init(transport="shm", bound=1 << 20, eager_max=64 << 10, timeout=30, cma="on") as comm:
         peer = 1 - comm.rank
         d = comm.describe_transport(peer)
         assert "CMA" in d, d
@@ -311,7 +311,7 @@ def test_close_withdraws_a_rendezvous_send_nobody_received():
     alive meanwhile, so such a copy would succeed. (Rank 1 sends: rank 0 hosts
     the store and would wait out its peers' close too.)"""
     n = 64 * BOUND
-    with _init("shm", bound=BOUND, slots=4) as comm:
+    with _init("shm", bound=BOUND, slots=4, cma="on") as comm:
         closed, checked = _flag("closed"), _flag("checked")
         pulls = comm.route_info(1 - comm.rank).get("cma") == "on"
         if comm.rank == 1:
@@ -354,7 +354,7 @@ def test_a_receiver_whose_copy_fails_answers_its_sender():
     send fails soon (PeerFailure: the receiver could not copy it) rather than
     waiting for an answer until the receiver exits (20 s)."""
     n = 64 * BOUND
-    with _init("shm", bound=BOUND, slots=4) as comm:
+    with _init("shm", bound=BOUND, slots=4, cma="on") as comm:
         if comm.route_info(1 - comm.rank).get("cma") != "on":
             pytest.skip("CMA refused here: the pair streams")
         if comm.rank == 1:
@@ -375,7 +375,7 @@ def test_failing_the_pair_withdraws_a_moved_send():
     while rank 1 lives on: the moved send is withdrawn, not freed under rank
     1, which gets an error, never bytes of freed memory."""
     n = 16 * BOUND
-    with _init("shm", bound=BOUND, slots=4) as comm:
+    with _init("shm", bound=BOUND, slots=4, cma="on") as comm:
         if comm.route_info(1 - comm.rank).get("cma") != "on":
             pytest.skip("CMA refused here: the pair streams")
         go, failed = _flag("go"), _flag("failed")
@@ -442,3 +442,26 @@ def test_receives_without_out_answer_rendezvous_before_they_are_waited(transport
         rw = comm.irecv(peer, tag=9)
         comm.send(torch.tensor([comm.rank]), peer, tag=9)
         assert rw.wait().item() == peer
+
+
+@world(2, timeout=60)
+@pytest.mark.parametrize("cma", ["auto", "on", "off"])
+def test_cma_option_and_the_probe_decide_single_copy_reads(cma):
+    """cma=auto measures once whether one CMA copy beats two memcpys and says
+    so (route_info()["cma_probe"]); on and off force it (off: a message over
+    the bound streams through the slots). Every way, messages arrive whole."""
+    with _init("shm", bound=BOUND, slots=4, cma=cma) as comm:
+        peer = 1 - comm.rank
+        info, d = comm.route_info(peer), comm.describe_transport(peer)
+        if cma == "auto":
+            assert "GB/s" in info["cma_probe"] and info["cma_probe"] in d, (info, d)
+            assert (info["cma"] == "on") == ("faster than two" in info["cma_probe"] and not info["cma_refused"])
+        elif cma == "off":
+            assert info["cma"] == "off" and "cma=off" in d, (info, d)
+        else:
+            assert info["cma"] == ("off" if info["cma_refused"] else "on"), info
+        n = 40 * BOUND + 1
+        if comm.rank == 0:
+            comm.send(_data(n, 11), 1)
+        else:
+            assert torch.equal(comm.recv(0), _data(n, 11))

@@ -145,7 +145,7 @@ Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
       "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max",
-      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem"};
+      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -192,6 +192,8 @@ Options options_from_dict(const py::dict& d) {
   get("rdma_chunk", &o.rdma_chunk);
   get("rdma_hmem", &o.rdma_hmem);
   one_of("rdma_hmem", o.rdma_hmem, {"auto", "on", "off"});
+  get("cma", &o.cma);
+  one_of("cma", o.cma, {"auto", "on", "off"});
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
   one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});

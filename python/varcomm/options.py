@@ -248,6 +248,7 @@ class CoreOptions(TypedDict):
     job_key: str
     rdma_chunk: int
     rdma_hmem: str
+    cma: str
 
 
 class _Declared:
@@ -366,6 +367,11 @@ class Options(_Declared):
                              "where nvlink's data flags live (same on every rank)")
     nvlink_kernel_max: int = _opt("VARCOMM_NVLINK_KERNEL_MAX", _bytes(0), 0,
                                   "largest nvlink message sent by one copy-and-flag kernel; 0: copy engine only")
+    cma: str = _opt("VARCOMM_CMA", _choice("auto", "on", "off", aliases=(
+        ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
+        "shm: single-copy reads of the sender's memory (CMA, process_vm_readv) for large messages; `auto`: where "
+        "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
+        "else messages over the bound stream through the slots (1/0 mean on/off)")
     eager_max: int = _opt("VARCOMM_EAGER_MAX", _bytes(0), 256 * KiB,
                           "largest message sent eagerly where the pair can copy once (shm with CMA); a larger one "
                           "goes by rendezvous: the receiver copies it straight out of the sender's memory, and the "
@@ -403,7 +409,7 @@ class Options(_Declared):
             "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
             "nvlink_kernel_max": self.nvlink_kernel_max, "eager_max": self.eager_max,
             "max_message": self.max_message, "job_key": self.job_key,
-            "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem,
+            "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem, "cma": self.cma,
         }
 
 
