@@ -454,7 +454,8 @@ def test_cma_option_and_the_probe_decide_single_copy_reads(cma):
         peer = 1 - comm.rank
         info, d = comm.route_info(peer), comm.describe_transport(peer)
         if cma == "auto":
-            assert "GB/s" in info["cma_probe"] and info["cma_probe"] in d, (info, d)
+            assert "GB/s" in info["cma_probe"], info
+            assert info["cma_probe"] in d or info["cma_refused"] in d, (info, d)
             assert (info["cma"] == "on") == ("faster than two" in info["cma_probe"] and not info["cma_refused"])
         elif cma == "off":
             assert info["cma"] == "off" and "cma=off" in d, (info, d)

@@ -30,12 +30,12 @@ class ShmTransport : public Transport {
   std::string name() const override { return "shm"; }
   std::string describe() const override {
     std::string d = "shm (same host, mapped host memory; ";
-    if (cma_refused_.empty() && use_cma())
-      return d + "messages over eager_max copied once, straight from the sender's memory (CMA" +
-             (probe_.empty() ? std::string(", cma=on)") : ": " + probe_ + ")") + ")";
-    if (cma_refused_.empty())
+    if (!use_cma())
       return d + "messages over the bound stream through the slots: no single-copy reads (" +
              (probe_.empty() ? std::string("cma=off") : probe_) + "))";
+    if (cma_refused_.empty())
+      return d + "messages over eager_max copied once, straight from the sender's memory (CMA" +
+             (probe_.empty() ? std::string(", cma=on)") : ": " + probe_ + ")") + ")";
     return d + "no single-copy reads: " + cma_refused_ + "; messages over the bound stream through the slots)";
   }
   std::map<std::string, std::string> properties() const override {
