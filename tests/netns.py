@@ -170,6 +170,32 @@ def wait_flag(path: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def lose_member_mid_stream(net: Netns, procs: list[subprocess.Popen], flags: Path, how: str,
+                           timeout: float) -> None:
+    """Members 0 and 1 exchange messages with member 2 until it is lost (`how`:
+    its link pulled, or the process killed): each of them must print "OK <rank>"
+    and when it saw PeerFailure ("PeerFailure after <s>s"), within seconds."""
+    import signal
+
+    try:
+        wait_flag(flags / "ready0", timeout)
+        wait_flag(flags / "ready1", timeout)
+        if how == "link_down":
+            net.link_down(2)
+        else:
+            procs[2].send_signal(signal.SIGKILL)
+        res = finish(procs[:2], timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (code, out) in enumerate(res):
+        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+    took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
+    assert took < 15, f"dead peer detected only after {took} s"
+
+
 def selfcheck() -> None:
     """Three members: all reach each other; member 2's link down cuts only member 2; back up heals it."""
     ok, why = available()

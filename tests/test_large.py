@@ -401,7 +401,7 @@ def test_failing_the_pair_withdraws_a_moved_send():
                 comm.recv(0, tag=1)
 
 
-@world(2, timeout=60)
+@world(2, timeout=60, requires=("libfabric",))
 def test_rdma_streams_a_message_over_twice_its_chunk_even_under_the_bound():
     """On rdma a host message over twice rdma_chunk goes by rendezvous in
     rdma_chunk pieces, although it fits the slot: the send completes only once

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ import torch
 import test_gpu
 import varcomm
 from conftest import same_bytes
-from netns import IFACE, Netns, finish, require_netns, wait_flag
+from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns
 from test_gpu import U8, FakeGpu, _payload, nvlink_built
 from test_gpu_alltoall import FAKE, _fake, _on, _run_entry_points
 from varcomm import arrays, dtypes
@@ -373,24 +372,7 @@ def test_device_peer_lost_mid_stream_fails_promptly(tmp_path, fake_cuda, how):
     waiting, and ranks 0 and 1 keep exchanging device messages."""
     require_netns()
     with Netns(3) as net:
-        procs = _run(net, tmp_path, "fail", 3, fake_cuda)
-        try:
-            wait_flag(tmp_path / "flags" / "ready0", 90)
-            wait_flag(tmp_path / "flags" / "ready1", 90)
-            if how == "link_down":
-                net.link_down(2)
-            else:
-                procs[2].send_signal(signal.SIGKILL)
-            res = finish(procs[:2], timeout=90)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for r, (code, out) in enumerate(res):
-        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
-    took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
-    assert took < 15, f"dead peer detected only after {took} s"
+        lose_member_mid_stream(net, _run(net, tmp_path, "fail", 3, fake_cuda), tmp_path / "flags", how, 90)
 
 
 # ---------------------------------------------------------------------------

@@ -59,7 +59,8 @@ class P2PWork:
     def wait(self, timeout: float | None = None) -> Any:
         if not self._done:
             t = self._comm._timeout if timeout is None else timeout
-            _check_timeout(t)  # a bad one is refused here, the Work still pending
+            if t is not None and not (type(t) is float and t >= 0):
+                _check_timeout(t)  # a bad one is refused here, the Work still pending
             try:
                 self._comm._c.wait(self._id, t)
             except InvalidArgument:

@@ -127,6 +127,12 @@ def _splits(splits: Any, n: int, total: int | None, what: str) -> list[int]:
     return out
 
 
+def _agree(output: Any, inp: Any, differ: bool, otrail: tuple[int, ...], trailing: tuple[int, ...]) -> None:
+    if differ:
+        raise InvalidArgument(f"output ({output.dtype}, rows of shape {otrail}) and input ({inp.dtype}, rows of "
+                              f"shape {trailing}) must agree in dtype and trailing shape")
+
+
 def _check_timeout(timeout: float | None) -> None:
     """NaN, a negative number or a non-number is refused before the collective starts (the core's rule)."""
     if timeout is not None:
@@ -446,9 +452,7 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
         raise InvalidArgument("output must have at least one dimension (rows are split along dim 0)")
     orows, otrail = int(output.shape[0]), tuple(int(s) for s in output.shape[1:])
     optr, cap, oword = arrays.describe_out(output)
-    if oword != word or otrail != trailing:
-        raise InvalidArgument(f"output ({output.dtype}, rows of shape {otrail}) and input ({inp.dtype}, rows of "
-                              f"shape {trailing}) must agree in dtype and trailing shape")
+    _agree(output, inp, oword != word or otrail != trailing, otrail, trailing)
     n = comm.world_size
     in_splits = _splits(input_split_sizes, n, rows, "input_split_sizes")
     out_splits = _splits(output_split_sizes, n, orows, "output_split_sizes")
@@ -471,9 +475,7 @@ def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, outpu
     word, rb = dtypes.from_torch(inp.dtype), inp.element_size() * _prod(trailing)
     optr, cap, oword = _dev_out(dev, output, "output")
     orows, otrail = int(output.shape[0]), tuple(int(s) for s in output.shape[1:])
-    if oword != word or otrail != trailing:
-        raise InvalidArgument(f"output ({output.dtype}, rows of shape {otrail}) and input ({inp.dtype}, rows of "
-                              f"shape {trailing}) must agree in dtype and trailing shape")
+    _agree(output, inp, oword != word or otrail != trailing, otrail, trailing)
     n = comm.world_size
     in_splits = _splits(input_split_sizes, n, rows, "input_split_sizes")
     out_splits = _splits(output_split_sizes, n, orows, "output_split_sizes")
