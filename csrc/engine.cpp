@@ -40,6 +40,10 @@ inline void cpu_relax() {
 }
 
 std::string peer_str(int peer) { return "rank " + std::to_string(peer); }
+
+const char* const kWithdrawn =
+    "its sender withdrew it before this rank received it (the sender closed, or gave up on this pair); nothing "
+    "was written";
 }  // namespace
 
 Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(world), opt_(opt) {
@@ -50,7 +54,8 @@ Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(wo
   layout_.world = world;
   layout_.nslots = opt.slots;
   layout_.bound = opt.bound;
-  region_ = std::make_unique<Region>(layout_.total());
+  layout_.landing = align_up(opt.landing, 4096);
+  region_ = std::make_unique<Region>(layout_.region_bytes());
   auto* ctl = reinterpret_cast<RegionCtl*>(region_->base());
   ctl->magic = kMagic;
   ctl->rank = rank;
@@ -58,6 +63,8 @@ Engine::Engine(int rank, int world, const Options& opt) : rank_(rank), world_(wo
   ctl->nslots = opt.slots;
   ctl->pid = int32_t(getpid());
   ctl->bound = opt.bound;
+  ctl->landing = layout_.landing;
+  if (layout_.landing) land_free_[layout_.landing_off()] = layout_.landing;
   peers_.resize(world);
   for (auto& p : peers_) p.seen.assign(opt.slots, 0);
   reqs_.reserve(256);
@@ -117,6 +124,7 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   auto& p = peers_.at(peer);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   p.pulls = t->read_refused(peer).empty();
+  p.lands = t->landing_write_max();
   p.t = std::move(t);
   p.layout = pl;
   p.written.assign(pl.nslots, 0);
@@ -138,10 +146,11 @@ uint64_t Engine::forged_headers() {
 // could land past the mapping (and crash us) or outside its registration.
 void Engine::check_fits(int peer, const Transport& t, const Layout& pl) const {
   size_t have = t.peer_bytes(peer);
-  if (pl.total() > have)
+  if (pl.region_bytes() > have)
     throw Error(ErrorKind::PeerFailure,
-                peer_str(peer) + " published a layout of " + std::to_string(pl.total()) + " bytes (bound " +
-                    std::to_string(pl.bound) + ", slots " + std::to_string(pl.nslots) + ") but its " + t.name() +
+                peer_str(peer) + " published a layout of " + std::to_string(pl.region_bytes()) + " bytes (bound " +
+                    std::to_string(pl.bound) + ", slots " + std::to_string(pl.nslots) + ", landing " +
+                    std::to_string(pl.landing) + ") but its " + t.name() +
                     " region holds " + std::to_string(have) + ": refused (a forged or corrupt set-up record)",
                 peer);
 }
@@ -193,6 +202,7 @@ void Engine::recycle(uint64_t id) {
   if (r.reported) recycled_.push_back(id);
   r.state = ReqState::Free;
   r.own.reset();
+  r.land = 0;
   free_reqs_.push_back(uint32_t(id));
 }
 
@@ -404,11 +414,141 @@ bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {
   // (Not where a device route exists: a host message streamed to a GPU out
   // cannot land there, see misfit.)
   uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;
-  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && p.pulls) || (sc && nbytes > 2 * sc);
+  // Over eager_max the data is copied once where the pair can: the receiver
+  // reads it from us (CMA), or we write it into its landing area.
+  bool once = p.pulls || (p.lands && p.layout.landing);
+  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && once) || (sc && nbytes > 2 * sc);
 }
 
 bool Engine::streams_in(int peer, const MsgHeader& h) const {
   return (h.flags & kRendezvous) && !peers_[peer].pulls;
+}
+
+// ---- the landing area -----------------------------------------------------
+
+size_t Engine::land_alloc(uint64_t nbytes) {
+  size_t want = align_up(kPayloadOff + nbytes, 4096);
+  for (auto it = land_free_.begin(); it != land_free_.end(); ++it) {
+    if (it->second < want) continue;
+    size_t off = it->first, left = it->second - want;
+    land_free_.erase(it);
+    if (left) land_free_[off + want] = left;
+    land_used_[off] = {want, 1, false};
+    return off;
+  }
+  return 0;
+}
+
+void Engine::land_unref(size_t off) {
+  auto u = land_used_.find(off);
+  if (u == land_used_.end() || --u->second.refs > 0) return;
+  size_t len = u->second.len;
+  land_used_.erase(u);
+  // Merge with the free neighbours, so large blocks stay possible.
+  auto next = land_free_.lower_bound(off);
+  if (next != land_free_.end() && next->first == off + len) {
+    len += next->second;
+    next = land_free_.erase(next);
+  }
+  if (next != land_free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == off) {
+      prev->second += len;
+      return;
+    }
+  }
+  land_free_[off] = len;
+}
+
+size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
+  const char* base = region_->base();
+  const char* d = static_cast<const char*>(dst);
+  if (!layout_.landing || d < base + layout_.landing_off() + kPayloadOff || d >= base + layout_.region_bytes())
+    return 0;
+  size_t off = size_t(d - base) - kPayloadOff;
+  auto u = land_used_.find(off);
+  return u != land_used_.end() && u->second.len >= kPayloadOff + nbytes ? off : 0;
+}
+
+int Engine::landing_buffer(uint64_t nbytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  size_t off = land_alloc(nbytes);
+  return off ? landed_slot(off) : 0;
+}
+
+std::pair<uint64_t, uint64_t> Engine::landing_stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  uint64_t free = 0;
+  for (auto& kv : land_free_) free += kv.second;
+  return {free, land_used_.size()};
+}
+
+bool Engine::try_land(int peer, int slot, const MsgHeader& h, uint64_t id, char* dst, size_t block) {
+  Peer& p = peers_[peer];
+  if (!p.lands || h.nbytes > p.lands || !p.dead.empty() || !p.t) return false;
+  size_t off = block;
+  if (off) {
+    Block& b = land_used_.at(off);
+    if (b.pending) return false;  // posted twice: the second lands elsewhere and is copied
+    b.refs++;
+  } else if (!(off = land_alloc(h.nbytes))) {
+    return false;
+  }
+  land_used_.at(off).pending = true;
+  // Cleared before the answer (a release store) lets the sender write.
+  __atomic_store_n(reinterpret_cast<uint64_t*>(region_->base() + off), 0, __ATOMIC_RELAXED);
+  p.streams[h.seq] = {id, dst, 0, h.nbytes, off, slot};
+  p.t->write_u64(peer, p.layout.credit_off(rank_, slot), push_credit(h.seq, off));
+  return true;
+}
+
+bool Engine::check_landings(int peer) {
+  Peer& p = peers_[peer];
+  const char* base = region_->base();
+  for (auto s = p.streams.begin(); s != p.streams.end();) {
+    Peer::Stream& st = s->second;
+    const char* blk = base + st.landing;
+    if (!st.landing) {
+      ++s;
+      continue;
+    }
+    if (load_acquire(blk) != s->first) {
+      // A sender that closes instead of writing withdraws the head (shm: the
+      // word is in our region; its slot is not reused before it wrote).
+      if (rv_word_at(peer, st.slot, kRvStateOff) &&
+          load_acquire(base + layout_.slot_off(peer, st.slot) + kRvStateOff) == rv_word(s->first, kRvWithdrawn)) {
+        fail_peer(peer, "its message of " + std::to_string(st.total) + " bytes could not be copied: " + kWithdrawn);
+        return false;
+      }
+      ++s;
+      continue;
+    }
+    const auto* lh = reinterpret_cast<const MsgHeader*>(blk + kHeaderOff);
+    if (lh->auth != p.auth_in || lh->seq != s->first || lh->nbytes != st.total) {
+      fail_peer(peer, peer_str(peer) + " wrote a landing block that does not hold the message it was asked for (seq " +
+                          std::to_string(s->first) + ", " + std::to_string(st.total) + " bytes); it is treated as failed");
+      return false;
+    }
+    land_used_.at(st.landing).pending = false;
+    if (!st.id) {
+      land_unref(st.landing);  // its receive gave up: the block is free again
+    } else {
+      Request& r = reqs_[uint32_t(st.id)];
+      if (st.dst) {  // into the receive's out: copied from the block (nothing to copy: out is the block)
+        if (st.dst != blk + kPayloadOff) std::memcpy(st.dst, blk + kPayloadOff, st.total);
+        land_unref(st.landing);
+        r.state = ReqState::Done;
+        if (r.detached) recycle(st.id);
+      } else {  // the result is the block
+        r.land = st.landing;
+        r.state = ReqState::Matched;
+        if (r.detached) release_locked(st.id);
+      }
+    }
+    s = p.streams.erase(s);
+  }
+  return true;
 }
 
 int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
@@ -423,6 +563,10 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     if (!sane(peer, *hdr, a->seq))
       throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
     if (streams_in(peer, *hdr)) return -1;  // its data streams into a request: the irecv path
+    // Where it lands (a new array, or a comm.empty out), the irecv path too.
+    if ((hdr->flags & kRendezvous) && !mem.device && p.lands && layout_.landing &&
+        (claim || landing_block(out, hdr->nbytes)))
+      return -1;
     if (claim) {
       a->claimed = true;
       *claim = a->slot;
@@ -627,6 +771,29 @@ void Engine::progress_sends(int peer) {
         sending_--;
         fail_request(id, ErrorKind::PeerFailure, copy_failed_text(peer, r.nbytes));
         continue;
+      } else if (is_push_credit(c, r.head_seq)) {
+        // Write it ourselves into the receiver's landing block: one write
+        // of header and data, whose ready word is the block's first.
+        size_t off = push_block(c);
+        if (off < p.layout.landing_off() || !p.layout.landing || r.nbytes > p.lands ||
+            off + kPayloadOff + r.nbytes > p.layout.region_bytes()) {
+          fail_peer(peer, peer_str(peer) + " asked for a message of " + std::to_string(r.nbytes) +
+                              " bytes at offset " + std::to_string(off) +
+                              ", outside its landing area; it is treated as failed");
+          return;
+        }
+        MsgHeader h{};
+        h.seq = r.head_seq;
+        h.nbytes = r.nbytes;
+        h.tag = int64_t(r.head_seq);
+        h.flags = kChunk;
+        h.auth = p.auth_out;
+        uint64_t tk = p.t->write_message(peer, off, &h, sizeof h, r.data, r.nbytes, r.head_seq);
+        if (!tk) break;  // no send resources: retried at the next progress, in order
+        p.written[r.head_slot] = c;  // the head's slot is free again
+        r.streaming = true;  // like a stream whose one chunk is written: done once the write is
+        r.sent = r.nbytes;
+        r.tickets.push_back(tk);
       } else if (c != r.head_seq) {
         ++it;
         continue;
@@ -686,9 +853,6 @@ void Engine::copy_local(void* dst, const void* src, uint64_t n, Mem mem) {
   local_device().copy_async(dst, src, n, mem.stream, false);
 }
 
-static const char* const kWithdrawn =
-    "its sender withdrew it before this rank received it (the sender closed, or gave up on this pair); nothing "
-    "was written";
 
 uint64_t* Engine::rv_word_at(int peer, int slot, size_t off) {
   Peer& p = peers_[peer];
@@ -856,6 +1020,14 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
       }
       return 1;
     }
+    // Into a landing block: out's own (comm.empty: the one copy is the
+    // sender's), else, where the wire is no slower than a memcpy (no
+    // stream_chunk) and we cannot read the sender's memory, a new one that is
+    // copied into dst once landed: two memcpys through hot memory rather than
+    // chunks through the slots.
+    size_t own = landing_block(dst, h.nbytes);
+    if (own && try_land(peer, slot, h, id, static_cast<char*>(dst), own)) return 0;
+    if (!p.pulls && !p.t->stream_chunk() && try_land(peer, slot, h, id, static_cast<char*>(dst))) return 0;
     if (p.pulls) {
       uint64_t src = claim_source(peer, slot, h);
       std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;
@@ -938,7 +1110,7 @@ void Engine::progress_recvs(int peer) {
       }
     }
   }
-  if (!p.streams.empty() && !route_chunks(peer)) return;
+  if (!p.streams.empty() && (!route_chunks(peer) || !check_landings(peer))) return;
   for (auto it = p.posted.begin(); it != p.posted.end();) {
     Request& r = reqs_[uint32_t(*it)];
     auto m = p.ready.end();
@@ -980,6 +1152,14 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.state = ReqState::Done;
+    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && try_land(peer, m->slot, r.hdr, *it, nullptr)) {
+      // Written by its sender into a landing block, which becomes the result
+      // (check_landings): one copy in all.
+      p.ready.erase(m);
+      r.slot = -1;
+      r.state = ReqState::Streaming;
+      it = p.posted.erase(it);
+      continue;
     } else if ((r.hdr.flags & kRendezvous) && !r.mem.device) {
       // A receive without out that matched a rendezvous head takes the data
       // now, into memory of its own (one copy more, at copy_out): its sender
@@ -1042,7 +1222,7 @@ bool Engine::route_chunks(int peer) {
     MsgHeader h = *hp;
     if (!sane(peer, h, a->seq)) return false;
     auto s = p.streams.find(uint64_t(h.tag));
-    if (s == p.streams.end() || h.nbytes > s->second.total - s->second.got) {
+    if (s == p.streams.end() || s->second.landing || h.nbytes > s->second.total - s->second.got) {
       fail_peer(peer, peer_str(peer) + " wrote a chunk of " + std::to_string(h.nbytes) +
                           " bytes for a rendezvous message this rank did not ask it to stream (seq " +
                           std::to_string(h.tag) + "); it is treated as failed");
@@ -1273,6 +1453,10 @@ void Engine::consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst
 
 void Engine::release_claimed(int peer, int slot, uint64_t seq) {
   std::lock_guard<std::mutex> g(mu_);
+  if (slot <= kLandedSlot) {
+    land_unref(landed_off(slot));
+    return;
+  }
   if (closed_) return;  // the transports are gone: there is no sender to give the slot back to
   Peer& p = peers_[peer];
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a)
@@ -1290,6 +1474,14 @@ int Engine::take_claim(uint64_t id, MsgHeader* hdr, int* peer) {
   if (r.hdr.flags & kDevicePayload)
     throw Error(ErrorKind::Invalid, "copy=False is not supported for device (GPU) messages; receive with copy=True");
   if (r.hdr.flags & kDescriptor) throw Error(ErrorKind::Invalid, "a descriptor message has no payload to view");
+  if (r.land) {  // the block is the view's now (release_claimed frees it)
+    *hdr = r.hdr;
+    *peer = r.peer;
+    int slot = landed_slot(r.land);
+    r.land = 0;
+    recycle(id);
+    return slot;
+  }
   if (r.hdr.flags & kRendezvous) return -1;  // its data is not in the slot: the caller copies it out
   *hdr = r.hdr;
   *peer = r.peer;
@@ -1299,6 +1491,7 @@ int Engine::take_claim(uint64_t id, MsgHeader* hdr, int* peer) {
 }
 
 const char* Engine::slot_payload(int peer, int slot) const {
+  if (slot <= kLandedSlot) return region_->base() + landed_off(slot) + kPayloadOff;
   return region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
 }
 
@@ -1315,6 +1508,18 @@ bool Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   if (closed_ && (r.hdr.flags & kDevicePayload))
     throw Error(ErrorKind::Closed, "communicator closed before this device message was copied out");
   Peer& p = peers_[r.peer];
+  if (r.land) {  // landed in a block of ours
+    const char* src = region_->base() + r.land + kPayloadOff;
+    if (mem.device) {
+      Transport& t = local_device();
+      t.copy_done(t.copy_async(dst, src, r.hdr.nbytes, mem.stream, true), true);  // the block is freed next
+    } else {
+      std::memcpy(dst, src, r.hdr.nbytes);
+    }
+    land_unref(r.land);
+    recycle(id);
+    return true;
+  }
   if (r.own && r.slot < 0) {  // taken early (progress_recvs): the data is ours already
     if (mem.device)
       local_device().copy_async(dst, r.own.get(), r.hdr.nbytes, mem.stream, true);
@@ -1355,7 +1560,8 @@ void Engine::release(uint64_t id) {
 
 void Engine::release_locked(uint64_t id) {
   Request& r = reqs_[uint32_t(id)];
-  if (r.own && r.slot < 0) {  // taken early: no slot to give back
+  if (r.land) land_unref(r.land);
+  if (r.land || (r.own && r.slot < 0)) {  // landed or taken early: no slot to give back
     recycle(id);
     return;
   }
@@ -1392,11 +1598,12 @@ Engine::Cancelled Engine::cancel(uint64_t id, bool report) {
     // taken early into memory of its own cannot go back, and is dropped).
     for (auto& a : p.ready)
       if (a.seq == r.hdr.seq) a.claimed = false;
+    if (r.land) land_unref(r.land);
   } else if (r.state == ReqState::Streaming) {
     // Part of its data is in the caller's buffer: the rest is dropped as it
     // arrives (never written there), and the pair goes on.
     for (auto& kv : p.streams)
-      if (kv.second.id == id) kv.second = {0, nullptr, kv.second.got, kv.second.total};
+      if (kv.second.id == id) kv.second.id = 0, kv.second.dst = nullptr;
   } else if (r.state != ReqState::InFlight) {
     // Done or failed already: nothing to give up, but nobody will read it.
     recycle(id);

@@ -73,6 +73,9 @@ struct Request {
   uint64_t out_cap = 0;
   uint32_t out_dtype = 0;
   int slot = -1;
+  // A rendezvous message landed in this landing block (kPushCredit): the
+  // result is there, at + kPayloadOff, until copy_out, release or a loan.
+  size_t land = 0;
   MsgHeader hdr{};
   // failure
   ErrorKind err = ErrorKind::None;
@@ -134,13 +137,29 @@ class Engine {
   void consume_claimed(int peer, int slot, const MsgHeader& hdr, void* dst);
   void unclaim(int peer, uint64_t seq);
   // A claimed message read in place (copy=False) is done with: free its slot.
-  // After close() it does nothing.
+  // After close() it does nothing. A slot <= kLandedSlot names a landing block
+  // instead (take_claim, landing_buffer): its reference is dropped.
   void release_claimed(int peer, int slot, uint64_t seq);
+  static constexpr int kLandedSlot = -2;
+  static int landed_slot(size_t off) { return kLandedSlot - int(off >> 12); }
+  static size_t landed_off(int slot) { return size_t(kLandedSlot - slot) << 12; }
+  // A receive buffer of nbytes in this rank's landing area (comm.empty): a
+  // rendezvous message received into it is written there by its sender, the
+  // one copy. Returns its slot code for slot_payload/release_claimed (the
+  // caller holds one reference), or 0 when the area has no room.
+  int landing_buffer(uint64_t nbytes);
+  // Whether matched recv `id` landed in a landing block (take_claim lends it).
+  bool landed(uint64_t id) {
+    std::lock_guard<std::mutex> g(mu_);
+    return get(id).land != 0;
+  }
+  // (bytes free, blocks in use) of the landing area.
+  std::pair<uint64_t, uint64_t> landing_stats();
   // A recv matched without out becomes a claim on its slot (returned, its
   // header in *hdr, its sender in *peer) and the request is recycled; release_claimed ends it.
   // Host payloads only (device messages and descriptors are refused).
   int take_claim(uint64_t id, MsgHeader* hdr, int* peer);
-  // Where a claimed message's payload is in our region.
+  // Where a claimed message's payload is in our region (or a landing block's, slot <= kLandedSlot).
   const char* slot_payload(int peer, int slot) const;
   bool test(uint64_t id);
   // Drive every transport once (waits outside the engine, e.g. store barriers,
@@ -259,6 +278,21 @@ class Engine {
   // Route arrived kChunk messages into their streams.
   bool route_chunks(int peer);
   void fail_streams(int peer, ErrorKind kind, const std::string& why);
+  // The landing area (protocol.h kPushCredit): blocks of whole pages, the
+  // lowest free fit first so the same few stay hot in cache; each counts its
+  // references (a result or loan, a landing still to come). 0: no room.
+  size_t land_alloc(uint64_t nbytes);
+  void land_unref(size_t off);
+  // The landing block whose payload starts at dst and holds nbytes, or 0.
+  size_t landing_block(const void* dst, uint64_t nbytes) const;
+  // Receiver: asks rendezvous head h's sender to write the data into a
+  // landing block (a new one, or `block`, dst's own) for request id: true,
+  // with the landing registered as a stream (dst: where the data goes once
+  // landed; nullptr: the request's result stays in the block). False: no room,
+  // or the pair cannot land.
+  bool try_land(int peer, int slot, const MsgHeader& h, uint64_t id, char* dst, size_t block = 0);
+  // Completes the landings from `peer` that arrived; false when the peer failed.
+  bool check_landings(int peer);
   // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
   bool rendezvous(int peer, uint64_t nbytes, Mem mem) const;
   Transport& device_transport(int peer);
@@ -297,9 +331,12 @@ class Engine {
       uint64_t id;
       char* dst;
       uint64_t got, total;
+      size_t landing = 0;  // the landing block the sender writes it into (kPushCredit), else chunks
+      int slot = -1;       // a landing's head slot (its rendezvous word says whether the sender withdrew)
     };
     std::map<uint64_t, Stream> streams;
     bool pulls = false;  // this rank can copy straight out of peer's memory (Transport::read_refused)
+    uint64_t lands = 0;  // Transport::landing_write_max: the largest message written into a landing area
   };
 
   int rank_, world_;
@@ -333,6 +370,13 @@ class Engine {
   // this rank let go of the send (Engine::withdraw_heads): it may still read
   // them, so they live as long as the engine.
   std::vector<std::unique_ptr<char[]>> graveyard_;
+  struct Block {
+    size_t len;
+    int refs;
+    bool pending;  // a landing into it is still to come
+  };
+  std::map<size_t, size_t> land_free_;  // offset -> bytes
+  std::map<size_t, Block> land_used_;
 };
 
 }  // namespace varcomm

@@ -63,6 +63,24 @@ constexpr uint64_t kRendezvous = 4;
 constexpr uint64_t kChunk = 8;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
+// The credit value that asks a rendezvous sender to write the data itself,
+// in one piece, into the receiver's *landing area* (after the slot rings,
+// Layout::landing_off) at a block the receiver allocated for it: the message
+// lands where the receive's result lives, so it is copied once, by the
+// sender, at memcpy speed (shm) or by one remote write (rdma). The write is
+// an ordinary write_message at the block's offset, header (seq = the head's,
+// flags kChunk) then data, and the block's first word becomes the head's seq
+// once both are visible, exactly as for a slot. Bits 32-60: the block's
+// offset in 4 KiB pages; bits 0-31: the head's seq, truncated (only the
+// head's own answer is ever compared with it).
+constexpr uint64_t kPushCredit = 1ull << 61;
+inline uint64_t push_credit(uint64_t seq, size_t block_off) {
+  return kPushCredit | (uint64_t(block_off >> 12) << 32) | (seq & 0xffffffffull);
+}
+inline bool is_push_credit(uint64_t c, uint64_t seq) {
+  return (c >> 61) == 1 && uint32_t(c) == uint32_t(seq);
+}
+inline size_t push_block(uint64_t c) { return size_t((c >> 32) & 0x1fffffffull) << 12; }
 // The credit value a receiver answers a head with when it claimed the data
 // (kRvClaimed below) and could not copy it: the send fails (PeerFailure).
 constexpr uint64_t kFailCredit = 1ull << 62;
@@ -107,6 +125,7 @@ struct RegionCtl {
   int32_t nslots;
   int32_t pid;
   uint64_t bound;
+  uint64_t landing;  // bytes of the landing area (kPushCredit)
 };
 
 // Offsets inside one rank's region. A sender uses the *receiver's* layout, so
@@ -115,6 +134,7 @@ struct Layout {
   int world = 0;
   int nslots = 0;
   uint64_t bound = 0;
+  uint64_t landing = 0;  // bytes of the landing area after the rings (kPushCredit); 0: none
 
   size_t slot_bytes() const { return kPayloadOff + align_up(bound, 256); }
   size_t credit_row() const { return align_up(size_t(nslots) * 8, 64); }
@@ -126,6 +146,11 @@ struct Layout {
     return rings_off() + (size_t(sender) * nslots + slot) * slot_bytes();
   }
   size_t total() const { return slot_off(world, 0); }
+  // The landing area: blocks of whole pages, each a ready word, a header and
+  // then the data (the same offsets as a slot), handed out per message by the
+  // receiver (engine.cpp, Landing).
+  size_t landing_off() const { return align_up(total(), 4096); }
+  size_t region_bytes() const { return landing ? landing_off() + landing : total(); }
 };
 
 }  // namespace varcomm

@@ -84,7 +84,9 @@ std::string region_mismatch(const char* base, size_t size, int rank, int pid, co
   if (c->world != L.world) return who + "has " + want("world_size", c->world, L.world);
   if (c->nslots != L.nslots) return who + "has " + want("slots", c->nslots, L.nslots);
   if (c->bound != L.bound) return who + "has " + want("bound", (long long)c->bound, (long long)L.bound);
-  if (size != L.total()) return who + "is " + want("bytes", (long long)size, (long long)L.total());
+  if (c->landing != L.landing)
+    return who + "has " + want("landing", (long long)c->landing, (long long)L.landing);
+  if (size != L.region_bytes()) return who + "is " + want("bytes", (long long)size, (long long)L.region_bytes());
   return "";
 }
 

@@ -53,6 +53,11 @@ class Transport {
   // pipeline of chunks of this many bytes (the receiver copies one out of its
   // slot while the next is on the wire); 0: in one piece where it fits.
   virtual uint64_t stream_chunk() const { return 0; }
+  // The largest write_message this transport makes at any 256-aligned offset
+  // of the peer's region, not only its slots: where a rendezvous sender may
+  // write a message straight into the receiver's landing area (protocol.h
+  // kPushCredit). 0: only into slots.
+  virtual uint64_t landing_write_max() const { return 0; }
   // Single-copy reads of a peer's memory (rendezvous, protocol.h kRendezvous):
   // empty when this rank can copy straight out of `peer`'s address space, else
   // why not (then rendezvous data streams through the slots).

@@ -54,7 +54,7 @@ def get(key):
     return blob[:at] if at >= 0 else blob
 
 def fields(rec):
-    head = b"varcomm-peer1 "
+    head = b"varcomm-peer2 "
     assert rec.startswith(head), rec[:40]
     out, at = [], len(head)
     while at < len(rec):
@@ -86,7 +86,7 @@ if mode in ("shm", "lie", "lie-layout"):
     publish(0, host_key + b"\n" + os.urandom(16).hex().encode())
     f = fields(get("setup/1/0"))
     world, nslots, bound = int(f[1]), int(f[2]), int(f[3])
-    descs = dict(zip(f[6::2], f[7::2]))
+    descs = dict(zip(f[7::2], f[8::2]))
     # "lie": descriptor and control block claim 64x the memfd; "lie-layout":
     # they are honest, the published layout (what rank 0 writes by) lies.
     claimed = bound * 64 if mode.startswith("lie") else bound
@@ -101,8 +101,9 @@ if mode in ("shm", "lie", "lie-layout"):
     # A control block that agrees with the descriptor: magic, rank, world, slots, pid, bound.
     mem[:32] = struct.pack("<QiiiiQ", 0x316d6d6f63726176, 1, world, nslots, pid, mapped)
     # the last field: where the region is mapped (for CMA); refused before anyone reads it
-    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}:0".encode()
-    rec = b"varcomm-peer1 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), f[4]))
+    descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}:0:0".encode()
+    # landing 0: the attacker region has no landing area (its control block says 0 too)
+    rec = b"varcomm-peer2 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), b"0", f[5]))
     rec += put(str(len(descs)).encode()) + b"".join(put(k) + put(v) for k, v in sorted(descs.items()))
     publish(1, rec)
     get("setup/2/0")
@@ -119,7 +120,7 @@ elif mode == "rdma":
     forge = sys.argv[5]
     recs = [fields(get(f"setup/1/{r}")) for r in (0, 1)]
     def rdma_desc(f):
-        d = dict(zip(f[6::2], f[7::2]))[b"rdma"].decode()
+        d = dict(zip(f[7::2], f[8::2]))[b"rdma"].decode()
         return dict(tok.split("=", 1) for tok in d.split())
     d0, d1 = rdma_desc(recs[0]), rdma_desc(recs[1])
     world, nslots, bound = int(recs[0][1]), int(recs[0][2]), int(recs[0][3])

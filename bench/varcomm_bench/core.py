@@ -50,6 +50,7 @@ LABELS = {
     "varcomm-numpy": "varcomm (numpy buffers)",
     "varcomm-zerocopy": "varcomm (torch, zero-copy recv)",
     "varcomm-fresh": "varcomm (torch, a new tensor per recv)",
+    "varcomm-empty": "varcomm (torch, out= a comm.empty buffer: written in place by the sender)",
     "mpi4py-fresh": "mpi4py (Probe, new buffer, Recv)",
     "two-phase": "varcomm two-phase (counts first)",
     "fallback": "varcomm fallback (the same writes over gloo)",
@@ -61,7 +62,8 @@ LABELS = {
 }
 SHORT = {"varcomm": "varcomm", "two-phase": "2-phase", "fallback": "fallback", "mpi4py": "mpi4py",
          "libfabric": "libfabric", "memcpy": "memcpy", "d2d": "d2d", "varcomm-numpy": "vc-numpy",
-         "varcomm-zerocopy": "vc-0copy", "varcomm-fresh": "vc-fresh", "mpi4py-fresh": "mpi-fresh", "nccl": "nccl"}
+         "varcomm-zerocopy": "vc-0copy", "varcomm-fresh": "vc-fresh",
+         "varcomm-empty": "vc-empty", "mpi4py-fresh": "mpi-fresh", "nccl": "nccl"}
 
 
 class BenchError(SystemExit):
@@ -350,6 +352,26 @@ class FreshEP(TorchEP):
 
     def recv(self, peer: int, out: Any) -> Any:
         return self.comm.recv(peer)
+
+
+class EmptyEP(TorchEP):
+    """varcomm receiving into out= a buffer from comm.empty (the landing area):
+    a large message is written there by its sender, one copy in all."""
+
+    _buf: Any = None
+
+    def _landing(self) -> Any:
+        c = self.ctx
+        if self._buf is None or self._buf.numel() < c.cap:
+            self._buf = self.comm.empty(c.cap, "uint8", array="torch")
+        return self._buf
+
+    def out(self) -> Any:
+        c = self.ctx
+        return self._landing()[:c.cap - c.cap % c.itemsize].view(c.dtype)
+
+    def clear(self, nbytes: int) -> None:
+        self._landing()[:nbytes].zero_()
 
 
 class MpiFreshEP(MpiEP):

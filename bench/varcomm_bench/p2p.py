@@ -9,8 +9,9 @@
 
 varcomm: ``comm.send(x, peer)`` / ``comm.recv(peer, out=buf)`` with torch tensors of
 --dtype, ``buf`` bound-sized and preallocated (the receiver does not pass the size);
-varcomm-fresh: ``comm.recv(peer)``, a new tensor per message; mpi4py-fresh: Probe,
-a new buffer, Recv.
+varcomm-fresh: ``comm.recv(peer)``, a new tensor per message; varcomm-empty:
+``recv(peer, out=buf)`` with ``buf = comm.empty(...)`` (the landing area: a large
+message is written there by its sender); mpi4py-fresh: Probe, a new buffer, Recv.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from .core import (
     Ctx,
+    EmptyEP,
     FreshEP,
     Method,
     MpiEP,
@@ -158,6 +160,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
         eps["varcomm-numpy"] = NumpyEP(ctx, vc, "varcomm-numpy")
         eps["varcomm-zerocopy"] = ZeroCopyEP(ctx, vc, "varcomm-zerocopy")
         eps["varcomm-fresh"] = FreshEP(ctx, vc, "varcomm-fresh")
+        eps["varcomm-empty"] = EmptyEP(ctx, vc, "varcomm-empty")
     if fb is not None:
         eps["fallback"] = TorchEP(ctx, fb, "fallback")
     if ctx.mpi is not None:
@@ -179,6 +182,7 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                ep_method("varcomm-numpy", None if host else "host memory only"),
                ep_method("varcomm-zerocopy", None if host else "host memory only"),
                ep_method("varcomm-fresh", None if host else "host memory only"),
+               ep_method("varcomm-empty", None if host else "host memory only"),
                ep_method("fallback", fb_why), ep_method("mpi4py", ctx.mpi_reason),
                ep_method("mpi4py-fresh", ctx.mpi_reason)]
     fi = Method("libfabric", where="root", na=lambda test, s: None if test == "latency" else

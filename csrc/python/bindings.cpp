@@ -145,7 +145,7 @@ Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
       "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max",
-      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma"};
+      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma", "landing"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -187,6 +187,7 @@ Options options_from_dict(const py::dict& d) {
   get("nvlink_flags", &o.nvlink_flags);
   get("nvlink_kernel_max", &o.nvlink_kernel_max);
   get("eager_max", &o.eager_max);
+  get("landing", &o.landing);
   get("max_message", &o.max_message);
   get("job_key", &o.job_key);
   get("rdma_chunk", &o.rdma_chunk);
@@ -675,9 +676,14 @@ PyObject* lend(PyObject* owner, Comm& c, int src, int slot, const MsgHeader& h, 
   Py_XDECREF(args[1]);
   Py_XDECREF(args[3]);
   if (!made) {
-    // Whatever make kept of the Loan no longer frees the slot: the message is back.
+    // Whatever make kept of the Loan no longer frees the slot: the message is
+    // back (a landed one has left the ring and is dropped, as a message taken
+    // early is: its block is freed).
     reinterpret_cast<LoanObj*>(loan)->live = false;
-    c.engine->unclaim(src, h.seq);
+    if (slot <= Engine::kLandedSlot)
+      c.engine->release_claimed(src, slot, h.seq);
+    else
+      c.engine->unclaim(src, h.seq);
   }
   Py_DECREF(loan);
   return made;
@@ -1449,23 +1455,44 @@ PYBIND11_MODULE(_C, m) {
            py::arg("id"), py::arg("dst"), py::arg("stream") = -1)
       // A matched recv without out, read in place (copy=False): make(Loan,
       // dtype word, shape, sender's kind) -> the array; the request is done.
+      // landed_only: only a message that landed in a landing block (whose
+      // block then becomes the array: the one copy was its sender's); None otherwise.
       .def("loan",
-           [](py::object self, uint64_t id, py::handle make) -> py::object {
+           [](py::object self, uint64_t id, py::handle make, bool landed_only) -> py::object {
              Comm& c = self.cast<Comm&>();
              MsgHeader h;
              int src;
              int slot;
+             if (landed_only && !c.engine->landed(id)) return py::none();
              try {
                slot = c.engine->take_claim(id, &h, &src);
              } catch (const Error&) {
                c.engine->cancel(id);  // refused (a device message): it stays for the next recv
                throw;
              }
-             if (slot < 0) return py::none();  // a rendezvous: nothing in the slot to lend, copy it out
+             if (slot == -1) return py::none();  // a rendezvous: nothing in the slot to lend, copy it out
              PyObject* r = lend(self.ptr(), c, src, slot, h, make.ptr());
              if (!r) throw py::error_already_set();
              return py::reinterpret_steal<py::object>(r);
+           },
+           py::arg("id"), py::arg("make"), py::arg("landed_only") = false)
+      // A Loan over a new landing block of nbytes (Comm.empty), or None when
+      // the landing area has no room.
+      .def("landing_buffer",
+           [](py::object self, uint64_t nbytes) -> py::object {
+             Comm& c = self.cast<Comm&>();
+             int slot = c.engine->landing_buffer(nbytes);
+             if (!slot) return py::none();
+             MsgHeader h{};
+             h.nbytes = nbytes;
+             PyObject* l = new_loan(self.ptr(), c, c.engine->rank(), slot, h);
+             if (!l) {
+               c.engine->release_claimed(c.engine->rank(), slot, 0);
+               throw py::error_already_set();
+             }
+             return py::reinterpret_steal<py::object>(l);
            })
+      .def("landing_stats", [](Comm& c) { return c.engine->landing_stats(); })
       // The blocking send/recv, one CPython call each.
       .def("fast", [](py::object self) { return make_fast(self); })
       .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })

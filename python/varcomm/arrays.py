@@ -242,6 +242,19 @@ def prefix_view(out: Array, nbytes: int, shape: Sequence[int]) -> Array:
     return out.as_strided(tuple(shape), tuple(strides))
 
 
+def dtype_word(dtype: Any) -> int:
+    """The DLPack word of a dtype given as a torch dtype, a numpy dtype (or
+    anything numpy takes for one), or a torch dtype's name ("bfloat16")."""
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return dtypes.from_torch(dtype)
+    if isinstance(dtype, str) and torch is not None and isinstance(getattr(torch, dtype, None), torch.dtype):
+        try:
+            return dtypes.from_numpy(dtype)
+        except InvalidArgument:  # bfloat16: no numpy dtype
+            return dtypes.from_torch(getattr(torch, dtype))
+    return dtypes.from_numpy(dtype)
+
+
 def empty(kind: str, dtype_word: int, shape: Sequence[int],
           device: torch.device | None = None) -> tuple[Array, int]:
     """A fresh array for a message of unknown size, and its data pointer (a

@@ -3,13 +3,14 @@ reaches each peer. The core chooses and connects the routes (csrc/routes.cpp);
 nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, cast, overload
 
 import numpy as np
 
-from . import arrays, bootstrap
+from . import arrays, bootstrap, dtypes
 from .errors import InvalidArgument, MessageTooLarge, VarcommError
 from .errors import TimeoutError as _Timeout
 from .options import Options
@@ -396,6 +397,27 @@ class Communicator:
                     return arrays.prefix_view(out, r.nbytes, r.shape)
         return self.irecv(src, tag, out, copy=copy, array=array).wait(t)
 
+    def empty(self, shape: int | Sequence[int], dtype: Any = "float32", array: str | None = None) -> Any:
+        """An uninitialised host array (numpy or torch: `array`, default the
+        communicator's) in this rank's landing area, to receive into: a large
+        message received with ``out=`` it is written there by its sender, one
+        copy in all, where an ordinary ``out`` takes two (or a kernel-mediated
+        CMA copy). Allocate once and reuse, as for any ``out``. Freed when the
+        array and its views are gone. With no room left in the area (option
+        ``landing``) an ordinary array is returned, which works the same, with
+        the extra copy."""
+        dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise InvalidArgument(f"empty: shape {dims} has a negative dimension")
+        word = arrays.dtype_word(dtype)
+        kind = _check_array(array) if array is not None else self._array
+        kind = arrays.receive_kind(kind, 0)
+        nbytes = dtypes.itemsize(word) * math.prod(dims)
+        loan = self._c.landing_buffer(nbytes) if nbytes else None
+        if loan is None:
+            return arrays.empty(kind, word, dims)[0]
+        return arrays.lender(kind)(loan, word, dims, 0)
+
     def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
         """Send a descriptor: a header describing `nbytes` of data (dtype word,
         shape) that travels in other messages; it carries none itself, so
@@ -464,7 +486,9 @@ class Communicator:
                 return st
             # copy=False refuses (kind, dtype) with the message kept for the next recv; a
             # rendezvous message has no slot to lend (None): it is copied out once instead.
-            if not copy and (lent := c.loan(rid, lend)) is not None:
+            # One that landed (written by its sender into our landing area) is the result
+            # as it is, for either copy: nothing else will ever write its block.
+            if (lent := c.loan(rid, lend, copy)) is not None:
                 return lent
             word, shape = st.dtype, st.shape
             kind = arrays.receive_kind(asked, st.array)

@@ -244,6 +244,7 @@ class CoreOptions(TypedDict):
     nvlink_flags: str
     nvlink_kernel_max: int
     eager_max: int
+    landing: int
     max_message: int
     job_key: str
     rdma_chunk: int
@@ -373,9 +374,15 @@ class Options(_Declared):
         "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
         "else messages over the bound stream through the slots (1/0 mean on/off)")
     eager_max: int = _opt("VARCOMM_EAGER_MAX", _bytes(0), 256 * KiB,
-                          "largest message sent eagerly where the pair can copy once (shm with CMA); a larger one "
-                          "goes by rendezvous: the receiver copies it straight out of the sender's memory, and the "
-                          "send completes when it has", "256 KiB")
+                          "largest message sent eagerly where the pair can copy once (a landing area, or shm with "
+                          "CMA); a larger one goes by rendezvous: the data is copied once, by the sender into the "
+                          "receiver's landing area or by the receiver out of the sender's memory, and the send "
+                          "completes when it has", "256 KiB")
+    landing: int = _opt("VARCOMM_LANDING", _bytes(0), 64 * MiB,
+                        "bytes of this rank's landing area (shm, rdma): a rendezvous message received without "
+                        "`out`, or into a `comm.empty` buffer, is written there once by its sender and the result "
+                        "is a view of it (freed when dropped); mapped, and touched only as used. 0: none (messages "
+                        "over the bound stream through the slots)", "64 MiB")
     max_message: int = _opt("VARCOMM_MAX_MESSAGE", _bytes(0), 0,
                             "largest message this rank sends; a larger one raises MessageTooLarge before anything "
                             "is written (0: no limit; GPU memory is also held to the receiver's bound)", "0 (none)")
@@ -407,7 +414,7 @@ class Options(_Declared):
             "rdma_strict": self.rdma_strict, "rdma_eager_credits": self.rdma_eager_credits,
             "liveness_addr": self.liveness_addr, "debug": self.debug, "nvlink": self.nvlink,
             "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
-            "nvlink_kernel_max": self.nvlink_kernel_max, "eager_max": self.eager_max,
+            "nvlink_kernel_max": self.nvlink_kernel_max, "eager_max": self.eager_max, "landing": self.landing,
             "max_message": self.max_message, "job_key": self.job_key,
             "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem, "cma": self.cma,
         }

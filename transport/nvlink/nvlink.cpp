@@ -135,7 +135,7 @@ class NvlinkTransport : public Transport {
   // cuMemcpyAsync + cuStreamWriteValue64; 0 keeps the copy engine for every size).
   NvlinkTransport(const cu::Driver& d, Region& local, const Layout& L, int device, const Options& o)
       : d_(d), local_(local), layout_(L), mode_(flag_mode(o.nvlink_flags)), kernel_max_(o.nvlink_kernel_max) {
-    if (local.size() != L.total()) throw Error(ErrorKind::Invalid, "nvlink: region size does not match its layout");
+    if (local.size() != L.region_bytes()) throw Error(ErrorKind::Invalid, "nvlink: region size does not match its layout");
     rings_off_ = L.rings_off();
     dev_bytes_ = L.total() - rings_off_;
     int count = 0;
@@ -201,7 +201,7 @@ class NvlinkTransport : public Transport {
     std::ostringstream o;
     o << "nvlink2 " << getpid() << ' ' << local_.fd() << ' ' << size << ' ' << start << ' ' << rings_off_ << ' '
       << dev_bytes_ << ' ' << (mode_ == FlagMem::Device ? "device" : "host") << ' ' << bus << ' '
-      << to_hex(&ipc_, sizeof ipc_) << ' ' << layout_.nslots << ' ' << layout_.bound;
+      << to_hex(&ipc_, sizeof ipc_) << ' ' << layout_.nslots << ' ' << layout_.bound << ' ' << layout_.landing;
     return o.str();
   }
 
@@ -214,7 +214,7 @@ class NvlinkTransport : public Transport {
     Layout L;
     L.world = layout_.world;
     in >> magic >> p.pid >> fd >> p.host_size >> p.start >> p.rings_off >> dev_bytes >> mode >> bus >> handle >>
-        L.nslots >> L.bound;
+        L.nslots >> L.bound >> L.landing;
     CUipcMemHandle h;
     if (!in || magic != "nvlink2" || !from_hex(handle, &h, sizeof h))
       throw Error(ErrorKind::Invalid, "bad nvlink descriptor from rank " + std::to_string(peer));

@@ -216,6 +216,10 @@ class RdmaTransport final : public Transport, public rdma::Port {
 
   std::string name() const override { return "rdma"; }
   uint64_t stream_chunk() const override { return stream_chunk_; }
+  // One fi_writemsg of header + payload; the provider's own limit.
+  uint64_t landing_write_max() const override {
+    return info_->ep_attr->max_msg_size > kHeaderBytes ? info_->ep_attr->max_msg_size - kHeaderBytes : 0;
+  }
   std::string describe() const override { return describe_; }
   std::map<std::string, std::string> properties() const override {
     return {{"provider", info_->fabric_attr->prov_name},

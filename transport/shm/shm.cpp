@@ -47,7 +47,7 @@ class ShmTransport : public Transport {
     unsigned long long start = process_start(getpid());
     return std::to_string(getpid()) + ":" + std::to_string(local_.fd()) + ":" + std::to_string(size) + ":" +
            std::to_string(start) + ":" + std::to_string(layout_.nslots) + ":" + std::to_string(layout_.bound) + ":" +
-           std::to_string(uintptr_t(base));
+           std::to_string(uintptr_t(base)) + ":" + std::to_string(layout_.landing);
   }
 
   void connect(int peer, const std::string& d) override {
@@ -56,10 +56,12 @@ class ShmTransport : public Transport {
     size_t size = 0;
     Layout L;
     L.world = layout_.world;
-    unsigned long long bound = 0, at = 0;
-    if (sscanf(d.c_str(), "%d:%d:%zu:%llu:%d:%llu:%llu", &p.pid, &fd, &size, &p.start, &L.nslots, &bound, &at) != 7)
+    unsigned long long bound = 0, at = 0, landing = 0;
+    if (sscanf(d.c_str(), "%d:%d:%zu:%llu:%d:%llu:%llu:%llu", &p.pid, &fd, &size, &p.start, &L.nslots, &bound, &at,
+               &landing) != 8)
       throw Error(ErrorKind::Invalid, "bad shm descriptor from rank " + std::to_string(peer));
     L.bound = bound;
+    L.landing = landing;
     p.size = size;
     if (p.pid == getpid()) {
       p.base = local_.base();
@@ -114,6 +116,8 @@ class ShmTransport : public Transport {
   }
 
   void connected() override { local_.close_fd(); }
+
+  uint64_t landing_write_max() const override { return UINT64_MAX; }
 
   size_t peer_bytes(int peer) const override { return peers_.at(peer).size; }
 

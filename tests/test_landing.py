@@ -1,0 +1,201 @@
+"""Issue 11: the landing area (protocol.h kPushCredit). A rendezvous message
+received without out=, or into a comm.empty buffer, is written by its sender
+straight into a block of the receiver's landing area, and that block is the
+result: one copy in all. The block is freed when the result is dropped, a
+receive that gives up frees it once the write lands, and a full area falls
+back to the other rendezvous paths. Run on every transport that lands (shm,
+rdma); the fallback must still deliver the same bytes."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import varcomm
+from conftest import TRANSPORTS
+from varcomm.testing import seeded, world
+
+BOUND = 4096
+LANDS = [t for t in TRANSPORTS if t != "fallback"]
+
+
+def _data(n: int, salt: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 7 + salt) % 251).astype(np.uint8)
+
+
+def _init(transport: str, **kw):  # type: ignore[no-untyped-def]
+    kw.setdefault("bound", BOUND)
+    kw.setdefault("slots", 4)
+    return varcomm.init(transport=transport, timeout=60, array="numpy", **kw)
+
+
+def _blocks(comm) -> int:  # type: ignore[no-untyped-def]
+    return comm._c.landing_stats()[1]
+
+
+@pytest.mark.parametrize("transport", LANDS)
+@world(2, timeout=120)
+def test_a_large_message_lands_once_and_is_the_result(transport):
+    """The result of a rendezvous receive without out is a view of the block
+    its sender wrote (numpy and torch, copy=True and copy=False); the block is
+    free again once the result and its views are gone."""
+    with _init(transport, landing=8 << 20) as comm:
+        n = 256 * BOUND + 3
+        if comm.rank == 0:
+            for i in range(4):
+                comm.send(_data(n, i), 1, tag=i)
+            assert comm.recv(1, tag=9)[0] == 1
+        else:
+            free0 = comm._c.landing_stats()[0]
+            a = comm.recv(0, tag=0)
+            assert np.array_equal(a, _data(n, 0))
+            assert _blocks(comm) == 1, "the result is not in the landing area"
+            assert comm._c.landing_stats()[0] < free0
+            b = comm.recv(0, tag=1, array="torch")
+            assert isinstance(b, torch.Tensor) and np.array_equal(b.numpy(), _data(n, 1))
+            c = comm.recv(0, tag=2, copy=False)
+            d = comm.irecv(0, tag=3).wait()
+            assert np.array_equal(c, _data(n, 2)) and np.array_equal(d, _data(n, 3))
+            assert _blocks(comm) == 4
+            view = a[10:20]
+            del a, b, c, d
+            assert _blocks(comm) == 1, "a view keeps its block"
+            assert list(view) == list(_data(n, 0)[10:20])
+            del view
+            assert comm._c.landing_stats() == (free0, 0), "a dropped result did not free its block"
+            comm.send(np.array([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", LANDS)
+@world(2, timeout=120)
+def test_comm_empty_is_written_in_place(transport):
+    """recv(out=comm.empty(...)) returns out itself (or a prefix of it) with
+    the sender's bytes, message after message; an ordinary out still works."""
+    with _init(transport, landing=8 << 20) as comm:
+        cap = 300 * BOUND
+        sizes = [cap, 100 * BOUND + 1, 2 * BOUND, cap]
+        if comm.rank == 0:
+            for i, n in enumerate(sizes):
+                comm.send(_data(n, i), 1, tag=1)
+            comm.send(torch.from_numpy(_data(cap, 9)), 1, tag=2)
+            assert comm.recv(1, tag=9)[0] == 1
+        else:
+            out = comm.empty(cap, "uint8")
+            assert isinstance(out, np.ndarray) and out.shape == (cap,) and _blocks(comm) == 1
+            for i, n in enumerate(sizes):
+                got = comm.recv(0, tag=1, out=out)
+                assert got.shape == (n,) and np.array_equal(got, _data(n, i))
+                assert got.ctypes.data == out.ctypes.data, "not received in place"
+            assert _blocks(comm) == 1, "a landing into out left a block behind"
+            t = comm.empty((cap // 4, 4), torch.uint8, array="torch")
+            assert isinstance(t, torch.Tensor) and t.shape == (cap // 4, 4)
+            got = comm.irecv(0, tag=2, out=t.view(-1)).wait()
+            assert np.array_equal(got.numpy(), _data(cap, 9))
+            del out, got, t
+            assert _blocks(comm) == 0
+            comm.send(np.array([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_a_full_landing_area_falls_back(transport):
+    """Results held by the caller fill the area: later messages take the
+    other rendezvous paths, byte-exact, and the area is whole again after."""
+    with _init(transport, landing=1 << 20) as comm:
+        n = 100 * BOUND
+        k = 6  # 6 x 400 KiB > 1 MiB
+        if comm.rank == 0:
+            for i in range(k):
+                comm.send(_data(n, i), 1, tag=i)
+            out = comm.empty(2 << 20, "uint8")  # larger than the area: an ordinary array
+            assert out.shape == (2 << 20,)
+            assert comm.recv(1, tag=9)[0] == 1
+        else:
+            free0 = comm._c.landing_stats()[0]
+            held = [comm.recv(0, tag=i) for i in range(k)]
+            for i, h in enumerate(held):
+                assert np.array_equal(h, _data(n, i)), f"message {i}"
+            if transport != "fallback":
+                assert 1 <= _blocks(comm) < k
+            del held, h
+            assert comm._c.landing_stats() == (free0, 0)
+            comm.send(np.array([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", LANDS)
+@world(2, timeout=120)
+def test_a_receive_that_gives_up_frees_its_block_and_the_pair_goes_on(transport):
+    """The sender posts a rendezvous send and then computes (no progress):
+    the receiver times out with the landing promised; when the sender's write
+    comes, the block is freed, and the next message arrives intact."""
+    with _init(transport, landing=8 << 20) as comm:
+        n = 64 * BOUND
+        if comm.rank == 0:
+            w = comm.isend(_data(n, 1), 1, tag=1)
+            time.sleep(3)  # computing: nothing drives the send
+            w.wait()
+            comm.send(_data(n, 2), 1, tag=2)
+            assert comm.recv(1, tag=9)[0] == 1
+        else:
+            with pytest.raises(varcomm.TimeoutError):
+                comm.recv(0, tag=1, timeout=1)
+            got = comm.recv(0, tag=2)
+            assert np.array_equal(got, _data(n, 2))
+            del got
+            deadline = time.time() + 10
+            while _blocks(comm) and time.time() < deadline:
+                comm._c.progress()
+                time.sleep(0.05)
+            assert _blocks(comm) == 0, "the abandoned landing kept its block"
+            comm.send(np.array([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=240)
+def test_random_landings_byte_exact(transport):
+    """Random sizes around eager_max and the bound, every receive form
+    (comm.empty out, ordinary out, new array, copy=False, irecv, dropped
+    irecv), interleaved with small messages."""
+    rng = random.Random(seeded())
+    with _init(transport, landing=2 << 20, eager_max=16 << 10, bound=64 << 10, slots=3) as comm:
+        cap = 1 << 20
+        plan = [(rng.choice([1, 1000, 16 << 10, (16 << 10) + 1, 100_000, 64 << 10, (64 << 10) + 7, 700_000, cap]),
+                 rng.randrange(6)) for _ in range(80)]
+        if comm.rank == 0:
+            for i, (n, _) in enumerate(plan):
+                comm.send(_data(n, i), 1, tag=1)
+                comm.send(np.array([i]), 1, tag=2)
+            assert comm.recv(1, tag=9)[0] == 1
+        else:
+            empty = comm.empty(cap, "uint8")
+            plain = np.zeros(cap, np.uint8)
+            held = []
+            for i, (n, form) in enumerate(plan):
+                want = _data(n, i)
+                if form == 0:
+                    got = comm.recv(0, tag=1, out=empty)
+                elif form == 1:
+                    got = comm.recv(0, tag=1, out=plain)
+                elif form == 2:
+                    got = comm.recv(0, tag=1)
+                    held = (held + [got])[-3:]
+                elif form == 3:
+                    got = comm.recv(0, tag=1, copy=False)
+                elif form == 4:
+                    got = comm.irecv(0, tag=1).wait()
+                else:
+                    comm.irecv(0, tag=1)  # dropped: the message is taken and freed
+                    got = want
+                assert np.array_equal(got, want), f"message {i} ({n} bytes, form {form})"
+                assert comm.recv(0, tag=2)[0] == i
+            assert all(h.size in {n for n, _ in plan} for h in held)
+            del held, got, empty
+            deadline = time.time() + 10
+            while _blocks(comm) and time.time() < deadline:
+                comm._c.progress()
+                time.sleep(0.05)
+            assert _blocks(comm) == 0, "blocks leaked"
+            comm.send(np.array([1]), 0, tag=9)
