@@ -1020,14 +1020,9 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
       }
       return 1;
     }
-    // Into a landing block: out's own (comm.empty: the one copy is the
-    // sender's), else, where the wire is no slower than a memcpy (no
-    // stream_chunk) and we cannot read the sender's memory, a new one that is
-    // copied into dst once landed: two memcpys through hot memory rather than
-    // chunks through the slots.
+    // Into out's own landing block (comm.empty): the one copy is the sender's.
     size_t own = landing_block(dst, h.nbytes);
     if (own && try_land(peer, slot, h, id, static_cast<char*>(dst), own)) return 0;
-    if (!p.pulls && !p.t->stream_chunk() && try_land(peer, slot, h, id, static_cast<char*>(dst))) return 0;
     if (p.pulls) {
       uint64_t src = claim_source(peer, slot, h);
       std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;

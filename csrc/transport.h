@@ -49,9 +49,10 @@ class Transport {
   virtual bool flushed(int /*peer*/) { return true; }
   // One-sided store of an 8-byte value into the peer's region (credits).
   virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
-  // Where the wire is slower than a memcpy, a large message moves best as a
-  // pipeline of chunks of this many bytes (the receiver copies one out of its
-  // slot while the next is on the wire); 0: in one piece where it fits.
+  // A large message that streams through the slots (protocol.h kRendezvous)
+  // moves best as a pipeline of chunks of this many bytes: the receiver
+  // copies one out of its slot while the next is on the wire (or, on shm,
+  // being copied in by the sender); 0: in bound-sized pieces.
   virtual uint64_t stream_chunk() const { return 0; }
   // The largest write_message this transport makes at any 256-aligned offset
   // of the peer's region, not only its slots: where a rendezvous sender may

@@ -118,6 +118,13 @@ class ShmTransport : public Transport {
   void connected() override { local_.close_fd(); }
 
   uint64_t landing_write_max() const override { return UINT64_MAX; }
+  // A large message into an ordinary out (no landing block, no CMA) streams
+  // through the slots in pieces of this size: the sender copies the next
+  // into a slot while the receiver copies the last out, so the two copies
+  // overlap on two cores. Whole-bound pieces (8 MiB) barely overlap and cycle
+  // through cold pages: 16 MiB unidirectional 5.9 ms through a landing block
+  // and a second memcpy, 2.5 ms in 1 MiB pieces, one memcpy 2.3-2.6 ms.
+  uint64_t stream_chunk() const override { return 1u << 20; }
 
   size_t peer_bytes(int peer) const override { return peers_.at(peer).size; }
 
