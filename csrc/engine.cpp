@@ -490,7 +490,7 @@ bool Engine::try_land(int peer, int slot, const MsgHeader& h, uint64_t id, char*
   size_t off = block;
   if (off) {
     Block& b = land_used_.at(off);
-    if (b.pending) return false;  // posted twice: the second lands elsewhere and is copied
+    if (b.pending) return false;  // posted twice: the second takes the other paths (CMA or the stream)
     b.refs++;
   } else if (!(off = land_alloc(h.nbytes))) {
     return false;

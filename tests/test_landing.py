@@ -36,6 +36,15 @@ def _blocks(comm) -> int:  # type: ignore[no-untyped-def]
     return comm._c.landing_stats()[1]
 
 
+def _drained(comm) -> int:  # type: ignore[no-untyped-def]
+    """Blocks still in use once pending landings had 10 s to arrive and be freed."""
+    deadline = time.time() + 10
+    while _blocks(comm) and time.time() < deadline:
+        comm._c.progress()
+        time.sleep(0.05)
+    return _blocks(comm)
+
+
 @pytest.mark.parametrize("transport", LANDS)
 @world(2, timeout=120)
 def test_a_large_message_lands_once_and_is_the_result(transport):
@@ -145,11 +154,7 @@ def test_a_receive_that_gives_up_frees_its_block_and_the_pair_goes_on(transport)
             got = comm.recv(0, tag=2)
             assert np.array_equal(got, _data(n, 2))
             del got
-            deadline = time.time() + 10
-            while _blocks(comm) and time.time() < deadline:
-                comm._c.progress()
-                time.sleep(0.05)
-            assert _blocks(comm) == 0, "the abandoned landing kept its block"
+            assert _drained(comm) == 0, "the abandoned landing kept its block"
             comm.send(np.array([1]), 0, tag=9)
 
 
@@ -181,7 +186,7 @@ def test_random_landings_byte_exact(transport):
                     got = comm.recv(0, tag=1, out=plain)
                 elif form == 2:
                     got = comm.recv(0, tag=1)
-                    held = (held + [got])[-3:]
+                    held = (held + [(i, got)])[-3:]
                 elif form == 3:
                     got = comm.recv(0, tag=1, copy=False)
                 elif form == 4:
@@ -191,11 +196,9 @@ def test_random_landings_byte_exact(transport):
                     got = want
                 assert np.array_equal(got, want), f"message {i} ({n} bytes, form {form})"
                 assert comm.recv(0, tag=2)[0] == i
-            assert all(h.size in {n for n, _ in plan} for h in held)
+            # Later landings must not have reused a block still held.
+            overwritten = [i for i, h in held if not np.array_equal(h, _data(plan[i][0], i))]
+            assert held and not overwritten, f"held results overwritten: {overwritten}"
             del held, got, empty
-            deadline = time.time() + 10
-            while _blocks(comm) and time.time() < deadline:
-                comm._c.progress()
-                time.sleep(0.05)
-            assert _blocks(comm) == 0, "blocks leaked"
+            assert _drained(comm) == 0, "blocks leaked"
             comm.send(np.array([1]), 0, tag=9)
