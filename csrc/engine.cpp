@@ -271,7 +271,7 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem, eager);
   return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask,
-                    !eager && rendezvous(peer, nbytes, mem));
+                    rendezvous(peer, nbytes, mem, eager));
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -306,7 +306,7 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   return id;
 }
 
-uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem) {
+uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem, bool hold) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
@@ -322,6 +322,7 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   r.out_cap = out_cap;
   r.out_dtype = out_dtype;
   r.mem = mem;
+  r.hold = hold && !out;
   r.state = ReqState::Posted;
   p.posted.push_back(id);
   if (p.t) p.t->progress();
@@ -408,9 +409,15 @@ uint64_t Engine::send_limit(int peer, bool device) const {
   return device ? std::min(b, cap) : cap;
 }
 
-bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem) const {
+bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem, bool held) const {
   if (mem.device) return false;
   const Peer& p = peers_[peer];
+  // A collective's chunk (held to the bound): by rendezvous only where the
+  // receiver copies it straight out of us into the output it places once
+  // every count is in (Request::hold), one copy instead of two.
+  // From 32 KiB, where one CMA copy plus its system call beats two memcpys
+  // on the hosts measured (bench/results/issue11-2026-12-02-s6.md).
+  if (held) return p.pulls && nbytes > std::min<uint64_t>(opt_.eager_max, 32 << 10);
   // (Not where a device route exists: a host message streamed to a GPU out
   // cannot land there, see misfit.)
   uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;
@@ -1147,6 +1154,10 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.state = ReqState::Done;
+    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && p.pulls) {
+      r.slot = m->slot;  // copy_out reads it from the sender into its dst
+      m->claimed = true;
+      r.state = ReqState::Matched;
     } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && try_land(peer, m->slot, r.hdr, *it, nullptr)) {
       // Written by its sender into a landing block, which becomes the result
       // (check_landings): one copy in all.

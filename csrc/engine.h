@@ -83,6 +83,10 @@ struct Request {
   bool detached = false;  // nobody will wait: recycle when terminal
   bool reported = false;  // detached with a buffer kept alive by the caller: report its recycling
   bool copied = false;    // a recv streaming into copy_out's dst: recycled when waited
+  // A rendezvous head that the receiver can copy straight out of its sender
+  // (CMA) waits matched until copy_out names where: an all-to-all places its
+  // output once every count is in, and the one copy goes there.
+  bool hold = false;
 };
 
 class Engine {
@@ -108,14 +112,16 @@ class Engine {
   // array: the sender's array kind for the header (protocol.h, kArrayShift).
   // A host message over the receiver's bound (or over Options::eager_max
   // where the pair copies once) goes by rendezvous (protocol.h kRendezvous);
-  // `eager`: never (the collectives: their chunks are held to the bound).
+  // `eager`: held to the bound (the collectives), and by rendezvous only
+  // where the receiver copies straight out of us (Engine::rendezvous).
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                  const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false);
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                             uint32_t ndim);
-  uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem = {});
+  uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem = {},
+                 bool hold = false);
   // Blocks (without the GIL; the binding layer slices it) until done, failed
   // or `deadline`. Returns true when terminal. Throws on failure.
   bool wait(uint64_t id, std::chrono::steady_clock::time_point deadline);
@@ -294,7 +300,8 @@ class Engine {
   // Completes the landings from `peer` that arrived; false when the peer failed.
   bool check_landings(int peer);
   // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
-  bool rendezvous(int peer, uint64_t nbytes, Mem mem) const;
+  // `held`: a collective's chunk, held to the bound (isend's `eager`).
+  bool rendezvous(int peer, uint64_t nbytes, Mem mem, bool held = false) const;
   Transport& device_transport(int peer);
   Transport& local_device();
   template <class F>

@@ -327,3 +327,91 @@ def test_dead_peer_raises_peer_failure(transport):
     other = 1 - r  # the survivors' channel still works
     comm.send(torch.tensor([r]), dst=other)
     assert comm.recv(src=other).item() == other
+
+
+# Chunks over 32 KiB to a peer this rank can read straight out of (CMA) go by
+# rendezvous: the receiver copies each one from its sender into the output it
+# places once every count is in (Engine::rendezvous `held`, Request::hold).
+# cma=on forces that pair on hosts whose probe prefers two memcpys.
+HELD = ["shm", "shm/two-phase"] if "shm" in TRANSPORTS else []
+
+
+@pytest.mark.parametrize("transport", HELD)
+@pytest.mark.parametrize("n", [3, 4])
+def test_chunks_copied_once_from_their_sender_match_reference(transport, n):
+    @world(n, timeout=120)
+    def body():
+        seed = seeded()
+        with _init(transport, bound=1 << 20, slots=2, timeout=60, cma="on") as comm:
+            assert comm.route_info((comm.rank + 1) % n)["cma"] == "on"
+            r = comm.rank
+            for it in range(16):
+                g = np.random.default_rng([seed, it])
+                dt, trailing = [(torch.float32, (256,)), (torch.bfloat16, (3, 171))][it % 2]
+                row = (2 if dt == torch.bfloat16 else 4) * int(np.prod(trailing))
+                splits = g.integers(0, (1 << 20) // row // n + 1, size=(n, n))
+                splits[g.random((n, n)) < 0.2] = 0
+                if it == 7:
+                    splits[:] = 0
+                    splits[:, 1] = (1 << 20) // row  # all to one, each chunk at the bound
+                x = _x(seed, it, r, int(splits[r].sum()), trailing, dt)
+                want = _reference(seed, it, splits, r, trailing, dt)
+                if it % 3 == 2:  # async, the sender's buffer dropped by the caller meanwhile
+                    work = A.all_to_all_v(comm, x, splits[r].tolist(), async_op=True)
+                    del x
+                    got, rs = work.wait()
+                else:
+                    got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
+                _check(got, want, rs, splits, r, f"seed {seed} iteration {it}")
+
+    body()
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(3, timeout=90)
+def test_a_sender_that_gave_up_still_delivers_its_held_chunks():
+    """Ranks 0 and 2 time out waiting for rank 1; the chunks they sent it by
+    rendezvous are moved into memory of the core's own (the caller may reuse
+    its input), and rank 1, late, still receives exactly what they sent."""
+    with _init("shm", bound=1 << 20, slots=4, timeout=30, cma="on") as comm:
+        r, n = comm.rank, comm.world_size
+        rows = 64  # 64 KiB chunks: over the 32 KiB threshold
+        x = torch.full((rows * n, 256), float(r))
+        comm.barrier()
+        if r != 1:
+            with pytest.raises(varcomm.TimeoutError, match="rank 1"):
+                A.all_to_all_v(comm, x, [rows] * n, timeout=2.0)
+            x.fill_(-1.0)  # reused at once: rank 1 must not see it
+            comm.barrier()
+        else:
+            comm.barrier()
+            got, rs = A.all_to_all_v(comm, x, [rows] * n, timeout=10)
+            assert rs == [rows] * n
+            assert torch.equal(got, torch.repeat_interleave(torch.arange(n, dtype=torch.float32), rows)[:, None]
+                               .expand(-1, 256)), "rank 1 got data changed after its sender gave up"
+        comm.barrier()
+        got, rs = A.all_to_all_v(comm, x[: rows * n] * 0 + r, [rows] * n)  # the channel still works
+        assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(3, timeout=90, expect_exit={2: None})
+def test_a_sender_that_dies_before_its_held_chunk_is_read_fails_its_receivers():
+    """Rank 2's chunks are written as rendezvous heads and it dies before ranks
+    0 and 1 read them: they raise PeerFailure naming rank 2 within seconds."""
+    comm = _init("shm", bound=1 << 20, slots=4, timeout=60, cma="on")
+    r, n = comm.rank, comm.world_size
+    x = torch.full((64 * n, 256), float(r))
+    if r == 2:
+        work = A.all_to_all_v(comm, x, [64] * n, async_op=True)  # heads out, then gone
+        time.sleep(0.2)
+        assert not work.is_completed()
+        os._exit(3)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+        A.all_to_all_v(comm, x, [64] * n)
+    assert time.monotonic() - t0 < 10, "a dead sender took too long to detect"
+    other = 1 - r
+    comm.send(torch.tensor([r]), dst=other)
+    assert comm.recv(src=other).item() == other
