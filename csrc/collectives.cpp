@@ -8,6 +8,12 @@ namespace varcomm {
 
 namespace {
 
+// How long wait_done waits for a chunk sent by rendezvous before moving it
+// (AllToAll::wait_done): the receivers of a collective copy within about a
+// chunk's copy time of each other, so a longer wait means one is busy.
+using Clock = std::chrono::steady_clock;
+constexpr auto kHeldGrace = std::chrono::milliseconds(5);
+
 std::string rank_str(int r) { return "rank " + std::to_string(r); }
 
 // Python's tuple and list spelling, so messages read like the caller's values.
@@ -84,6 +90,7 @@ AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), ran
   recv_.assign(n, 0);
   payload_.assign(n, 0);
   payload_into_.assign(n, 0);
+  copying_.assign(n, 0);
   got_.resize(n);
   fate_.assign(n, Fate::Pending);
   why_.resize(n);
@@ -144,8 +151,8 @@ void AllToAll::cleanup() {
     try {
       if (send) {
         if (e_.cancel(id, true) == Engine::Cancelled::kKept) in_flight_.push_back(id);
-      } else {
-        e_.detach(id);
+      } else if (e_.detach(id, true)) {
+        in_flight_.push_back(id);  // streaming into the output (copy_out returned false): kept alive
       }
     } catch (const Error&) {
     }
@@ -312,8 +319,12 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
       } else {
         for (int s = 0; s < world_; ++s) {
           if (!recv_[s]) continue;
-          if (void* d = dest(s)) e_.copy_out(recv_[s], d, dest_mem(s));
-          else e_.release(recv_[s]);
+          // (false: it streams into d, and is waited for below)
+          if (void* d = dest(s)) {
+            if (!e_.copy_out(recv_[s], d, dest_mem(s))) payload_[s] = recv_[s], copying_[s] = true;
+          } else {
+            e_.release(recv_[s]);
+          }
           recv_[s] = 0;
         }
       }
@@ -327,7 +338,9 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
         done = false;
         return;
       }
-      if (payload_into_[s]) {
+      if (copying_[s]) {  // its copy_out streamed into the output, and is done now
+        copying_[s] = false;
+      } else if (payload_into_[s]) {
         MsgInfo m = e_.info(id);
         const A2AChunk& want = got_[s];
         if (m.nbytes != want.nbytes || m.dtype != want.dtype || (m.flags & kDescriptor)) {
@@ -341,19 +354,34 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
                           "); is every rank running the same strategy (a2a_algorithm) and varcomm version?",
                       s);
         }
-        e_.copy_out(id, dest(s), dest_mem(s));
+        if (!e_.copy_out(id, dest(s), dest_mem(s))) {
+          copying_[s] = true;  // streams into the output: waited for next
+          --s;
+          continue;
+        }
       } else {
         e_.release(id);
       }
       id = 0;
     }
+    // A chunk sent by rendezvous (Engine::rendezvous `held`) completes when
+    // its receiver copies it, which may be only when that rank waits for its
+    // own collective, perhaps after waiting for something of ours (an async
+    // all-to-all, then a recv from us): past a grace time its data moves into
+    // the core's memory (one copy more) and we return.
+    if (sends_since_ == Clock::time_point{}) sends_since_ = Clock::now();
+    const auto grace = sends_since_ + kHeldGrace;
     for (auto& id : sends_) {
-      if (!id) continue;
-      if (!e_.wait(id, deadline)) {
-        done = false;
-        return;
+      while (id) {
+        if (e_.wait(id, Clock::now() < grace ? std::min(deadline, grace) : deadline)) {
+          id = 0;
+        } else if (Clock::now() >= grace && e_.let_go(id)) {
+          id = 0;
+        } else if (Clock::now() >= deadline) {
+          done = false;
+          return;
+        }
       }
-      id = 0;
     }
   });
   return done;

@@ -135,9 +135,11 @@ class AllToAll {
   int64_t tag_;  // one-phase message / two-phase descriptor; tag_ + 1: two-phase payload
   std::vector<uint64_t> recv_;     // per source: pending recv id (0: none)
   std::vector<uint64_t> sends_;    // pending send ids (0: done)
-  std::vector<uint64_t> in_flight_;  // sends cleanup() left reading the input
+  std::vector<uint64_t> in_flight_;  // sends cleanup() left reading the input, receives writing the output
   std::vector<uint64_t> payload_;  // two-phase: per source, the payload recv
   std::vector<char> payload_into_;  // ... copied into place once matched (else dropped)
+  std::vector<char> copying_;       // per source: payload_ is a copy_out streaming into the output
+  std::chrono::steady_clock::time_point sends_since_{};  // when wait_done first waited for the sends (kHeldGrace)
   std::vector<A2AChunk> got_;      // per source: the header that arrived (self: own chunk)
   std::vector<Fate> fate_;
   std::vector<std::string> why_;   // Rejected: why the caller could not place it

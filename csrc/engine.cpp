@@ -314,6 +314,7 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
   if (mem.device) device_transport(peer);  // refuse before posting: no message is consumed
+  check_out_settled(out, mem);
   uint64_t id = alloc(ReqKind::Recv);
   Request& r = reqs_[uint32_t(id)];
   r.peer = peer;
@@ -434,6 +435,7 @@ bool Engine::streams_in(int peer, const MsgHeader& h) const {
 // ---- the landing area -----------------------------------------------------
 
 size_t Engine::land_alloc(uint64_t nbytes) {
+  if (nbytes > layout_.landing) return 0;  // (and align_up below cannot wrap)
   size_t want = align_up(kPayloadOff + nbytes, 4096);
   for (auto it = land_free_.begin(); it != land_free_.end(); ++it) {
     if (it->second < want) continue;
@@ -475,6 +477,15 @@ size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
   size_t off = size_t(d - base) - kPayloadOff;
   auto u = land_used_.find(off);
   return u != land_used_.end() && u->second.len >= kPayloadOff + nbytes ? off : 0;
+}
+
+void Engine::check_out_settled(const void* out, Mem mem) const {
+  size_t b = out && !mem.device ? landing_block(out, 0) : 0;
+  if (b && land_used_.at(b).pending)
+    throw Error(ErrorKind::Invalid,
+                "out (a comm.empty buffer) is still to be written by the sender of a message that an earlier receive "
+                "into it took and then gave up on (a timeout or cancel), so its bytes may still change; receive into "
+                "another buffer, or into this one once that message has landed");
 }
 
 int Engine::landing_buffer(uint64_t nbytes) {
@@ -597,9 +608,10 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
                         Clock::time_point deadline, Mem mem, int* claim) {
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
-  if (mem.device) {
+  {
     std::lock_guard<std::mutex> g(mu_);
-    device_transport(peer);  // refuse before matching: no message is consumed
+    if (mem.device) device_transport(peer);  // refuse before matching: no message is consumed
+    check_out_settled(out, mem);
   }
   int result = 0;
   bool got = spin(
@@ -961,6 +973,16 @@ Engine::Cancelled Engine::move_rendezvous(uint64_t id) {
   return Cancelled::kMoved;
 }
 
+bool Engine::let_go(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::InFlight || !r.rndv || r.own || closed_) return false;
+  // Completed or dropped (its peer failed) instead: the next wait says which.
+  if (move_rendezvous(id) != Cancelled::kMoved) return false;
+  r.detached = true;
+  return true;
+}
+
 // Sender, at close() or when it fails the pair: the unanswered rendezvous
 // heads to `peer` are withdrawn, so their receiver never copies from memory
 // whose owner is told the send failed. One being copied right now is waited
@@ -1019,6 +1041,13 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
         return -1;
       }
       try {
+        if (!p.tdev && local_dev_) {  // no device route (the sender staged it): as an eager staged message below
+          if (uintptr_t mark = local_dev_->copy_async(dst, slot_payload, h.nbytes, mem.stream, true))
+            staged_.push_back({local_dev_, mark, peer, slot, h.seq});
+          else
+            free_slot(peer, slot, h.seq);
+          return 1;
+        }
         device_transport(peer).read_and_free_async(peer, layout_.slot_off(peer, slot) + kPayloadOff, dst, h.nbytes,
                                                    h.seq, p.layout.credit_off(rank_, slot), mem.stream);
       } catch (...) {
@@ -1028,7 +1057,9 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
       return 1;
     }
     // Into out's own landing block (comm.empty): the one copy is the sender's.
-    size_t own = landing_block(dst, h.nbytes);
+    // (Not for a held receive: its caller needs the data at return, and a
+    // pull gives it one copy too.)
+    size_t own = id && reqs_[uint32_t(id)].hold ? 0 : landing_block(dst, h.nbytes);
     if (own && try_land(peer, slot, h, id, static_cast<char*>(dst), own)) return 0;
     if (p.pulls) {
       uint64_t src = claim_source(peer, slot, h);
@@ -1513,6 +1544,8 @@ bool Engine::copy_out(uint64_t id, void* dst, Mem mem) {
   if (r.state != ReqState::Matched) throw Error(ErrorKind::Invalid, "recv has no message to copy");
   if (closed_ && (r.hdr.flags & kDevicePayload))
     throw Error(ErrorKind::Closed, "communicator closed before this device message was copied out");
+  if (closed_ && (r.hdr.flags & kRendezvous) && !r.land && !(r.own && r.slot < 0))  // its data is still its sender's
+    throw Error(ErrorKind::Closed, "communicator closed before this message was copied out of its sender");
   Peer& p = peers_[r.peer];
   if (r.land) {  // landed in a block of ours
     const char* src = region_->base() + r.land + kPayloadOff;

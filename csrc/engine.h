@@ -189,6 +189,12 @@ class Engine {
   // kCompleted: it completed meanwhile; kDropped: nothing left in flight.
   enum class Cancelled { kDropped, kKept, kMoved, kCompleted };
   Cancelled cancel(uint64_t id, bool report = false);
+  // The caller stops waiting for send `id`, whose message must still go: a
+  // rendezvous whose head is out moves its data into memory of the core's
+  // own (its receiver copies from there) and goes on detached; true then, and
+  // the caller's buffer is its own again. False: wait on (not written yet, not
+  // a rendezvous, or completed or failed meanwhile).
+  bool let_go(uint64_t id);
   // Why `id` timed out, for the TimeoutError (and its peer); the caller cancels it.
   std::string timeout_message(uint64_t id, double seconds, int* peer);
   // The caller drops it: finish in the background, recycle. True when it goes
@@ -291,6 +297,9 @@ class Engine {
   void land_unref(size_t off);
   // The landing block whose payload starts at dst and holds nbytes, or 0.
   size_t landing_block(const void* dst, uint64_t nbytes) const;
+  // Refuses an out that a given-up receive's landing may still write (a
+  // comm.empty buffer whose block is pending).
+  void check_out_settled(const void* out, Mem mem) const;
   // Receiver: asks rendezvous head h's sender to write the data into a
   // landing block (a new one, or `block`, dst's own) for request id: true,
   // with the landing registered as a stream (dst: where the data goes once

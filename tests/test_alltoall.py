@@ -415,3 +415,53 @@ def test_a_sender_that_dies_before_its_held_chunk_is_read_fails_its_receivers():
     other = 1 - r
     comm.send(torch.tensor([r]), dst=other)
     assert comm.recv(src=other).item() == other
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(2, timeout=90)
+def test_a_held_chunk_does_not_wait_for_its_receiver_to_finish():
+    """Rank 1 starts an async all-to-all, then waits for a message rank 0
+    sends only after its own (blocking) all-to-all returns. Rank 0's chunk
+    for rank 1 went by rendezvous, and rank 1 copies it only at wait(): rank
+    0 must not wait for that (it moves the chunk past a grace time), or both
+    ranks hang until their timeout."""
+    with _init("shm", bound=1 << 20, slots=4, timeout=20, cma="on") as comm:
+        r, n = comm.rank, comm.world_size
+        rows = 64  # 256 KiB chunks
+        x = torch.full((rows * n, 1024), float(r))
+        comm.barrier()
+        t0 = time.monotonic()
+        if r == 0:
+            got, rs = A.all_to_all_v(comm, x, [rows] * n)
+            x.fill_(-1.0)  # reused at once: rank 1 must still get the values sent
+            comm.send(torch.tensor([7]), dst=1)
+        else:
+            work = A.all_to_all_v(comm, x, [rows] * n, async_op=True)
+            assert comm.recv(src=0).item() == 7
+            got, rs = work.wait()
+        assert time.monotonic() - t0 < 5, "a held chunk waited for its receiver's wait()"
+        assert rs == [rows] * n
+        assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
+        assert torch.equal(got, got[::rows].repeat_interleave(rows, 0))
+
+
+@pytest.mark.parametrize("transport", HELD)
+@world(3, timeout=90)
+def test_all_to_all_into_comm_empty_outputs(transport):
+    """Outputs from comm.empty (the landing area), given by the caller: every
+    chunk is in place when the call returns, on every rank and offset."""
+    with _init(transport, bound=1 << 20, slots=4, timeout=30, cma="on") as comm:
+        r, n = comm.rank, comm.world_size
+        rows = 48  # 192 KiB chunks
+        base = torch.arange(rows * n * 1024, dtype=torch.float32).reshape(rows * n, 1024)
+        mine = base[r * rows:(r + 1) * rows]  # what each source sends this rank, less 1e6 * (source + it)
+        for it in range(6):
+            x = base + 1e6 * (r + it)
+            out = comm.empty((rows * n, 1024), "float32", "torch")
+            A.all_to_all_single(comm, out, x)
+            for s in range(n):
+                assert torch.equal(out[s * rows:(s + 1) * rows], mine + 1e6 * (s + it)), (it, s)
+            outs = [comm.empty((rows, 1024), "float32", "torch") for _ in range(n)]
+            A.all_to_all(comm, outs, list(x.split(rows)))
+            for s in range(n):
+                assert torch.equal(outs[s], mine + 1e6 * (s + it)), (it, s)

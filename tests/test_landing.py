@@ -158,6 +158,38 @@ def test_a_receive_that_gives_up_frees_its_block_and_the_pair_goes_on(transport)
             comm.send(np.array([1]), 0, tag=9)
 
 
+@pytest.mark.parametrize("transport", LANDS)
+@world(2, timeout=120)
+def test_a_comm_empty_buffer_still_to_be_written_is_refused_until_it_lands(transport):
+    """A receive into a comm.empty buffer times out after the landing was
+    promised: a new receive into that buffer is refused (its bytes may still
+    change), and nothing is consumed; once the late message lands, the buffer
+    holds it and takes receives again."""
+    with _init(transport, landing=8 << 20) as comm:
+        n = 64 * BOUND
+        if comm.rank == 0:
+            w = comm.isend(_data(n, 1), 1, tag=1)
+            time.sleep(3)  # computing: nothing drives the send
+            w.wait()
+            comm.send(_data(n, 2), 1, tag=2)
+        else:
+            buf = comm.empty(n, "uint8")
+            with pytest.raises(varcomm.TimeoutError):
+                comm.recv(0, tag=1, out=buf, timeout=1)
+            with pytest.raises(varcomm.InvalidArgument, match="still to be written"):
+                comm.recv(0, tag=2, out=buf, timeout=10)
+            deadline = time.time() + 20
+            while True:  # the late message lands in buf, then buf takes receives again
+                try:
+                    got = comm.recv(0, tag=2, out=buf, timeout=10)
+                    break
+                except varcomm.InvalidArgument:
+                    assert time.time() < deadline, "the late landing never completed"
+                    comm._c.progress()
+                    time.sleep(0.05)
+            assert np.array_equal(got, _data(n, 2))
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=240)
 def test_random_landings_byte_exact(transport):

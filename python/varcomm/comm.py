@@ -412,11 +412,16 @@ class Communicator:
         word = arrays.dtype_word(dtype)
         kind = _check_array(array) if array is not None else self._array
         kind = arrays.receive_kind(kind, 0)
+        return self._landed_empty(kind, word, dims)[0]
+
+    def _landed_empty(self, kind: str, word: int, dims: tuple[int, ...]) -> tuple[Any, int]:
+        """empty() of a dtype word, and its data pointer (the collectives' outputs)."""
         nbytes = dtypes.itemsize(word) * math.prod(dims)
         loan = self._c.landing_buffer(nbytes) if nbytes else None
         if loan is None:
-            return arrays.empty(kind, word, dims)[0]
-        return arrays.lender(kind)(loan, word, dims, 0)
+            return arrays.empty(kind, word, dims)
+        a: Any = arrays.lender(kind)(loan, word, dims, 0)
+        return a, (a.data_ptr() if kind == "torch" else a.__array_interface__["data"][0])
 
     def isend_descriptor(self, dst: int, nbytes: int, dtype: int, shape: Sequence[int], tag: int = 0) -> Work:
         """Send a descriptor: a header describing `nbytes` of data (dtype word,
