@@ -144,22 +144,23 @@ void AllToAll::guarded(F&& f) {
 // Sends not started are cancelled (nothing half-written); those in flight go
 // on and are reported (take_in_flight). Receives are detached, so a message
 // that still arrives is dropped and its slot freed; none holds caller memory
-// (every receive is posted without a buffer and copied out once matched).
+// (every receive is posted without a buffer and copied out once matched),
+// but for a copy_out that streams into the output: reported too.
 void AllToAll::cleanup() {
-  auto drop = [&](uint64_t& id, bool send) {
+  auto drop = [&](uint64_t& id, bool send, bool writes = false) {
     if (!id) return;
     try {
       if (send) {
         if (e_.cancel(id, true) == Engine::Cancelled::kKept) in_flight_.push_back(id);
-      } else if (e_.detach(id, true)) {
-        in_flight_.push_back(id);  // streaming into the output (copy_out returned false): kept alive
+      } else if (e_.detach(id, writes) && writes) {
+        in_flight_.push_back(id);  // still streaming into the output (copy_out returned false): kept alive
       }
     } catch (const Error&) {
     }
     id = 0;
   };
   for (auto& id : recv_) drop(id, false);
-  for (auto& id : payload_) drop(id, false);
+  for (size_t s = 0; s < payload_.size(); ++s) drop(payload_[s], false, copying_[s]);
   for (auto& id : sends_) drop(id, true);
 }
 
