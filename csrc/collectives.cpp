@@ -8,11 +8,10 @@ namespace varcomm {
 
 namespace {
 
-// How long wait_done waits for a chunk sent by rendezvous before moving it
-// (AllToAll::wait_done): the receivers of a collective copy within about a
-// chunk's copy time of each other, so a longer wait means one is busy.
 using Clock = std::chrono::steady_clock;
-constexpr auto kHeldGrace = std::chrono::milliseconds(5);
+// After the grace (AllToAll::held_grace), how often a held send not yet
+// written is tried again.
+constexpr auto kHeldRetry = std::chrono::milliseconds(1);
 
 std::string rank_str(int r) { return "rank " + std::to_string(r); }
 
@@ -115,7 +114,7 @@ void AllToAll::start() {
         try {
           Mem m;
           const void* src = source(d, &m);
-          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true));
+          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device));
           continue;
         } catch (const Error& x) {
           if (x.kind != ErrorKind::TooLarge) throw;
@@ -302,7 +301,7 @@ void AllToAll::post_payloads() {
     try {
       Mem m;
       const void* src = source(d, &m);
-      sends_.push_back(e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true));
+      sends_.push_back(e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device));
     } catch (const Error& x) {
       if (x.kind != ErrorKind::TooLarge) throw;
       too_large_.push_back({d, x.what()});  // d saw the count: it expects nothing
@@ -318,7 +317,8 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
       if (plan_.strategy == A2AStrategy::TwoPhase) {
         post_payloads();
       } else {
-        for (int s = 0; s < world_; ++s) {
+        for (int k = 1; k < world_; ++k) {  // staggered, as the sends: no source is everyone's last
+          int s = (rank_ - k + world_) % world_;
           if (!recv_[s]) continue;
           // (false: it streams into d, and is waited for below)
           if (void* d = dest(s)) {
@@ -332,7 +332,8 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
       local_copy();
       payloads_ = true;
     }
-    for (int s = 0; s < world_; ++s) {
+    for (int k = 1; k < world_; ++k) {
+      int s = (rank_ - k + world_) % world_;
       uint64_t& id = payload_[s];
       if (!id) continue;
       if (!e_.wait(id, deadline)) {
@@ -357,7 +358,7 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
         }
         if (!e_.copy_out(id, dest(s), dest_mem(s))) {
           copying_[s] = true;  // streams into the output: waited for next
-          --s;
+          --k;
           continue;
         }
       } else {
@@ -371,12 +372,13 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
     // all-to-all, then a recv from us): past a grace time its data moves into
     // the core's memory (one copy more) and we return.
     if (sends_since_ == Clock::time_point{}) sends_since_ = Clock::now();
-    const auto grace = sends_since_ + kHeldGrace;
+    const auto grace = sends_since_ + held_grace();
     for (auto& id : sends_) {
       while (id) {
-        if (e_.wait(id, Clock::now() < grace ? std::min(deadline, grace) : deadline)) {
+        const auto now = Clock::now();
+        if (now >= grace && e_.let_go(id)) {
           id = 0;
-        } else if (Clock::now() >= grace && e_.let_go(id)) {
+        } else if (e_.wait(id, std::min(deadline, now < grace ? grace : now + kHeldRetry))) {
           id = 0;
         } else if (Clock::now() >= deadline) {
           done = false;
@@ -386,6 +388,16 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
     }
   });
   return done;
+}
+
+// How long wait_done waits for its chunks sent by rendezvous to be copied
+// before it moves them: each receiver copies its sources one after another,
+// so the last copy of ours may come about a whole output's copy time after
+// our own copies were done (taken as ours, at a slow 1 GB/s), plus 5 ms of
+// scheduling (more ranks than cores); later than that, a receiver is busy
+// elsewhere, perhaps waiting for us.
+std::chrono::nanoseconds AllToAll::held_grace() const {
+  return std::chrono::milliseconds(5) + std::chrono::nanoseconds(total_bytes_);
 }
 
 void AllToAll::timeout(double seconds) {

@@ -123,6 +123,7 @@ class AllToAll {
   void check(int src);
   void post_payloads();
   void local_copy();
+  std::chrono::nanoseconds held_grace() const;
   const void* source(int dst, Mem* mem) const;
   void* dest(int src) const;
   Mem dest_mem(int src) const;
@@ -139,7 +140,7 @@ class AllToAll {
   std::vector<uint64_t> payload_;  // two-phase: per source, the payload recv
   std::vector<char> payload_into_;  // ... copied into place once matched (else dropped)
   std::vector<char> copying_;       // per source: payload_ is a copy_out streaming into the output
-  std::chrono::steady_clock::time_point sends_since_{};  // when wait_done first waited for the sends (kHeldGrace)
+  std::chrono::steady_clock::time_point sends_since_{};  // when wait_done first waited for the sends (held_grace)
   std::vector<A2AChunk> got_;      // per source: the header that arrived (self: own chunk)
   std::vector<Fate> fate_;
   std::vector<std::string> why_;   // Rejected: why the caller could not place it

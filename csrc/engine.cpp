@@ -267,11 +267,11 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 }
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager) {
+                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager, bool pull) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem, eager);
   return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask,
-                    rendezvous(peer, nbytes, mem, eager));
+                    (pull || !eager) && rendezvous(peer, nbytes, mem, eager));
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -479,13 +479,20 @@ size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
   return u != land_used_.end() && u->second.len >= kPayloadOff + nbytes ? off : 0;
 }
 
-void Engine::check_out_settled(const void* out, Mem mem) const {
+void Engine::check_out_settled(const void* out, Mem mem) {
   size_t b = out && !mem.device ? landing_block(out, 0) : 0;
-  if (b && land_used_.at(b).pending)
+  if (!b || !land_used_.at(b).pending) return;
+  for (int q = 0; q < world_; ++q) {  // it may have landed since: a retry alone clears this
+    Peer& p = peers_[q];
+    if (p.streams.empty() || !p.t) continue;
+    p.t->progress();
+    check_landings(q);
+  }
+  if (land_used_.at(b).pending)
     throw Error(ErrorKind::Invalid,
                 "out (a comm.empty buffer) is still to be written by the sender of a message that an earlier receive "
                 "into it took and then gave up on (a timeout or cancel), so its bytes may still change; receive into "
-                "another buffer, or into this one once that message has landed");
+                "another buffer, or retry: this lasts until that sender has written it");
 }
 
 int Engine::landing_buffer(uint64_t nbytes) {

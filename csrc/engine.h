@@ -114,8 +114,12 @@ class Engine {
   // where the pair copies once) goes by rendezvous (protocol.h kRendezvous);
   // `eager`: held to the bound (the collectives), and by rendezvous only
   // where the receiver copies straight out of us (Engine::rendezvous).
+  // `pull`: held, it may still go by rendezvous for its receiver to copy out
+  // of us (false: a device chunk staged through host memory, whose receiver
+  // would free the head only once its stream copied it on).
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                 const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false);
+                 const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false,
+                 bool pull = true);
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -299,7 +303,7 @@ class Engine {
   size_t landing_block(const void* dst, uint64_t nbytes) const;
   // Refuses an out that a given-up receive's landing may still write (a
   // comm.empty buffer whose block is pending).
-  void check_out_settled(const void* out, Mem mem) const;
+  void check_out_settled(const void* out, Mem mem);
   // Receiver: asks rendezvous head h's sender to write the data into a
   // landing block (a new one, or `block`, dst's own) for request id: true,
   // with the landing registered as a stream (dst: where the data goes once

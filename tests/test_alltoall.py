@@ -465,3 +465,29 @@ def test_all_to_all_into_comm_empty_outputs(transport):
             A.all_to_all(comm, outs, list(x.split(rows)))
             for s in range(n):
                 assert torch.equal(outs[s], mine + 1e6 * (s + it)), (it, s)
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(4, timeout=90)
+def test_held_chunks_to_several_busy_receivers_let_go_at_the_grace():
+    """Rank 0's all-to-all while ranks 1-3 first wait for a message rank 0
+    sends after it: every held chunk of rank 0 is moved at the grace (a few
+    ms), not one per 100 ms slice."""
+    with _init("shm", bound=1 << 20, slots=4, timeout=20, cma="on") as comm:
+        r, n = comm.rank, comm.world_size
+        rows = 64  # 256 KiB chunks
+        x = torch.full((rows * n, 1024), float(r))
+        comm.barrier()
+        if r == 0:
+            t0 = time.monotonic()
+            got, rs = A.all_to_all_v(comm, x, [rows] * n, timeout=10)  # rank 0 alone: times out on nothing
+            took = time.monotonic() - t0
+            for d in range(1, n):
+                comm.send(torch.tensor([7]), dst=d)
+        else:
+            work = A.all_to_all_v(comm, x, [rows] * n, async_op=True)
+            assert comm.recv(src=0).item() == 7
+            got, rs = work.wait()
+        assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
+        if r == 0:
+            assert took < 0.15, f"rank 0's all-to-all took {took * 1e3:.0f} ms: its held chunks waited a slice each"

@@ -183,9 +183,8 @@ def test_a_comm_empty_buffer_still_to_be_written_is_refused_until_it_lands(trans
                 try:
                     got = comm.recv(0, tag=2, out=buf, timeout=10)
                     break
-                except varcomm.InvalidArgument:
+                except varcomm.InvalidArgument:  # a retry alone must clear it once the sender wrote
                     assert time.time() < deadline, "the late landing never completed"
-                    comm._c.progress()
                     time.sleep(0.05)
             assert np.array_equal(got, _data(n, 2))
 

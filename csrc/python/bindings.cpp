@@ -994,7 +994,8 @@ py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::obje
       for (uint32_t i = 0; i < g.ndim; ++i) shape[i] = g.shape[i];
       try {
         a.place(s, reinterpret_cast<void*>(alloc(s, g.dtype, shape).cast<uintptr_t>()), h.mem, "");
-      } catch (py::error_already_set&) {
+      } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_ValueError)) throw;  // (InvalidArgument: no such dtype here) anything else is raised
         a.place(s, nullptr, h.mem, "rank " + std::to_string(s) + " sent dtype " + dtype_name(g.dtype) + ", which rank " +
                                        std::to_string(h.comm.cast<Comm&>().engine->rank()) + " cannot represent");
       }

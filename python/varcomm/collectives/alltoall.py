@@ -138,13 +138,16 @@ def _agree(output: Any, inp: Any, differ: bool, otrail: tuple[int, ...], trailin
 # fresh allocation this large is mmapped anew, and the copy into it then
 # faults in and zeroes every page (8 MiB uniform all-to-all of torch tensors
 # on 4 ranks: 3.7 ms, of which a fifth in those faults, against 1.7 ms into
-# reused memory). A full area gives an ordinary array.
+# reused memory). Outputs take at most half the area, so ones kept alive (MoE
+# dispatch outputs saved for backward) leave the rest to point-to-point
+# landings and comm.empty; past that, an ordinary array.
 _LANDED_OUT = 64 * 1024
 
 
 def _host_out(comm: Communicator, kind: str, word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
     """A collective's host output, and its data pointer."""
-    if dtypes.itemsize(word) * _prod(shape) >= _LANDED_OUT:
+    nbytes = dtypes.itemsize(word) * _prod(shape)
+    if nbytes >= _LANDED_OUT and comm._c.landing_stats()[0] - nbytes >= comm.options.landing // 2:
         return comm._landed_empty(kind, word, shape)
     return arrays.empty(kind, word, shape)
 
