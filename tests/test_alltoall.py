@@ -491,3 +491,26 @@ def test_held_chunks_to_several_busy_receivers_let_go_at_the_grace():
         assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
         if r == 0:
             assert took < 0.15, f"rank 0's all-to-all took {took * 1e3:.0f} ms: its held chunks waited a slice each"
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(2, timeout=90)
+def test_large_torch_outputs_come_from_half_the_landing_area():
+    """A torch output over 4 MiB is a block of the landing area (pages kept
+    hot from one call to the next), freed when dropped; outputs kept alive
+    take at most half the area, then come from torch, and every result is
+    right either way."""
+    with _init("shm", bound=8 << 20, slots=2, timeout=30, landing=16 << 20) as comm:
+        r, n = comm.rank, comm.world_size
+        rows = 768  # 3 MiB chunks: 6 MiB outputs
+        held = []
+        for it in range(3):
+            x = torch.full((rows * n, 1024), float(10 * it + r))
+            got, rs = A.all_to_all_v(comm, x, [rows] * n)
+            assert rs == [rows] * n
+            assert torch.equal(got[::rows, 0], torch.tensor([10.0 * it + s for s in range(n)]))
+            held.append(got)
+            # the first fits in half of 16 MiB; the second would not leave half free
+            assert comm._c.landing_stats()[1] == 1, (it, comm._c.landing_stats())
+        del held, got
+        assert comm._c.landing_stats()[1] == 0, "a dropped output kept its block"

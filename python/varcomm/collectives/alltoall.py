@@ -133,21 +133,23 @@ def _agree(output: Any, inp: Any, differ: bool, otrail: tuple[int, ...], trailin
                               f"shape {trailing}) must agree in dtype and trailing shape")
 
 
-# From here up a host output comes from the landing area (Communicator.empty):
-# its pages stay mapped and touched from one collective to the next, where a
-# fresh allocation this large is mmapped anew, and the copy into it then
-# faults in and zeroes every page (8 MiB uniform all-to-all of torch tensors
-# on 4 ranks: 3.7 ms, of which a fifth in those faults, against 1.7 ms into
-# reused memory). Outputs take at most half the area, so ones kept alive (MoE
-# dispatch outputs saved for backward) leave the rest to point-to-point
-# landings and comm.empty; past that, an ordinary array.
-_LANDED_OUT = 64 * 1024
+# A torch output over this size comes from the landing area (Communicator.
+# empty): its pages stay mapped and touched from one collective to the next,
+# where torch gives a fresh tensor this large new pages, which the copy into
+# it then faults in and zeroes (8 MiB uniform all-to-all on 4 ranks: 2.2-2.9
+# ms into fresh tensors, 1.7 ms into the area; 16 MiB: 9.2-10 ms against
+# 6.6-7.0; 4 MiB and under, and numpy, whose heap reuses its pages: no gain,
+# or a loss; bench/results/issue11-2026-12-02-s6.md). Outputs take at most
+# half the area, so ones kept alive (MoE dispatch outputs saved for
+# backward) leave the rest to point-to-point landings and comm.empty; past
+# that, an ordinary tensor.
+_LANDED_OUT = 4 << 20
 
 
 def _host_out(comm: Communicator, kind: str, word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
     """A collective's host output, and its data pointer."""
     nbytes = dtypes.itemsize(word) * _prod(shape)
-    if nbytes >= _LANDED_OUT and comm._c.landing_stats()[0] - nbytes >= comm.options.landing // 2:
+    if kind == "torch" and nbytes > _LANDED_OUT and comm._c.landing_stats()[0] - nbytes >= comm.options.landing // 2:
         return comm._landed_empty(kind, word, shape)
     return arrays.empty(kind, word, shape)
 
