@@ -377,7 +377,8 @@ class Options(_Declared):
                           "largest message sent eagerly where the pair can copy once (a landing area, or shm with "
                           "CMA); a larger one goes by rendezvous: the data is copied once, by the sender into the "
                           "receiver's landing area or by the receiver out of the sender's memory, and the send "
-                          "completes when it has", "256 KiB")
+                          "completes when it has; all-to-all chunks go so from min(this, 32 KiB) where the receiver "
+                          "copies by CMA", "256 KiB")
     landing: int = _opt("VARCOMM_LANDING", _bytes(0), 64 * MiB,
                         "bytes of this rank's landing area (shm, rdma): a rendezvous message received without "
                         "`out`, or into a `comm.empty` buffer, is written there once by its sender and the result "
