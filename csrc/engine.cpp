@@ -984,6 +984,10 @@ bool Engine::let_go(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);
   if (r.state != ReqState::InFlight || !r.rndv || r.own || closed_) return false;
+  // Its receiver is copying it right now: no copy of ours, and no wait under
+  // the lock (move_rendezvous's) for that copy to end.
+  if (uint64_t* w = r.streaming ? nullptr : rv_word_at(r.peer, r.head_slot, kRvStateOff))
+    if (__atomic_load_n(w, __ATOMIC_ACQUIRE) == rv_word(r.head_seq, kRvClaimed)) return false;
   // Completed or dropped (its peer failed) instead: the next wait says which.
   if (move_rendezvous(id) != Cancelled::kMoved) return false;
   r.detached = true;
