@@ -314,7 +314,7 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
   if (mem.device) device_transport(peer);  // refuse before posting: no message is consumed
-  check_out_settled(out, mem);
+  if (!out_settled(out, mem)) throw Error(ErrorKind::Invalid, unsettled_text());  // irecv never waits
   uint64_t id = alloc(ReqKind::Recv);
   Request& r = reqs_[uint32_t(id)];
   r.peer = peer;
@@ -479,20 +479,28 @@ size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
   return u != land_used_.end() && u->second.len >= kPayloadOff + nbytes ? off : 0;
 }
 
-void Engine::check_out_settled(const void* out, Mem mem) {
+bool Engine::out_settled(const void* out, Mem mem) {
   size_t b = out && !mem.device ? landing_block(out, 0) : 0;
-  if (!b || !land_used_.at(b).pending) return;
-  for (int q = 0; q < world_; ++q) {  // it may have landed since: a retry alone clears this
+  if (!b || !land_used_.at(b).pending) return true;
+  for (int q = 0; q < world_; ++q) {  // it may have landed since
     Peer& p = peers_[q];
     if (p.streams.empty() || !p.t) continue;
     p.t->progress();
     check_landings(q);
   }
-  if (land_used_.at(b).pending)
-    throw Error(ErrorKind::Invalid,
-                "out (a comm.empty buffer) is still to be written by the sender of a message that an earlier receive "
-                "into it took and then gave up on (a timeout or cancel), so its bytes may still change; receive into "
-                "another buffer, or retry: this lasts until that sender has written it");
+  return !land_used_.at(b).pending;
+}
+
+bool Engine::out_unsettled(const void* out, Mem mem) {
+  std::lock_guard<std::mutex> g(mu_);
+  return !out_settled(out, mem);
+}
+
+std::string Engine::unsettled_text() {
+  return "out (a comm.empty buffer) is still to be written by the sender of a message that an earlier receive into "
+         "it took and then gave up on (a timeout or cancel), so its bytes may still change until that sender writes "
+         "them; a blocking recv waits for that within its timeout: retry with a longer one, or receive into another "
+         "buffer";
 }
 
 int Engine::landing_buffer(uint64_t nbytes) {
@@ -615,11 +623,11 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
                         Clock::time_point deadline, Mem mem, int* claim) {
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
-  {
+  if (mem.device) {
     std::lock_guard<std::mutex> g(mu_);
-    if (mem.device) device_transport(peer);  // refuse before matching: no message is consumed
-    check_out_settled(out, mem);
+    device_transport(peer);  // refuse before matching: no message is consumed
   }
+
   int result = 0;
   bool got = spin(
       [&](bool slow) {
@@ -627,6 +635,9 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
         Peer& p = peers_[peer];
         if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
         if (!staged_.empty()) free_staged(false);  // a sender may wait for one of those slots
+        // (A comm.empty out that a given-up receive's landing may still write:
+        // waited for, within this receive's timeout.)
+        if (!out_settled(out, mem)) return false;
         if (!p.posted.empty()) {
           result = -1;  // FIFO: queue behind the posted irecvs
           return true;
@@ -1421,9 +1432,15 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   else if (r.state == ReqState::Streaming) {
     auto& st = peers_[r.peer].streams;
     for (auto& kv : st)
-      if (kv.second.id == id)
+      if (kv.second.id == id && kv.second.landing)
+        msg += " with its message of " + std::to_string(kv.second.total) +
+               " bytes taken: its sender was told where to write it and has not yet; that message is dropped when it "
+               "lands, and its send completes (the channel stays usable; a receive that must not lose it needs a "
+               "timeout longer than its sender's gaps between calls into varcomm)";
+      else if (kv.second.id == id)
         msg += " mid-message: " + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
-               " bytes had arrived; the rest of that message is dropped (the channel stays usable)";
+               " bytes had arrived; that message is dropped, the rest of it as it arrives, and its send completes "
+               "(the channel stays usable)";
   } else
     msg += "; nothing arrived (is the peer sending with this tag?)";
   return msg;

@@ -206,6 +206,10 @@ class Engine {
   // back from take_recycled() once the engine is done with that buffer, so the
   // caller knows when it may let the buffer go. False: done with it already.
   bool detach(uint64_t id, bool report = false);
+  // A blocking receive into `out` timed out: was it waiting for a given-up
+  // receive's landing into out (a comm.empty buffer) rather than a message?
+  bool out_unsettled(const void* out, Mem mem);
+  static std::string unsettled_text();
   // Ids of reported detached requests recycled since the last call.
   void take_recycled(std::vector<uint64_t>& ids);
   // Drives every transport once; the peers whose queued or in-flight sends
@@ -301,9 +305,9 @@ class Engine {
   void land_unref(size_t off);
   // The landing block whose payload starts at dst and holds nbytes, or 0.
   size_t landing_block(const void* dst, uint64_t nbytes) const;
-  // Refuses an out that a given-up receive's landing may still write (a
-  // comm.empty buffer whose block is pending).
-  void check_out_settled(const void* out, Mem mem);
+  // False for an out that a given-up receive's landing may still write (a
+  // comm.empty buffer whose block is pending), after progress; why, for the error.
+  bool out_settled(const void* out, Mem mem);
   // Receiver: asks rendezvous head h's sender to write the data into a
   // landing block (a new one, or `block`, dst's own) for request id: true,
   // with the landing registered as a stream (dst: where the data goes once

@@ -448,6 +448,7 @@ bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint3
     if (got != 0) return got > 0;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     if (Clock::now() >= deadline) {
+      if (c.engine->out_unsettled(out, mem)) throw Error(ErrorKind::Timeout, Engine::unsettled_text(), src);
       char secs[32];
       snprintf(secs, sizeof secs, "%.3g", *timeout);
       throw Error(ErrorKind::Timeout,

@@ -320,10 +320,16 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     timeout: seconds for the whole collective (default: the communicator's).
 
     Errors (raised after every pair's message was consumed, so the
-    communicator stays usable): a chunk over its receiver's bound raises
-    MessageTooLarge on the sender and VarcommError naming the sender on the
-    receiver; a dtype or trailing-shape mismatch raises MessageMismatch naming
+    communicator stays usable): a chunk over its receiver's bound (all-to-all
+    chunks are held to it) raises MessageTooLarge on every rank, naming the
+    sender; a dtype or trailing-shape mismatch raises MessageMismatch naming
     the source rank; more rows than ``out`` holds raises MessageTooLarge.
+    Every rank must make the same collective calls in the same order: a call
+    one rank refuses before it starts (InvalidArgument: bad splits) or skips
+    leaves the ranks out of step.
+
+    With async_op, x (and out) must not change until wait() returns: large
+    chunks are read out of x by their receivers then.
 
     send_splits on the GPU (a CUDA int tensor, or a __cuda_array_interface__
     array): the device-split form, alltoall_device.all_to_all_vdev. Nothing
