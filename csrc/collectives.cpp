@@ -74,6 +74,28 @@ A2APlan rows_plan(A2AOp op, const void* x, uint64_t row_bytes, const std::vector
   return p;
 }
 
+int64_t AllToAll::coll_tag(int64_t user_tag, uint64_t seq) {
+  return kCollTagBase * (1 + user_tag) + 2 * int64_t(seq % uint64_t(kCollTagBase / 2));
+}
+
+void AllToAll::refuse(Engine& e, int64_t user_tag, A2AStrategy strategy) {
+  if (user_tag < 0 || user_tag > kMaxCollTag) user_tag = 0;  // (the refusal's own reason, most likely)
+  const int64_t tag = coll_tag(user_tag, e.next_collective());
+  const int n = e.world(), r = e.rank();
+  const int64_t shape[1] = {0};
+  for (int k = 1; k < n; ++k) {
+    int p = (r + k) % n;
+    try {
+      // What p sends us for this call is dropped as it comes (two-phase: its
+      // payload too); our descriptor tells it why nothing else comes.
+      e.detach(e.irecv(p, tag, nullptr, 0, 0));
+      if (strategy == A2AStrategy::TwoPhase) e.detach(e.irecv(p, tag + 1, nullptr, 0, 0));
+      e.detach(e.isend_descriptor(p, tag, 0, 0, shape, 1, kRefusedCall));
+    } catch (const Error&) {  // p is gone or closed: it learns nothing more from us anyway
+    }
+  }
+}
+
 AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), rank_(e.rank()), world_(e.world()) {
   const int n = world_, r = rank_;
   if (int(plan_.send.size()) != n) throw Error(ErrorKind::Invalid, "all-to-all plan: one chunk per rank expected");
@@ -84,8 +106,7 @@ AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), ran
   if (plan_.user_tag < 0 || plan_.user_tag > kMaxCollTag)
     throw Error(ErrorKind::Invalid, "tag " + std::to_string(plan_.user_tag) + " out of range [0, " +
                                         std::to_string(kMaxCollTag) + "] for a collective");
-  uint64_t seq = e_.next_collective();
-  tag_ = kCollTagBase * (1 + plan_.user_tag) + 2 * int64_t(seq % uint64_t(kCollTagBase / 2));
+  tag_ = coll_tag(plan_.user_tag, e_.next_collective());
   recv_.assign(n, 0);
   payload_.assign(n, 0);
   payload_into_.assign(n, 0);
@@ -199,6 +220,12 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
       if (m.flags & kDescriptor) {
         e_.release(recv_[s]);  // no payload of its own
         recv_[s] = 0;
+        if (m.flags & kRefusedCall) {
+          fate_[s] = Fate::Refused;
+          why_[s] = rank_str(s) + " refused its part of this call before it started (its own error says why)";
+          mismatch_ = true;
+          continue;
+        }
         // One-phase: a descriptor stands in for a chunk over our bound.
         // Two-phase: every count travels so; the sender skips a chunk over our bound.
         if (plan_.strategy == A2AStrategy::OnePhase || m.nbytes > e_.layout().bound) fate_[s] = Fate::OverBound;
@@ -288,7 +315,7 @@ void AllToAll::post_payloads() {
   const int n = world_, r = rank_;
   for (int k = 1; k < n; ++k) {
     int s = (r - k + n) % n;
-    if (fate_[s] == Fate::OverBound) continue;  // its sender sends nothing
+    if (fate_[s] == Fate::OverBound || fate_[s] == Fate::Refused) continue;  // its sender sends nothing
     // A refused chunk is still received (and dropped): its sender cannot know.
     // Posted without a buffer (copied out in wait_done): a receive given up
     // on never writes into the caller's output afterwards.
@@ -428,7 +455,7 @@ std::optional<Error> AllToAll::error() const {
   for (int s = 0; s < world_; ++s) {
     const A2AChunk& h = got_[s];
     std::string p;
-    if (fate_[s] == Fate::Rejected) {
+    if (fate_[s] == Fate::Rejected || fate_[s] == Fate::Refused) {
       p = why_[s];
     } else if (fate_[s] != Fate::Mismatch) {
       continue;

@@ -84,6 +84,12 @@ class AllToAll {
  public:
   // Checks the plan; start() posts it.
   AllToAll(Engine& e, A2APlan plan);
+  // A rank that refuses a collective before it starts (an argument error of
+  // its own, or of the plan) takes its number all the same and tells every
+  // peer (kRefusedCall), so they fail that call at once, naming it, instead
+  // of pairing their next call with ours; what they send for it is dropped.
+  static void refuse(Engine& e, int64_t user_tag, A2AStrategy strategy);
+  static int64_t coll_tag(int64_t user_tag, uint64_t seq);
   // Posts every receive and send (the first phase); nothing blocks.
   void start();
   ~AllToAll();
@@ -119,7 +125,8 @@ class AllToAll {
   A2AOp op() const { return plan_.op; }
 
  private:
-  enum class Fate : uint8_t { Pending, Ok, OverBound, Mismatch, Rejected };
+  // Refused: its sender refused the call before it started (kRefusedCall).
+  enum class Fate : uint8_t { Pending, Ok, OverBound, Mismatch, Rejected, Refused };
   void check(int src);
   void post_payloads();
   void local_copy();

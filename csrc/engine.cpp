@@ -275,10 +275,10 @@ uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes,
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                                  uint32_t ndim) {
+                                  uint32_t ndim, uint64_t flags) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, 0, ndim, Mem{});
-  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor, false);
+  return queue_send(peer, tag, nullptr, nbytes, dtype, shape, ndim, Mem{}, kDescriptor | flags, false);
 }
 
 // Every queued send goes through here: sending_ counts what is in the sendqs

@@ -123,7 +123,7 @@ class Engine {
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
-                            uint32_t ndim);
+                            uint32_t ndim, uint64_t flags = 0);
   uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem = {},
                  bool hold = false);
   // Blocks (without the GIL; the binding layer slices it) until done, failed
@@ -245,6 +245,9 @@ class Engine {
   // Collective number n of this communicator (every rank calls collectives
   // in the same order, so n names the same collective everywhere).
   uint64_t next_collective() { return coll_seq_.fetch_add(1); }
+  // Collectives started (or refused) so far: a call that fails before it
+  // took its number must refuse, so the ranks stay in step (AllToAll::refuse).
+  uint64_t collectives() const { return coll_seq_.load(); }
 
  private:
   Request& get(uint64_t id);

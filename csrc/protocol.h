@@ -61,6 +61,10 @@ constexpr uint64_t kRendezvous = 4;
 // A piece of a rendezvous message's data, in order: `tag` is the head's seq
 // (which message it belongs to); it is never matched by a receive.
 constexpr uint64_t kChunk = 8;
+// With kDescriptor: the sender refused its part of this collective before it
+// started (a local argument error), so its receivers fail the call at once
+// and stay in step with it (AllToAll::refuse).
+constexpr uint64_t kRefusedCall = 16;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
 // The credit value that asks a rendezvous sender to write the data itself,

@@ -514,3 +514,28 @@ def test_large_torch_outputs_come_from_half_the_landing_area():
             assert comm._c.landing_stats()[1] == 1, (it, comm._c.landing_stats())
         del held, got
         assert comm._c.landing_stats()[1] == 0, "a dropped output kept its block"
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90)
+def test_a_call_one_rank_refuses_fails_on_every_rank_and_the_next_is_right(transport):
+    """Rank 1's send_splits do not add up: it raises InvalidArgument before
+    anything is sent, and its peers fail that same call at once, naming rank 1,
+    instead of pairing their call with rank 1's next one; the next call is
+    right everywhere (it was silently shifted by one before)."""
+    with _init(transport, bound=BOUND, slots=4, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        for it in range(2):  # twice: the refusal itself must leave nothing behind
+            x = torch.full((2 * n, 4), float(10 * it + r))
+            t0 = time.monotonic()
+            if r == 1:
+                with pytest.raises(varcomm.InvalidArgument, match="sums to"):
+                    A.all_to_all_v(comm, x, [2] * (n - 1) + [3])
+            else:
+                with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
+                    A.all_to_all_v(comm, x, [2] * n)
+            assert time.monotonic() - t0 < 10, "a refused call took its peers to their timeout"
+            y = torch.full((2 * n, 4), float(100 + 10 * it + r))
+            got, rs = A.all_to_all_v(comm, y, [2] * n)
+            assert rs == [2] * n
+            assert got[::2, 0].tolist() == [100.0 + 10 * it + s for s in range(n)], "the next call was paired wrongly"

@@ -1043,6 +1043,14 @@ void bind_collectives(py::module_& m) {
         py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
         py::arg("expect") = py::none(), py::arg("keep") = py::none(), py::arg("stream") = -1,
         py::arg("x_host") = 0);
+  // A collective this rank refuses before it starts (AllToAll::refuse).
+  m.def(
+      "all_to_all_refuse",
+      [](Comm& c, int64_t tag, int strategy) {
+        py::gil_scoped_release nogil;
+        AllToAll::refuse(*c.engine, tag, A2AStrategy(strategy));
+      },
+      py::arg("comm"), py::arg("tag"), py::arg("strategy"));
   // sends[d], outs[s]: (ptr, nbytes, dtype word, shape[, stream[, host copy]]) (fill_chunk); an
   // out of None is allocated, in host memory for stream -1, else in device memory ordered on stream.
   m.def("all_to_all_list",
@@ -1495,6 +1503,7 @@ PYBIND11_MODULE(_C, m) {
              return py::reinterpret_steal<py::object>(l);
            })
       .def("landing_stats", [](Comm& c) { return c.engine->landing_stats(); })
+      .def_property_readonly("collectives", [](Comm& c) { return c.engine->collectives(); })
       // The blocking send/recv, one CPython call each.
       .def("fast", [](py::object self) { return make_fast(self); })
       .def("release", [](Comm& c, uint64_t id) { c.engine->release(id); })

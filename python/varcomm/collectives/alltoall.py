@@ -28,6 +28,7 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
 
@@ -152,6 +153,31 @@ def _host_out(comm: Communicator, kind: str, word: int, shape: tuple[int, ...]) 
     if kind == "torch" and nbytes > _LANDED_OUT and comm._c.landing_stats()[0] - nbytes >= comm.options.landing // 2:
         return comm._landed_empty(kind, word, shape)
     return arrays.empty(kind, word, shape)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _in_step(fn: _F) -> _F:
+    """An entry point whose call this rank refuses before the core took the
+    collective's number (an argument error: splits that do not add up, a bad
+    out) refuses it to every peer too (the core's AllToAll::refuse): they fail
+    that same call at once, naming this rank, where they would otherwise pair
+    their next call with this rank's next, and take each other's data."""
+    @functools.wraps(fn)
+    def call(comm: Communicator, *args: Any, **kw: Any) -> Any:
+        before = comm._c.collectives
+        try:
+            return fn(comm, *args, **kw)
+        except InvalidArgument:
+            # (CUDA send_splits: the device-split form, its own protocol)
+            v = fn.__name__ == "all_to_all_v"
+            splits = kw.get("send_splits", args[1] if len(args) > 1 else None) if v else None
+            if comm._c.collectives == before and not alltoall_device.is_device_splits(splits):
+                tag = kw.get("tag")
+                _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0, _strategy(comm))
+            raise
+    return cast(_F, call)
 
 
 def _check_timeout(timeout: float | None) -> None:
@@ -299,6 +325,7 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
 def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
                  out: Array | None = None, async_op: bool = False, timeout: float | None = None
                  ) -> tuple[Array, list[int]] | Work: ...
+@_in_step
 def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int | None = None,
                  out: Array | None = None, async_op: bool = False, timeout: float | None = None
                  ) -> tuple[Array, list[int]] | Work:
@@ -324,9 +351,10 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     chunks are held to it) raises MessageTooLarge on every rank, naming the
     sender; a dtype or trailing-shape mismatch raises MessageMismatch naming
     the source rank; more rows than ``out`` holds raises MessageTooLarge.
-    Every rank must make the same collective calls in the same order: a call
-    one rank refuses before it starts (InvalidArgument: bad splits) or skips
-    leaves the ranks out of step.
+    A call one rank refuses before it starts (InvalidArgument: bad splits)
+    raises MessageMismatch naming it on the others, and the next call pairs up
+    right; every rank must make the same collective calls in the same order
+    (one that a rank skips leaves the ranks out of step).
 
     With async_op, x (and out) must not change until wait() returns: large
     chunks are read out of x by their receivers then.
@@ -455,6 +483,7 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
 def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: bool = False, timeout: float | None = None) -> Work | None: ...
+@_in_step
 def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch's name
                       output_split_sizes: Splits | None = None, input_split_sizes: Splits | None = None, *,
                       async_op: bool = False, timeout: float | None = None) -> Work | None:
@@ -539,6 +568,7 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
 @overload
 def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
                *, async_op: bool = False, timeout: float | None = None) -> list[Array] | Work: ...
+@_in_step
 def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None, input_tensor_list: Sequence[Array],
                *, async_op: bool = False, timeout: float | None = None) -> list[Array] | Work:
     """torch.distributed.all_to_all: ``input_tensor_list[d]`` goes to rank d,
