@@ -78,7 +78,7 @@ int64_t AllToAll::coll_tag(int64_t user_tag, uint64_t seq) {
   return kCollTagBase * (1 + user_tag) + 2 * int64_t(seq % uint64_t(kCollTagBase / 2));
 }
 
-void AllToAll::refuse(Engine& e, int64_t user_tag, A2AStrategy strategy) {
+void AllToAll::refuse(Engine& e, int64_t user_tag) {
   if (user_tag < 0 || user_tag > kMaxCollTag) user_tag = 0;  // (the refusal's own reason, most likely)
   const int64_t tag = coll_tag(user_tag, e.next_collective());
   const int n = e.world(), r = e.rank();
@@ -86,10 +86,10 @@ void AllToAll::refuse(Engine& e, int64_t user_tag, A2AStrategy strategy) {
   for (int k = 1; k < n; ++k) {
     int p = (r + k) % n;
     try {
-      // What p sends us for this call is dropped as it comes (two-phase: its
-      // payload too); our descriptor tells it why nothing else comes.
+      // What p sends us for this call is dropped as it comes; our descriptor
+      // tells it why nothing else comes (two-phase: it then sends us no
+      // payload, post_payloads).
       e.detach(e.irecv(p, tag, nullptr, 0, 0));
-      if (strategy == A2AStrategy::TwoPhase) e.detach(e.irecv(p, tag + 1, nullptr, 0, 0));
       e.detach(e.isend_descriptor(p, tag, 0, 0, shape, 1, kRefusedCall));
     } catch (const Error&) {  // p is gone or closed: it learns nothing more from us anyway
     }
@@ -324,6 +324,7 @@ void AllToAll::post_payloads() {
   }
   for (int k = 1; k < n; ++k) {
     int d = (r + k) % n;
+    if (fate_[d] == Fate::Refused) continue;  // d refused the whole call: it reads nothing more of it
     const A2AChunk& c = plan_.send[d];
     try {
       Mem m;

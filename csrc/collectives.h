@@ -88,7 +88,7 @@ class AllToAll {
   // its own, or of the plan) takes its number all the same and tells every
   // peer (kRefusedCall), so they fail that call at once, naming it, instead
   // of pairing their next call with ours; what they send for it is dropped.
-  static void refuse(Engine& e, int64_t user_tag, A2AStrategy strategy);
+  static void refuse(Engine& e, int64_t user_tag);
   static int64_t coll_tag(int64_t user_tag, uint64_t seq);
   // Posts every receive and send (the first phase); nothing blocks.
   void start();

@@ -1046,11 +1046,11 @@ void bind_collectives(py::module_& m) {
   // A collective this rank refuses before it starts (AllToAll::refuse).
   m.def(
       "all_to_all_refuse",
-      [](Comm& c, int64_t tag, int strategy) {
+      [](Comm& c, int64_t tag) {
         py::gil_scoped_release nogil;
-        AllToAll::refuse(*c.engine, tag, A2AStrategy(strategy));
+        AllToAll::refuse(*c.engine, tag);
       },
-      py::arg("comm"), py::arg("tag"), py::arg("strategy"));
+      py::arg("comm"), py::arg("tag"));
   // sends[d], outs[s]: (ptr, nbytes, dtype word, shape[, stream[, host copy]]) (fill_chunk); an
   // out of None is allocated, in host memory for stream -1, else in device memory ordered on stream.
   m.def("all_to_all_list",

@@ -175,7 +175,7 @@ def _in_step(fn: _F) -> _F:
             splits = kw.get("send_splits", args[1] if len(args) > 1 else None) if v else None
             if comm._c.collectives == before and not alltoall_device.is_device_splits(splits):
                 tag = kw.get("tag")
-                _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0, _strategy(comm))
+                _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0)
             raise
     return cast(_F, call)
 
