@@ -177,8 +177,8 @@ class NinjaBuildExt(build_ext):
             notes.append("nvlink: no sources" if not src["nvlink"] else "nvlink: no (VARCOMM_NO_CUDA)")
 
         if fab and src["rdma"] and "-DVARCOMM_HAVE_CUDA" in defines:
-            parts.append("rdma-gpu (CUDA tensors over rdma: staged through pinned memory, pipelined; "
-                         "GPUDirect RDMA chosen at run time from the provider's FI_HMEM)")
+            parts.append("rdma-gpu (CUDA tensors over rdma, pipelined: GPUDirect RDMA where the provider "
+                         "offers FI_HMEM at run time, else staged through pinned memory)")
         print(f"varcomm: building transports: {', '.join(parts)}" + (f"; {'; '.join(notes)}" if notes else ""),
               flush=True)
 

@@ -162,7 +162,10 @@ std::string Engine::transport_describe(int peer) const {
 
 std::map<std::string, std::string> Engine::transport_properties(int peer) const {
   auto& p = peers_.at(peer);
-  return p.t ? p.t->properties() : std::map<std::string, std::string>{};
+  auto info = p.t ? p.t->properties() : std::map<std::string, std::string>{};
+  if (p.tdev && p.tdev != p.t)  // the device route's own facts (rdma-gpu: "device_gpudirect", ...)
+    for (auto& [k, v] : p.tdev->properties()) info["device_" + k] = v;
+  return info;
 }
 
 void Engine::connected() {

@@ -7,8 +7,12 @@ stream got there would see the wrong bytes.
 
 Two groups: ranks on one host with the route forced to rdma (`@world`), and
 ranks in separate network namespaces (tests/netns.py) for the stress across
-"hosts" and the failure modes (a link pulled, a peer killed). GPUDirect RDMA
-cannot run here: only its selection is tested (tcp is no RDMA NIC)."""
+"hosts" and the failure modes (a link pulled, a peer killed).
+
+GPUDirect RDMA (VARCOMM_RDMA_HMEM=1, which this libfabric's tcp takes): the
+same tests with staging and receive slots in the fake's GPU memory, which the
+NIC (here tcp) registers as the host memory it is on the stand-in; so all of
+its data path runs here except the FI_HMEM_CUDA registration itself."""
 from __future__ import annotations
 
 import ctypes
@@ -58,22 +62,43 @@ def _comm(path: str, **kw):
     return gpu, comm
 
 
+def _gdr_flushes(gpu: FakeGpu) -> int:
+    """cuFlushGPUDirectRDMAWrites calls so far in this process (the fake counts them)."""
+    f = gpu.lib.fake_cuda_gdr_flushes
+    f.restype = ctypes.c_long
+    return int(f())
+
+
+def _check_gpudirect(comm, hmem: str) -> None:
+    """With VARCOMM_RDMA_HMEM=1 the pair's device route is GPUDirect: GPU staging and GPU receive slots."""
+    info = comm.route_info(1 - comm.rank)
+    want = "selected" if hmem == "1" else "off"
+    assert info["device_gpudirect"] == want, info
+    assert (int(info["device_gpu_receive_slots"]) > 0) == (hmem == "1"), info
+    assert info["device_staged"] == ("0" if hmem == "1" else "1"), info
+
+
 def _query(gpu: FakeGpu, s: int) -> int:
     return int(gpu.lib.cuStreamQuery(ctypes.c_void_p(s)))
 
 
 @world(2, timeout=180, requires=("libfabric",))
-@pytest.mark.parametrize(("delay_us", "strict"), [("0", "0"), ("30", "0"), ("30", "1")])
-def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
+@pytest.mark.parametrize(("delay_us", "strict", "hmem"),
+                         [("0", "0", "0"), ("30", "0", "0"), ("30", "1", "0"), ("0", "0", "1"), ("30", "1", "1")])
+def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict, hmem):
     """Randomized sizes 0..bound (chunk edges included), more messages than
-    slots, with and without a late stream, and with the staging memory
-    registered as verbs/efa require (VARCOMM_RDMA_STRICT): each arrives
-    byte-exact into a device out, a new buffer (irecv, copy_out), host memory;
-    one is dropped unread and its slot still comes back; a host message lands
-    in device memory."""
+    slots, with and without a late stream, with the staging memory registered
+    as verbs/efa require (VARCOMM_RDMA_STRICT), and by GPUDirect (hmem 1):
+    each arrives byte-exact into a device out, a new buffer (irecv,
+    copy_out), host memory; one is dropped unread and its slot still comes
+    back; a host message lands in device memory. Under GPUDirect every landed
+    chunk was flushed before a stream read it."""
     os.environ["FAKE_CUDA_DELAY_US"] = delay_us
     os.environ["VARCOMM_RDMA_STRICT"] = strict
+    os.environ["VARCOMM_RDMA_HMEM"] = hmem
     gpu, comm = _comm(fake_cuda, slots=3)
+    _check_gpudirect(comm, hmem)
+    flushed = _gdr_flushes(gpu)
     rng = np.random.default_rng(seeded())
     edges = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, BOUND - 1, BOUND]
     sizes = edges + [int(x) for x in rng.integers(0, BOUND + 1, 24)]
@@ -130,18 +155,23 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict):
                 c.recv_into(0, 3, out, BOUND, U8, 30.0, s)
                 gpu.sync(s)
                 assert gpu.get(out, 2 * CHUNK) == _payload(1100 + i, 2 * CHUNK)
+            chunks = sum(-(-n // CHUNK) for n in sizes) + 1 + 8  # + the dropped one + 4 x 2
+            assert _gdr_flushes(gpu) - flushed == (chunks if hmem == "1" else 0)
         comm.barrier()
 
 
 @world(2, timeout=180, requires=("libfabric",))
-def test_fake_rdma_stream_order_and_enqueue_never_waits(fake_cuda):
+@pytest.mark.parametrize("hmem", ["0", "1"])
+def test_fake_rdma_stream_order_and_enqueue_never_waits(fake_cuda, hmem):
     """Every stream operation 0.1 s late. The sender overwrites its source on
     the same stream right after the send: the message must still carry the
     bytes before it. Send and recv return while their streams have not run
     yet (the host never waits for GPU work), and the receiver's next stream
     operation, a copy of out, sees the message."""
     os.environ["FAKE_CUDA_DELAY_US"] = "100000"
+    os.environ["VARCOMM_RDMA_HMEM"] = hmem
     gpu, comm = _comm(fake_cuda, slots=2)
+    _check_gpudirect(comm, hmem)
     memset = gpu.lib.cuMemsetD8Async
     memset.argtypes = [ctypes.c_ulonglong, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
     copy = gpu.lib.cuMemcpyAsync
@@ -229,15 +259,16 @@ def test_fake_rdma_errors_as_on_the_host_path(fake_cuda):
 def test_fake_rdma_gpudirect_selection(fake_cuda, hmem):
     """GPUDirect RDMA is chosen by the provider's capabilities: tcp is no RDMA
     NIC, so auto stages and says why, 0 says it was turned off, and 1 (forced)
-    is refused at init unless the provider offers FI_HMEM, naming the variable."""
+    takes it, since the stand-in's GPU memory is host memory (with a real
+    driver it is refused at init unless the provider offers FI_HMEM, naming
+    the variable)."""
     os.environ["VARCOMM_RDMA_HMEM"] = hmem
     FakeGpu(fake_cuda)
     os.environ.update(VARCOMM_NVLINK="1", VARCOMM_NVLINK_DEVICE="0")
     try:
         comm = varcomm.init(transport="rdma", timeout=30, bound=BOUND)
     except varcomm.InvalidArgument as e:
-        assert hmem == "1" and "VARCOMM_RDMA_HMEM=1 (GPUDirect RDMA) but provider tcp;ofi_rxm" in str(e), e
-        return
+        raise AssertionError(f"VARCOMM_RDMA_HMEM={hmem} refused on the stand-in: {e}") from e
     with comm:
         desc = comm.describe_transport(1 - comm.rank)
         info = comm.route_info(1 - comm.rank)
@@ -246,8 +277,41 @@ def test_fake_rdma_gpudirect_selection(fake_cuda, hmem):
             assert "GPUDirect RDMA: not used: provider tcp;ofi_rxm is no RDMA NIC" in desc, desc
         elif hmem == "0":
             assert "GPUDirect RDMA: off (VARCOMM_RDMA_HMEM=0)" in desc, desc
-        else:  # this libfabric's tcp offers FI_HMEM: selected, and said to be staged still
-            assert "selected by VARCOMM_RDMA_HMEM=1" in desc and "not implemented yet" in desc, desc
+        else:  # tcp offers no FI_HMEM here, but the stand-in's GPU memory is host memory: selected
+            assert "GPUDirect RDMA, selected by VARCOMM_RDMA_HMEM=1 (CPU stand-in driver: its GPU memory is host " \
+                   "memory, which tcp;ofi_rxm registers as such)" in desc, desc
+            assert f"receives land in {info['device_gpu_receive_slots']} bytes of GPU receive slots" in desc, desc
+        comm.barrier()
+
+
+@world(2, timeout=120, requires=("libfabric",))
+def test_fake_rdma_gpudirect_with_a_staged_peer(fake_cuda):
+    """Rank 0 uses GPUDirect, rank 1 stages (VARCOMM_RDMA_HMEM differs by
+    rank): each side decides alone, so rank 0 writes from GPU staging into
+    rank 1's host slots, and rank 1 from pinned memory into rank 0's GPU
+    slots; messages both ways arrive byte-exact, and only rank 0 flushes."""
+    os.environ["VARCOMM_RDMA_HMEM"] = "1" if int(os.environ["RANK"]) == 0 else "0"
+    os.environ["FAKE_CUDA_DELAY_US"] = "20"
+    gpu, comm = _comm(fake_cuda, slots=2)
+    c, r = comm._c, comm.rank
+    _check_gpudirect(comm, "1" if r == 0 else "0")
+    s = gpu.stream()
+    sizes = [1, CHUNK, 3 * CHUNK + 5, BOUND]
+    out = gpu.alloc(BOUND)
+    flushed = _gdr_flushes(gpu)
+    with comm:
+        for i, n in enumerate(sizes):
+            for turn in (0, 1):
+                if r == turn:
+                    p = gpu.alloc(n)
+                    gpu.put(p, _payload(10 * i + turn, n))
+                    c.send(1 - r, 0, p, n, U8, (n,), 30.0, s)
+                else:
+                    h = c.recv_into(1 - r, 0, out, BOUND, U8, 30.0, s)
+                    gpu.sync(s)
+                    assert h.nbytes == n and gpu.get(out, n) == _payload(10 * i + turn, n), (i, turn)
+        chunks = sum(-(-n // CHUNK) for n in sizes)
+        assert _gdr_flushes(gpu) - flushed == (chunks if r == 0 else 0)
         comm.barrier()
 
 
@@ -269,6 +333,8 @@ WORKER = textwrap.dedent('''
     for q in range(n):
         if q != r:
             assert comm.device_transport_for(q) == "rdma-gpu", comm.describe_transport(q)
+            gdr = comm.route_info(q)["device_gpudirect"]
+            assert gdr == ("selected" if os.environ["VARCOMM_RDMA_HMEM"] == "1" else "off"), gdr
     c = comm._c
     s = gpu.stream()
     def mark(name):
@@ -336,7 +402,9 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _run(net: Netns, tmp: Path, mode: str, n: int, fake: str, seed: int = 0) -> list[subprocess.Popen]:
+def _run(net: Netns, tmp: Path, mode: str, n: int, fake: str, seed: int = 0,
+         hmem: str = "0") -> list[subprocess.Popen]:
+    """hmem: VARCOMM_RDMA_HMEM of every rank ("0", "1"), or "mixed": GPUDirect on every rank but rank 1."""
     script = tmp / "worker.py"
     script.write_text(WORKER)
     flags = tmp / "flags"
@@ -347,32 +415,36 @@ def _run(net: Netns, tmp: Path, mode: str, n: int, fake: str, seed: int = 0) -> 
                    MASTER_ADDR=net.addr(0), MASTER_PORT="29613", VARCOMM_FI_PROVIDER="tcp;ofi_rxm",
                    VARCOMM_FI_IFACE=IFACE, VARCOMM_PEER_TIMEOUT="4", OMP_NUM_THREADS="1",
                    FAKE_CUDA_DELAY_US="20", SEED=str(seed), TESTS_DIR=str(ROOT / "tests"),
-                   PYTHONPATH=str(ROOT / "python"))
+                   PYTHONPATH=str(ROOT / "python"),
+                   VARCOMM_RDMA_HMEM="1" if hmem == "1" or (hmem == "mixed" and r != 1) else "0")
         procs.append(net.popen(r, [sys.executable, str(script), mode, str(flags), fake], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
 
-def test_device_ring_across_namespaces_byte_exact(tmp_path, fake_cuda):
+@pytest.mark.parametrize("hmem", ["0", "1", "mixed"])
+def test_device_ring_across_namespaces_byte_exact(tmp_path, fake_cuda, hmem):
     """Three "hosts": a ring of device messages of random sizes (0..bound, many
-    chunks), byte-exact on a late fake stream."""
+    chunks), byte-exact on a late fake stream; staged, GPUDirect, and
+    GPUDirect on two of the three ranks."""
     require_netns()
     seed = seeded()
     with Netns(3) as net:
-        res = finish(_run(net, tmp_path, "ring", 3, fake_cuda, seed), timeout=150)
+        res = finish(_run(net, tmp_path, "ring", 3, fake_cuda, seed, hmem), timeout=150)
     for r, (code, out) in enumerate(res):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}, seed {seed}):\n{out[-3000:]}"
 
 
-@pytest.mark.parametrize("how", ["link_down", "kill"])
-def test_device_peer_lost_mid_stream_fails_promptly(tmp_path, fake_cuda, how):
+@pytest.mark.parametrize(("how", "hmem"), [("link_down", "0"), ("kill", "0"), ("kill", "1")])
+def test_device_peer_lost_mid_stream_fails_promptly(tmp_path, fake_cuda, how, hmem):
     """A device stream from rank 2 to rank 0; rank 2's link pulled or rank 2
     killed: rank 0 gets PeerFailure within seconds, its stream is not left
-    waiting, and ranks 0 and 1 keep exchanging device messages."""
+    waiting (GPUDirect: on data for its GPU slots), and ranks 0 and 1 keep
+    exchanging device messages."""
     require_netns()
     with Netns(3) as net:
-        lose_member_mid_stream(net, _run(net, tmp_path, "fail", 3, fake_cuda), tmp_path / "flags", how, 90)
+        lose_member_mid_stream(net, _run(net, tmp_path, "fail", 3, fake_cuda, hmem=hmem), tmp_path / "flags", how, 90)
 
 
 # ---------------------------------------------------------------------------
@@ -460,17 +532,21 @@ def _a2a_comm(path: str, *, no_ipc: bool = False, delay_us: int = 0):
     return dev, comm
 
 
-@pytest.mark.parametrize(("n", "delay_us", "no_ipc"), [(2, 0, ""), (3, 0, ""), (3, 300, ""), (3, 0, "0"),
-                                                        (2, 300, "01")])
-def test_fake_rdma_all_to_all_entry_points_match_reference(fake_cuda, n, delay_us, no_ipc):
+@pytest.mark.parametrize(("n", "delay_us", "no_ipc", "hmem"),
+                         [(2, 0, "", "0"), (3, 0, "", "0"), (3, 300, "", "0"), (3, 0, "0", "0"), (2, 300, "01", "0"),
+                          (3, 300, "", "1")])
+def test_fake_rdma_all_to_all_entry_points_match_reference(fake_cuda, n, delay_us, no_ipc, hmem):
     """all_to_all_v / all_to_all_single / all_to_all on device memory, every
     peer on rdma-gpu, byte-exact against the single-process reference, with and
-    without late streams; ranks in `no_ipc` have no nvlink at all (their self
-    chunk goes through rdma-gpu's device copy)."""
+    without late streams, staged and by GPUDirect; ranks in `no_ipc` have no
+    nvlink at all (their self chunk goes through rdma-gpu's device copy)."""
     @world(n, timeout=240, requires=("libfabric",))
     def body():
+        os.environ["VARCOMM_RDMA_HMEM"] = hmem
         seed = seeded()
         dev, comm = _a2a_comm(fake_cuda, no_ipc=str(varcomm.testing.rank()) in no_ipc, delay_us=delay_us)
+        gdr = {comm.route_info(p)["device_gpudirect"] for p in range(n) if p != comm.rank}
+        assert gdr == {"selected" if hmem == "1" else "off"}, gdr
         with comm:
             _run_entry_points(dev, comm, seed, iters=15, max_rows=40)
             comm.barrier()

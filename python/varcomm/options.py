@@ -352,8 +352,10 @@ class Options(_Declared):
                            "1 MiB")
     rdma_hmem: str = _opt("VARCOMM_RDMA_HMEM", _choice("auto", "on", "off", aliases=(
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
-        "rdma: GPUDirect RDMA for GPU messages (NIC reads and writes GPU memory); `auto`: when the provider is "
-        "verbs/efa/cxi and offers FI_HMEM for CUDA, else staged through pinned host memory (1/0 mean on/off)")
+        "rdma: GPUDirect RDMA for GPU messages (the NIC reads and writes GPU memory: staging and receive slots "
+        "there, world x slots x bound of it); `auto`: when the provider is verbs/efa/cxi and offers FI_HMEM for "
+        "CUDA, taking at most 1 GiB of GPU memory, else staged through pinned host memory (1/0 mean on/off; on "
+        "takes all it needs)")
     liveness_addr: str = _opt("VARCOMM_LIVENESS_ADDR", _TEXT, "",
                               "rdma: IP of the liveness socket when the fabric address is not one (efa, cxi)",
                               "the first non-loopback IPv4 address")

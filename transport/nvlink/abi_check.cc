@@ -112,3 +112,17 @@ static_assert(mine::kHostRegisterDeviceMap == CU_MEMHOSTREGISTER_DEVICEMAP, "dev
 CHECK_EQ(CU_STREAM_WRITE_VALUE_DEFAULT)
 CHECK_EQ(CU_STREAM_WAIT_VALUE_GEQ)
 CHECK_EQ(CU_EVENT_DISABLE_TIMING)
+CHECK_EQ(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED)
+CHECK_EQ(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS)
+CHECK_EQ(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING)
+CHECK_EQ(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST)
+CHECK_EQ(CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER)
+CHECK_EQ(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX)
+CHECK_EQ(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER)
+// The optional flush, declared with ints for <cuda.h>'s two enums.
+static_assert(std::is_same<decltype(&::cuFlushGPUDirectRDMAWrites),
+                           ::CUresult (*)(::CUflushGPUDirectRDMAWritesTarget, ::CUflushGPUDirectRDMAWritesScope)>::value,
+              "cuFlushGPUDirectRDMAWrites signature differs");
+static_assert(sizeof(::CUflushGPUDirectRDMAWritesTarget) == sizeof(int) &&
+                  sizeof(::CUflushGPUDirectRDMAWritesScope) == sizeof(int),
+              "flush enums are not int-sized");

@@ -49,6 +49,9 @@ Loaded load() {
     L.why = "the NVIDIA driver is too old for varcomm's nvlink transport (libcuda.so.1 lacks " + missing + ")";
     return L;
   }
+  d.FlushGPUDirectRDMAWrites =
+      reinterpret_cast<decltype(d.FlushGPUDirectRDMAWrites)>(dlsym(lib, "cuFlushGPUDirectRDMAWrites"));
+  d.stand_in = dlsym(lib, "varcomm_fake_cuda_driver") != nullptr;
   if (d.DriverGetVersion(&d.version) != CUDA_SUCCESS) d.version = 0;
   CUresult r = d.Init(0);
   if (r != CUDA_SUCCESS) {

@@ -53,6 +53,15 @@ constexpr unsigned int kHostRegisterDeviceMap = 2;
 constexpr unsigned int CU_STREAM_WRITE_VALUE_DEFAULT = 0;
 constexpr unsigned int CU_STREAM_WAIT_VALUE_GEQ = 0;
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
+// GPUDirect RDMA (rdma-gpu): whether the GPU orders a NIC's writes into its
+// memory before a later consumer on it, else how to flush them (CUDA 11.3+).
+constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED = 116;
+constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS = 117;
+constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING = 118;
+constexpr int CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST = 1;
+constexpr int CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER = 100;
+constexpr int CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX = 0;
+constexpr int CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER = 100;
 
 // X(member, return type, parameters, symbols to try in order). The symbols are
 // the versioned names that <cuda.h>'s macros select (cuMemAlloc -> cuMemAlloc_v2).
@@ -123,6 +132,12 @@ struct Driver {
   VARCOMM_CU_FUNCTIONS(VARCOMM_CU_MEMBER)
 #undef VARCOMM_CU_MEMBER
   int version = 0;  // cuDriverGetVersion, e.g. 13000
+  // Optional (null where the driver lacks it): makes a NIC's earlier writes
+  // into this context's memory visible to its later work (GPUDirect RDMA).
+  CUresult (*FlushGPUDirectRDMAWrites)(int target, int scope) = nullptr;
+  // The CPU stand-in (transport/nvlink/fake_libcuda.cc), whose "device
+  // memory" is host memory: a NIC registers it as such (rdma-gpu).
+  bool stand_in = false;
 };
 
 // The loaded driver, or nullptr; `why` (may be null) gets the reason. Loads it

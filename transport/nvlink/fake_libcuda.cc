@@ -173,9 +173,25 @@ API CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
 API CUresult cuDeviceGet(int* d, int ordinal) { if (ordinal != 0) return 101; *d = 0; return 0; }
 API CUresult cuDeviceGetName(char* name, int len, int) { snprintf(name, len, "fake GPU (varcomm test driver)"); return 0; }
 API CUresult cuDeviceGetAttribute(int* v, int attr, int) {
-  *v = attr == 75 ? 9 : (attr == 41 || attr == 122) ? 1 : 0;  // compute capability 9.0, UVA, 64-bit stream memops
+  // compute capability 9.0, UVA, 64-bit stream memops; GPUDirect RDMA
+  // supported (116), flushed from the host (117: option HOST), writes not
+  // ordered for the GPU (118: NONE), so rdma-gpu takes its flushing path
+  *v = attr == 75 ? 9 : (attr == 41 || attr == 122 || attr == 116 || attr == 117) ? 1 : 0;
   return 0;
 }
+// Marks this library as the stand-in: its device memory is host memory, which
+// a NIC (libfabric) registers as host memory (rdma-gpu's GPUDirect path).
+API int varcomm_fake_cuda_driver = 1;
+// A NIC's writes into host memory need no flush; counted so tests see the
+// GPUDirect receive path call it before a stream consumes landed data.
+std::atomic<long> g_gdr_flushes{0};
+API CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
+  if (target != 0 || scope != 100) return 1;
+  if (!t_ctx) return 201;  // CUDA_ERROR_INVALID_CONTEXT
+  g_gdr_flushes++;
+  return 0;
+}
+API long fake_cuda_gdr_flushes() { return g_gdr_flushes.load(); }
 API CUresult cuDeviceGetPCIBusId(char* bus, int len, int) { snprintf(bus, len, "0000:00:00.0"); return 0; }
 API CUresult cuDeviceCanAccessPeer(int* can, int, int) { *can = 1; return 0; }
 API CUresult cuDevicePrimaryCtxRetain(Ctx** c, int) { *c = &g_ctx; return 0; }

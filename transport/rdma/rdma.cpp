@@ -116,13 +116,15 @@ std::string unhex(const std::string& s) {
   return out;
 }
 
-fi_info* hints_for(const std::string& prov, const std::string& iface) {
+// hmem: an endpoint that also moves GPU memory (GPUDirect RDMA), which we
+// always register and pass a descriptor for: so FI_MR_HMEM is fine there.
+fi_info* hints_for(const std::string& prov, const std::string& iface, bool hmem = false) {
   fi_info* h = fab::api().allocinfo();
   h->ep_attr->type = FI_EP_RDM;
   // FI_MSG only so we can post receives if the provider has FI_RX_CQ_DATA.
-  h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG;
+  h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_MSG | (hmem ? FI_HMEM : 0);
   h->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
-  h->domain_attr->mr_mode = kMrModes;  // FI_MR_RAW / FI_MR_HMEM providers are not offered
+  h->domain_attr->mr_mode = kMrModes | (hmem ? FI_MR_HMEM : 0);  // FI_MR_RAW providers are not offered
   h->domain_attr->threading = FI_THREAD_DOMAIN;  // the engine serialises calls under its mutex
   h->tx_attr->iov_limit = 2;                     // header + payload in one write
   h->fabric_attr->prov_name = strdup(prov.c_str());
@@ -131,8 +133,8 @@ fi_info* hints_for(const std::string& prov, const std::string& iface) {
 }
 
 // fi_getinfo for one provider; nullptr when it offers nothing usable.
-fi_info* query(const std::string& prov, const std::string& iface, std::string* why) {
-  fi_info* hints = hints_for(prov, iface);
+fi_info* query(const std::string& prov, const std::string& iface, std::string* why, bool hmem = false) {
+  fi_info* hints = hints_for(prov, iface, hmem);
   fi_info* list = nullptr;
   int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list);
   fab::api().freeinfo(hints);
@@ -162,9 +164,7 @@ fi_info* query(const std::string& prov, const std::string& iface, std::string* w
 // hints we run on plus FI_HMEM / FI_MR_HMEM (fi_getinfo(3)); *why says what
 // it answered either way.
 bool hmem_offered(const std::string& prov, const std::string& iface, std::string* why) {
-  fi_info* h = hints_for(prov, iface);
-  h->caps |= FI_HMEM;
-  h->domain_attr->mr_mode = kMrModes | FI_MR_HMEM;
+  fi_info* h = hints_for(prov, iface, true);
   fi_info* list = nullptr;
   int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, h, &list);
   fab::api().freeinfo(h);
@@ -250,14 +250,17 @@ class RdmaTransport final : public Transport, public rdma::Port {
     Lock g(*this);
     return free_ops_.size() < ops_.size() || queued_credits_;
   }
+  uint64_t write_data_to(int peer, size_t imm_off, uint64_t raddr, uint64_t key, const void* src, size_t n,
+                         void* desc) override;
   void* reg_source(void* p, size_t n, int iface_cuda, void** handle) override;
+  uint64_t reg_target(void* p, size_t n, int iface_cuda, uint64_t* addr, void** handle) override;
   void unreg(void* handle) override {
     Lock g(*this);
     if (handle) fi_close(&static_cast<fid_mr*>(handle)->fid);
   }
   bool hmem_cuda(std::string* why) const override {
-    if (why) *why = hmem_why_;
-    return hmem_cuda_;
+    if (why) *why = hmem_why_ + (hmem_cuda_ && !hmem_ep_ ? ", but this endpoint was opened without it" : "");
+    return hmem_cuda_ && hmem_ep_;
   }
   std::string provider() const override { return info_->fabric_attr->prov_name; }
 
@@ -301,7 +304,7 @@ class RdmaTransport final : public Transport, public rdma::Port {
   void init(std::string provider, std::string iface, const Options& o);
   void close_all();
   void quiesce();
-  fid_mr* reg(void* p, size_t n, uint64_t access);
+  fid_mr* reg(void* p, size_t n, uint64_t access, int iface_cuda = -1);  // iface_cuda >= 0: GPU memory
   void handle(const fi_cq_data_entry& e);
   void read_error();
   void finish(Op& op);
@@ -355,7 +358,8 @@ class RdmaTransport final : public Transport, public rdma::Port {
   std::recursive_mutex mu_;
   bool shared_ = false;
   std::function<bool(size_t)> sink_;  // remote completions inside a slot's payload (GPU message chunks)
-  bool hmem_cuda_ = false;
+  bool hmem_cuda_ = false;  // the provider offers FI_HMEM on our domain
+  bool hmem_ep_ = false;    // and our endpoint was opened with it (rdma::wants_gpudirect)
   std::string hmem_why_;
 };
 
@@ -391,6 +395,16 @@ void RdmaTransport::init(std::string provider, std::string iface, const Options&
     if (!info_)
       invalid("no libfabric provider offers an RDM endpoint with RMA and remote CQ data" +
               (iface.empty() ? std::string() : " on '" + iface + "'") + "; see `varcomm-doctor`");
+  }
+  // GPUDirect RDMA (rdma-gpu) needs an endpoint opened for GPU memory:
+  // asked for only where it may be used, so host-only jobs keep their endpoint.
+  probe_hmem(info_->domain_attr->name);
+  if (hmem_cuda_ && rdma::wants_gpudirect(o.rdma_hmem, info_->fabric_attr->prov_name, o.cuda_device)) {
+    if (fi_info* h = query(info_->fabric_attr->prov_name, info_->domain_attr->name, nullptr, true)) {
+      fab::api().freeinfo(info_);
+      info_ = h;
+      hmem_ep_ = true;
+    }
   }
   mr_mode_ = info_->domain_attr->mr_mode;
   eager_credits_ = o.rdma_eager_credits;
@@ -475,7 +489,6 @@ void RdmaTransport::init(std::string provider, std::string iface, const Options&
     << info_->domain_attr->name << "): " << reason << "; liveness via tcp keepalive " << live_ip_ << ", "
     << timeout_s_ << " s";
   describe_ = d.str();
-  probe_hmem(info_->domain_attr->name);
   if (debug_) fprintf(stderr, "[varcomm rank %d] %s\n", rank_, describe_.c_str());
 }
 
@@ -521,7 +534,7 @@ void RdmaTransport::quiesce() {
   }
 }
 
-fid_mr* RdmaTransport::reg(void* p, size_t n, uint64_t access) {
+fid_mr* RdmaTransport::reg(void* p, size_t n, uint64_t access, int iface_cuda) {
   fid_mr* mr = nullptr;
   // requested_key matters only without FI_MR_PROV_KEY; keys must be unique
   // per domain. A key that lets peers write (the region, the hello words) is
@@ -537,9 +550,22 @@ fid_mr* RdmaTransport::reg(void* p, size_t n, uint64_t access) {
       size_t bytes = info_->domain_attr->mr_key_size;
       if (bytes && bytes < sizeof key) key &= (uint64_t(1) << (8 * bytes)) - 1;
     }
-    int rc = fi_mr_reg(domain_, p, n, access, 0, key, 0, &mr, nullptr);
+    int rc;
+    if (iface_cuda < 0) {
+      rc = fi_mr_reg(domain_, p, n, access, 0, key, 0, &mr, nullptr);
+    } else {  // GPU memory for the NIC to read or write (fi_mr(3), FI_HMEM_CUDA: GPUDirect RDMA)
+      iovec iov{p, n};
+      fi_mr_attr a{};
+      a.mr_iov = &iov;
+      a.iov_count = 1;
+      a.access = access;
+      a.requested_key = key;
+      a.iface = FI_HMEM_CUDA;
+      a.device.cuda = iface_cuda;
+      rc = fi_mr_regattr(domain_, &a, 0, &mr);
+    }
     if (rc == -FI_ENOKEY && attempt < 8) continue;  // that key is taken (a random one, or the counter met it)
-    if (rc) fail("fi_mr_reg", rc);
+    if (rc) fail(iface_cuda < 0 ? "fi_mr_reg" : "fi_mr_regattr (GPU memory, FI_HMEM_CUDA)", rc);
     break;
   }
   if (mr_mode_ & FI_MR_ENDPOINT) {
@@ -764,13 +790,24 @@ uint64_t RdmaTransport::write_data(int peer, size_t off, const void* src, size_t
   Lock g(*this);
   Peer& p = peers_.at(size_t(peer));
   if (!p.connected || !p.error.empty()) return 0;
-  if ((off & 255) || (off >> 8) > 0xffffffffull || off + n > p.size)
+  if (off + n > p.size)
     invalid("data write of " + std::to_string(n) + " bytes at offset " + std::to_string(off) + " does not fit rank " +
-            std::to_string(peer) + "'s region or the 32-bit immediate");
+            std::to_string(peer) + "'s region");
+  return write_data_to(peer, off, p.raddr + off, p.key, src, n, desc);
+}
+
+uint64_t RdmaTransport::write_data_to(int peer, size_t imm_off, uint64_t raddr, uint64_t key, const void* src,
+                                      size_t n, void* desc) {
+  Lock g(*this);
+  Peer& p = peers_.at(size_t(peer));
+  if (!p.connected || !p.error.empty()) return 0;
+  if ((imm_off & 255) || (imm_off >> 8) > 0xffffffffull || imm_off >= p.size)
+    invalid("data write to rank " + std::to_string(peer) + " named offset " + std::to_string(imm_off) +
+            ", outside its region or the 32-bit immediate");
   if (free_ops_.empty()) progress();
   if (free_ops_.empty()) return 0;
   uint32_t idx = free_ops_.back();
-  ssize_t rc = fi_writedata(ep_, src, n, desc, off >> 8, p.addr, p.raddr + off, p.key, &ops_[idx].ctx);
+  ssize_t rc = fi_writedata(ep_, src, n, desc, imm_off >> 8, p.addr, raddr, key, &ops_[idx].ctx);
   if (rc == 0) return start(idx, peer);
   if (rc != -FI_EAGAIN)
     p.error = "rank " + std::to_string(peer) + " unreachable: fi_writedata: " + fab::api().strerror(int(-rc));
@@ -780,29 +817,20 @@ uint64_t RdmaTransport::write_data(int peer, size_t off, const void* src, size_t
 void* RdmaTransport::reg_source(void* p, size_t n, int iface_cuda, void** handle) {
   Lock g(*this);
   *handle = nullptr;
-  if (iface_cuda < 0) {
-    if (!(mr_mode_ & FI_MR_LOCAL)) return nullptr;
-    fid_mr* mr = reg(p, n, FI_WRITE);
-    *handle = mr;
-    return fi_mr_desc(mr);
-  }
-  // GPUDirect: device memory registered for the NIC to read (fi_mr(3), FI_HMEM_CUDA).
-  iovec iov{p, n};
-  fi_mr_attr a{};
-  a.mr_iov = &iov;
-  a.iov_count = 1;
-  a.access = FI_WRITE;
-  a.requested_key = next_key_++;
-  a.iface = FI_HMEM_CUDA;
-  a.device.cuda = iface_cuda;
-  fid_mr* mr = nullptr;
-  FI_CHECK(fi_mr_regattr(domain_, &a, 0, &mr));
-  if (mr_mode_ & FI_MR_ENDPOINT) {
-    FI_CHECK(fi_mr_bind(mr, &ep_->fid, 0));
-    FI_CHECK(fi_mr_enable(mr));
-  }
+  // Host memory needs a registration only where the provider says so; GPU
+  // memory always does (FI_MR_HMEM, or the provider could not tell it apart).
+  if (iface_cuda < 0 && !(mr_mode_ & FI_MR_LOCAL)) return nullptr;
+  fid_mr* mr = reg(p, n, FI_WRITE, iface_cuda);
   *handle = mr;
   return fi_mr_desc(mr);
+}
+
+uint64_t RdmaTransport::reg_target(void* p, size_t n, int iface_cuda, uint64_t* addr, void** handle) {
+  Lock g(*this);
+  fid_mr* mr = reg(p, n, FI_REMOTE_WRITE, iface_cuda);  // a random key, as the region's
+  *handle = mr;
+  *addr = (mr_mode_ & FI_MR_VIRT_ADDR) ? uint64_t(uintptr_t(p)) : 0;
+  return fi_mr_key(mr);
 }
 
 void RdmaTransport::probe_hmem(const std::string& iface) {

@@ -37,10 +37,29 @@
 // data that will never come; what such a receive copied is undefined, and the
 // peer's failure is reported by the next operation with it (PeerFailure).
 //
-// GPUDirect RDMA (FI_HMEM_CUDA): selected here per the provider's
-// capabilities and the option rdma_hmem, and reported; its data path (device
-// receive slots registered with fi_mr_regattr, writes from device memory) is
-// not implemented yet, so messages are staged whatever the selection says.
+// GPUDirect RDMA (FI_HMEM_CUDA; chosen per the provider's capabilities and
+// the option rdma_hmem, see choose_gpudirect): the same protocol with both
+// staging areas in GPU memory, registered with the NIC (fi_mr_regattr):
+//   sender:   the staging copy is device to device, and the NIC reads the
+//             chunk straight out of GPU memory
+//   receiver: its GPU receive slots (world x slots x bound of GPU memory, key
+//             and address in its descriptor) take the chunks; the immediate
+//             still names the host slot, so landed[] counts as before, and
+//             the receiving stream copies device to device into `out`
+// Host memory and PCIe copies are out of the data path. The D2D copies stay:
+// they cost little next to the wire, and they are what lets the caller's
+// stream go on at once (the source may change right after the send; the
+// slot is free for the next message as soon as it is copied out).
+// Each side decides alone: a sender writes into GPU slots where the receiver
+// advertises them, else into its host slots; it reads from GPU staging where
+// it chose GPUDirect itself. Visibility (CUDA's GPUDirect RDMA rules): where
+// the GPU does not order a NIC's writes before later work
+// (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING below OWNER), each
+// landed chunk is flushed (cuFlushGPUDirectRDMAWrites) before landed[] lets a
+// stream read it; a GPU that can do neither keeps host receive slots. The NIC
+// reads staging only after the stream's flag says the copy ran.
+// On the CPU stand-in driver "GPU memory" is host memory, and is registered
+// as such: everything above runs but the FI_HMEM_CUDA registration itself.
 #ifdef VARCOMM_HAVE_CUDA
 #include <sched.h>
 #include <sys/mman.h>
@@ -73,6 +92,10 @@ using Clock = std::chrono::steady_clock;
 constexpr int kMaxPeerSlots = 1024;                       // Options::slots' limit: rows of sent[] per peer
 constexpr uint64_t kRelease = uint64_t(1) << 40;          // a failed peer's landed counts jump this far
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);  // as the engine's
+// GPU memory GPUDirect takes by itself (rdma_hmem auto): receive slots are
+// world x slots x bound, staging slots x bound per peer sent to, which grows
+// with the job; past this, what does not fit is staged through host memory.
+constexpr size_t kAutoGpuBytes = size_t(1) << 30;
 
 inline uint64_t load(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -84,11 +107,6 @@ std::string field(const std::string& desc, const std::string& key) {
   for (std::string tok; in >> tok;)
     if (tok.compare(0, key.size() + 1, key + "=") == 0) return tok.substr(key.size() + 1);
   return "";
-}
-
-bool nic_provider(const std::string& prov) {
-  return prov.find("verbs") != std::string::npos || prov.find("efa") != std::string::npos ||
-         prov.find("cxi") != std::string::npos;
 }
 
 class RdmaGpuTransport final : public Transport {
@@ -109,9 +127,12 @@ class RdmaGpuTransport final : public Transport {
     retained_ = true;
     ordered_ = port_->provider().find("ofi_rxm") != std::string::npos;
     choose_gpudirect(o.rdma_hmem);
+    // The NIC registers the stand-in's "GPU memory" as the host memory it is.
+    iface_ = d_.stand_in ? -1 : ordinal_;
     try {
       CtxScope scope(d_, ctx_);
       std::string why;
+      if (gdr_) open_device_slots();
       // Pinned, so the receive copies out of our slots are asynchronous (a
       // copy from pageable memory would wait for the stream on the host).
       region_dev_ = host_register(d_, local_.base(), local_.size(), &why);
@@ -168,14 +189,32 @@ class RdmaGpuTransport final : public Transport {
   std::string name() const override { return "rdma-gpu"; }
   std::string describe() const override {
     std::ostringstream o;
-    o << "rdma-gpu (GPU tensors over rdma, cuda:" << ordinal_ << ": staged through pinned host memory in "
-      << chunk_ << "-byte chunks (device-to-host copy, wire and host-to-device copy overlap"
-      << (ordered_ ? "" : "; the receiver waits for the whole message: the provider may complete writes out of order")
-      << "), ordered on the caller's stream, one progress thread; GPUDirect RDMA: " << gdr_note_ << ")";
+    o << "rdma-gpu (GPU tensors over rdma, cuda:" << ordinal_ << ": ";
+    if (!gdr_) {
+      o << "staged through pinned host memory in " << chunk_
+        << "-byte chunks (device-to-host copy, wire and host-to-device copy overlap";
+    } else {
+      o << "GPUDirect RDMA, " << gdr_note_ << "; sends read GPU staging"
+        << (gdr_forced_ ? "" : " (pinned host memory once GPUDirect holds " + std::to_string(kAutoGpuBytes) +
+                                   " bytes of GPU memory)")
+        << ", "
+        << (rx_dev_ ? "receives land in " + std::to_string(rx_bytes_) + " bytes of GPU receive slots"
+                    : "receives land in host slots (" + rx_note_ + ")")
+        << ", in " << chunk_ << "-byte chunks (a peer without GPUDirect receives in its host slots and sends from "
+        << "pinned memory";
+    }
+    o << (ordered_ ? "" : "; the receiver waits for the whole message: the provider may complete writes out of order")
+      << "), ordered on the caller's stream, one progress thread";
+    if (!gdr_) o << "; GPUDirect RDMA: " << gdr_note_;
+    o << ")";
     return o.str();
   }
   std::map<std::string, std::string> properties() const override {
-    return {{"chunk", std::to_string(chunk_)}, {"gpudirect", gdr_ ? "selected" : "off"}, {"staged", "1"}};
+    return {{"chunk", std::to_string(chunk_)},
+            {"gpudirect", gdr_ ? "selected" : "off"},
+            {"gpu_receive_slots", std::to_string(rx_bytes_)},
+            {"gdr_flush", flush_ ? "1" : "0"},
+            {"staged", gdr_ ? "0" : "1"}};
   }
   bool device() const override { return true; }
   // The self chunk of an all-to-all, or a staged host message into device
@@ -191,6 +230,8 @@ class RdmaGpuTransport final : public Transport {
     std::ostringstream o;
     o << "rdmagpu1 chunk=" << chunk_ << " rings=" << L_.rings_off() << " slot=" << L_.slot_bytes()
       << " nslots=" << L_.nslots << " bound=" << L_.bound;
+    if (rx_dev_)  // our GPU receive slots: senders with GPUDirect write their chunks there
+      o << " dkey=" << rx_key_ << " daddr=" << rx_addr_ << " dstride=" << rx_stride_ << " dbytes=" << rx_bytes_;
     return o.str();
   }
 
@@ -203,10 +244,18 @@ class RdmaGpuTransport final : public Transport {
       r.slot_bytes = std::stoull(field(desc, "slot"));
       r.nslots = std::stoi(field(desc, "nslots"));
       r.bound = std::stoull(field(desc, "bound"));
+      if (!field(desc, "dkey").empty()) {
+        r.dev_rx = true;
+        r.dkey = std::stoull(field(desc, "dkey"));
+        r.daddr = std::stoull(field(desc, "daddr"));
+        r.dstride = std::stoull(field(desc, "dstride"));
+        r.dbytes = std::stoull(field(desc, "dbytes"));
+      }
     } catch (const std::exception&) {
       throw Error(ErrorKind::Invalid, "bad rdma-gpu descriptor from rank " + std::to_string(peer) + ": " + desc);
     }
-    if (r.chunk == 0 || r.chunk % 256 || r.nslots < 1 || r.nslots > kMaxPeerSlots || r.slot_bytes < kPayloadOff)
+    if (r.chunk == 0 || r.chunk % 256 || r.nslots < 1 || r.nslots > kMaxPeerSlots || r.slot_bytes < kPayloadOff ||
+        (r.dev_rx && (r.dstride < r.bound || r.dbytes / r.dstride < size_t(world_) * size_t(r.nslots))))
       throw Error(ErrorKind::Invalid, "bad rdma-gpu descriptor from rank " + std::to_string(peer) + ": " + desc);
     r.sbase.assign(size_t(r.nslots), 0);
     r.connected = true;
@@ -260,6 +309,7 @@ class RdmaGpuTransport final : public Transport {
     SendJob j;
     j.peer = peer;
     j.k = k;
+    j.slot = (ready_off - r.rings_off) / r.slot_bytes;  // (us, k) in its ring order: its GPU slot too
     j.off = ready_off + kPayloadOff;
     j.n = n;
     j.nch = nch;
@@ -287,6 +337,8 @@ class RdmaGpuTransport final : public Transport {
     const auto* h = reinterpret_cast<const MsgHeader*>(local_.base() + ready_off + kHeaderOff);
     const char* src = local_.base() + payload_off;
     CUstream s = reinterpret_cast<CUstream>(stream);
+    // A device message's chunks are in our GPU receive slot, where we have them.
+    if ((h->flags & kDevicePayload) && rx_dev_) src = reinterpret_cast<const char*>(rx_dev_ + j * rx_stride_);
     if (!(h->flags & kDevicePayload)) {
       // A host message received into device memory: its payload came with its header.
       if (!n) return host_->write_u64(peer, credit_off, seq);
@@ -326,7 +378,14 @@ class RdmaGpuTransport final : public Transport {
       if (r.dead)
         throw Error(ErrorKind::PeerFailure, "recv from rank " + std::to_string(peer) + " failed: peer failure: " +
                                                 host_->peer_error(peer), peer);
-      std::memcpy(dst, src, n);
+      if (rx_dev_) {  // out of GPU memory: a copy on our own stream, waited for
+        if (!own_stream_) check(d_.StreamCreate(&own_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        cu::copied(d_, ctx_, cu::copy_async(d_, ctx_, ordinal_, "rdma-gpu", dst, src, n,
+                                            reinterpret_cast<uintptr_t>(own_stream_), true),
+                   true);
+      } else {
+        std::memcpy(dst, src, n);
+      }
       return host_->write_u64(peer, credit_off, seq);
     }
     CtxScope scope(d_, ctx_);
@@ -351,14 +410,18 @@ class RdmaGpuTransport final : public Transport {
     size_t chunk = 0, rings_off = 0, slot_bytes = 0, stride = 0;
     int nslots = 0;
     uint64_t bound = 0;
+    bool dev_rx = false;          // it takes our chunks in its GPU receive slots (GPUDirect)
+    uint64_t dkey = 0, daddr = 0, dstride = 0, dbytes = 0;
     std::vector<uint64_t> sbase;  // per slot of theirs: chunks staged so far (sent[] counts)
-    char* stage = nullptr;        // pinned staging, one bound-sized area per slot of theirs
+    char* stage = nullptr;        // staging, one bound-sized area per slot of theirs: pinned, or GPU memory
+    bool stage_dev = false;       // (GPUDirect)
     size_t stage_bytes = 0;
     void* stage_desc = nullptr;   // its libfabric registration (FI_MR_LOCAL providers)
     void* stage_mr = nullptr;
   };
   struct SendJob {
     int peer = -1, k = 0;
+    size_t slot = 0;  // the receiver's slot index (sender x nslots + k), for its GPU receive slots
     size_t off = 0, n = 0, nch = 0, next = 0;
     uint64_t sbase = 0;
     std::vector<char> header;  // not yet written (no send resources at enqueue)
@@ -387,8 +450,10 @@ class RdmaGpuTransport final : public Transport {
   // The GPUDirect choice (reported by describe(); see the top of the file).
   void choose_gpudirect(const std::string& opt) {
     std::string why;
-    const bool offered = port_->hmem_cuda(&why);
     const std::string prov = port_->provider();
+    // The stand-in's "GPU memory" is host memory, which any provider takes.
+    const bool offered = d_.stand_in || port_->hmem_cuda(&why);
+    if (d_.stand_in) why = "CPU stand-in driver: its GPU memory is host memory, which " + prov + " registers as such";
     if (opt == "off") {
       gdr_note_ = "off (VARCOMM_RDMA_HMEM=0)";
     } else if (opt == "on") {
@@ -396,8 +461,9 @@ class RdmaGpuTransport final : public Transport {
         throw Error(ErrorKind::Invalid, "VARCOMM_RDMA_HMEM=1 (GPUDirect RDMA) but provider " + prov + ": " + why +
                                             "; unset it to stage GPU messages through host memory");
       gdr_ = true;
+      gdr_forced_ = true;
       gdr_note_ = "selected by VARCOMM_RDMA_HMEM=1 (" + why + ")";
-    } else if (!nic_provider(prov)) {
+    } else if (!rdma::nic_provider(prov)) {
       gdr_note_ = "not used: provider " + prov + " is no RDMA NIC (GPUDirect needs verbs with nvidia-peermem or "
                   "dma-buf, efa or cxi)";
     } else if (!offered) {
@@ -406,7 +472,46 @@ class RdmaGpuTransport final : public Transport {
       gdr_ = true;
       gdr_note_ = "selected (" + why + ")";
     }
-    if (gdr_) gdr_note_ += "; its zero-copy data path is not implemented yet: messages are staged";
+  }
+
+  // GPUDirect's receive slots: one bound-sized area in GPU memory per slot of
+  // every sender's ring, registered for peers to write. Kept only where this
+  // GPU shows a NIC's writes to the stream that waits for them (ordered, or
+  // flushed from the host; see the top of the file).
+  void open_device_slots() {
+    int order = 0, flush_opts = 0;
+    d_.DeviceGetAttribute(&order, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev_);
+    d_.DeviceGetAttribute(&flush_opts, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS, dev_);
+    if (order < CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER) {
+      if (!(flush_opts & CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST) || !d_.FlushGPUDirectRDMAWrites) {
+        rx_note_ = "this GPU neither orders a NIC's writes nor can flush them from the host";
+        return;
+      }
+      flush_ = true;
+    }
+    rx_stride_ = align_up(L_.bound ? L_.bound : 1, 4096);
+    const size_t bytes = rx_stride_ * size_t(world_) * size_t(L_.nslots);
+    if (!gdr_forced_ && bytes > kAutoGpuBytes) {
+      rx_note_ = "world x slots x bound = " + std::to_string(bytes) + " bytes of GPU memory, over the " +
+                 std::to_string(kAutoGpuBytes) + " GPUDirect takes by itself: lower bound or slots, or set "
+                 "VARCOMM_RDMA_HMEM=1";
+      return;
+    }
+    const std::string hint = " (" + std::to_string(bytes) + " bytes of GPU memory: world x slots x bound); lower "
+                             "bound or slots, or set VARCOMM_RDMA_HMEM=0 to stage GPU messages through host memory";
+    CUdeviceptr p = 0;
+    CUresult r = d_.MemAlloc(&p, bytes);
+    if (r != CUDA_SUCCESS)
+      throw Error(ErrorKind::Invalid, "rdma-gpu: GPUDirect receive slots: " + cu::error_string(d_, r, "cuMemAlloc") + hint);
+    try {
+      rx_key_ = port_->reg_target(reinterpret_cast<void*>(p), bytes, iface_, &rx_addr_, &rx_mr_);
+    } catch (const Error& e) {
+      d_.MemFree(p);
+      throw Error(ErrorKind::Invalid, std::string("rdma-gpu: GPUDirect receive slots: ") + e.what() + hint);
+    }
+    rx_dev_ = p;
+    rx_bytes_ = bytes;
+    gpu_bytes_ += bytes;
   }
 
   // Pinned staging for sends to `peer`, on its first GPU message: one
@@ -416,6 +521,26 @@ class RdmaGpuTransport final : public Transport {
     if (r.stage) return;
     r.stride = align_up(r.bound ? r.bound : 1, 4096);
     r.stage_bytes = r.stride * size_t(r.nslots);
+    // GPUDirect: in GPU memory, which the NIC reads (by itself, within kAutoGpuBytes).
+    if (gdr_ && (gdr_forced_ || gpu_bytes_ + r.stage_bytes <= kAutoGpuBytes)) {
+      CUdeviceptr p = 0;
+      CUresult rc = d_.MemAlloc(&p, r.stage_bytes);
+      if (rc != CUDA_SUCCESS)
+        throw Error(ErrorKind::Invalid, "rdma-gpu: GPUDirect staging for rank " + std::to_string(peer) + ": " +
+                                            cu::error_string(d_, rc, "cuMemAlloc") + " (" +
+                                            std::to_string(r.stage_bytes) + " bytes: slots x its bound); lower "
+                                            "bound or slots, or set VARCOMM_RDMA_HMEM=0");
+      try {
+        r.stage_desc = port_->reg_source(reinterpret_cast<void*>(p), r.stage_bytes, iface_, &r.stage_mr);
+      } catch (...) {
+        d_.MemFree(p);
+        throw;
+      }
+      r.stage = reinterpret_cast<char*>(p);
+      r.stage_dev = true;
+      gpu_bytes_ += r.stage_bytes;
+      return;
+    }
     void* m = mmap(nullptr, r.stage_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)
       throw Error(ErrorKind::Invalid, "rdma-gpu: cannot allocate " + std::to_string(r.stage_bytes) +
@@ -458,6 +583,13 @@ class RdmaGpuTransport final : public Transport {
   bool sink(size_t off) {
     long j = chunk_slot(L_, off);
     if (j < 0) return false;
+    if (flush_) {  // the chunk's bytes in our GPU slot must be visible before a stream may read them
+      CtxScope scope(d_, ctx_);
+      CUresult r = d_.FlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                                               CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER);
+      if (r != CUDA_SUCCESS)
+        fprintf(stderr, "varcomm rdma-gpu: %s\n", cu::error_string(d_, r, "cuFlushGPUDirectRDMAWrites").c_str());
+    }
     store(landed(size_t(j)), load(landed(size_t(j))) + 1);
     return true;
   }
@@ -531,7 +663,11 @@ class RdmaGpuTransport final : public Transport {
       }
       while (j.next < j.nch && reached(load(sent(j.peer, j.k)), j.sbase + j.next + 1)) {
         size_t at = j.next * r.chunk, len = std::min<size_t>(r.chunk, j.n - at);
-        if (!port_->write_data(j.peer, j.off + at, r.stage + size_t(j.k) * r.stride + at, len, r.stage_desc)) break;
+        const char* src = r.stage + size_t(j.k) * r.stride + at;
+        if (!(r.dev_rx ? port_->write_data_to(j.peer, j.off + at, r.daddr + j.slot * r.dstride + at, r.dkey, src, len,
+                                              r.stage_desc)
+                       : port_->write_data(j.peer, j.off + at, src, len, r.stage_desc)))
+          break;
         j.next++;
         moved = true;
       }
@@ -578,13 +714,7 @@ class RdmaGpuTransport final : public Transport {
   }
 
   void release() {
-    for (Remote& r : remotes_) {
-      if (!r.stage) continue;
-      port_->unreg(r.stage_mr);
-      host_unregister(d_, r.stage);
-      munmap(r.stage, r.stage_bytes);
-      r.stage = nullptr;
-    }
+    release_gpu_memory();
     if (flags_) {
       if (flags_dev_) host_unregister(d_, flags_);
       munmap(flags_, flags_bytes_);
@@ -594,6 +724,29 @@ class RdmaGpuTransport final : public Transport {
     region_dev_ = 0;
     if (retained_) d_.DevicePrimaryCtxRelease(dev_);
     retained_ = false;
+  }
+
+  void release_gpu_memory() {
+    if (!retained_) return;
+    CtxScope scope(d_, ctx_);
+    for (Remote& r : remotes_) {
+      if (!r.stage) continue;
+      port_->unreg(r.stage_mr);
+      if (r.stage_dev) {
+        d_.MemFree(reinterpret_cast<CUdeviceptr>(r.stage));
+      } else {
+        host_unregister(d_, r.stage);
+        munmap(r.stage, r.stage_bytes);
+      }
+      r.stage = nullptr;
+    }
+    if (rx_dev_) {
+      port_->unreg(rx_mr_);
+      d_.MemFree(rx_dev_);
+      rx_dev_ = 0;
+    }
+    if (own_stream_) d_.StreamDestroy(own_stream_);
+    own_stream_ = nullptr;
   }
 
   const Driver& d_;
@@ -608,8 +761,18 @@ class RdmaGpuTransport final : public Transport {
   CUcontext ctx_ = nullptr;
   bool retained_ = false;
   bool ordered_ = false;  // the provider completes one sender's writes in order
-  bool gdr_ = false;
+  bool gdr_ = false;  // GPUDirect chosen: our staging is GPU memory, and (rx_dev_) so are our receive slots
+  bool gdr_forced_ = false;  // by rdma_hmem=on: then with no kAutoGpuBytes limit
+  size_t gpu_bytes_ = 0;     // GPU memory taken for receive slots and staging
   std::string gdr_note_;
+  int iface_ = -1;    // what GPU memory is registered as: the CUDA ordinal, or -1 (host) on the stand-in
+  CUdeviceptr rx_dev_ = 0;  // GPU receive slots (open_device_slots), 0 when none
+  size_t rx_stride_ = 0, rx_bytes_ = 0;
+  uint64_t rx_key_ = 0, rx_addr_ = 0;
+  void* rx_mr_ = nullptr;
+  std::string rx_note_;  // why there are none although gdr_
+  bool flush_ = false;   // flush each landed chunk (the GPU does not order a NIC's writes)
+  CUstream own_stream_ = nullptr;  // device-to-host copies out of GPU slots into host memory
   CUdeviceptr region_dev_ = 0;
   uint64_t* flags_ = nullptr;  // landed[world x nslots] | creq[world x nslots] | sent[world x kMaxPeerSlots]
   size_t nflags_ = 0, flags_bytes_ = 0;

@@ -447,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                       "or VARCOMM_NO_RDMA was set)")
         w(f"  other host:              {remote}")
         if "rdma-gpu" in transports:
-            w("  other host, GPU memory:  rdma-gpu (staged through pinned memory in VARCOMM_RDMA_CHUNK chunks, "
-              "stream-ordered, one progress thread; GPUDirect per the FI_HMEM line above and VARCOMM_RDMA_HMEM)")
+            w("  other host, GPU memory:  rdma-gpu (in VARCOMM_RDMA_CHUNK chunks, stream-ordered, one progress "
+              "thread: GPUDirect RDMA per the FI_HMEM line above and VARCOMM_RDMA_HMEM, else staged through "
+              "pinned memory)")
         elif "rdma" in transports:
             w("  other host, GPU memory:  staged through host memory (this build has no CUDA support)")
         w(f"  nothing fits:            {fallback}")
