@@ -646,11 +646,7 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
           return true;
         }
         if (sending_) {
-          // Queued isends (to any peer) must keep moving while we block, or a
-          // peer waiting for them before it answers us never does.
           for (auto& t : transports_) t->progress();
-          for (int q = 0; q < world_; ++q)
-            if (!peers_[q].sendq.empty()) progress_sends(q);
         } else {
           p.t->progress();
         }
@@ -659,6 +655,16 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
           result = m;
           return true;
         }
+        // Queued isends (to any peer) must keep moving while we block, or a
+        // peer waiting for them before it answers us never does. After our
+        // receive had its turn: it may have answered a rendezvous head (a
+        // landing offset), so the peer copies into us while we copy into it.
+        // The other way round, a rank's copy out held back its answer, and
+        // both directions of a bidirectional stream took turns (16 MiB on shm:
+        // 1.41 ms per message against 1.24 ms by CMA).
+        if (sending_)
+          for (int q = 0; q < world_; ++q)
+            if (!peers_[q].sendq.empty()) progress_sends(q);
         if (slow) {
           check_peer(peer, false);
           if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
@@ -1366,11 +1372,15 @@ void Engine::progress_locked() {
   // needs the target's progress for incoming writes, and holds our outgoing
   // credits until its next call, so a peer blocked on us can move on.
   for (auto& t : transports_) t->progress();
+  // Receives first: answering a peer's rendezvous head lets it copy into us
+  // while we copy into it (see recv_direct).
   for (int peer = 0; peer < world_; ++peer) {
     Peer& p = peers_[peer];
-    if (!p.t) continue;
-    if (!p.sendq.empty()) progress_sends(peer);
-    if (!p.posted.empty() || !p.streams.empty()) progress_recvs(peer);
+    if (p.t && (!p.posted.empty() || !p.streams.empty())) progress_recvs(peer);
+  }
+  for (int peer = 0; peer < world_; ++peer) {
+    Peer& p = peers_[peer];
+    if (p.t && !p.sendq.empty()) progress_sends(peer);
   }
 }
 

@@ -285,6 +285,50 @@ def test_fake_rdma_gpudirect_selection(fake_cuda, hmem):
 
 
 @world(2, timeout=120, requires=("libfabric",))
+def test_fake_rdma_gpudirect_from_a_thread_without_a_context(fake_cuda):
+    """GPUDirect's GPU memory and stream are made in the communicator's
+    context, not the caller's: a send (the first, which allocates the staging)
+    and a receive into host memory (a copy out of a GPU slot on varcomm's own
+    stream) from a thread with no CUDA context current both work (the fake,
+    as the driver, refuses allocations and streams without one)."""
+    import threading
+    os.environ["VARCOMM_RDMA_HMEM"] = "1"
+    gpu, comm = _comm(fake_cuda, slots=2)
+    c, r = comm._c, comm.rank
+    n = 3 * CHUNK + 1
+
+    def in_a_thread(fn):
+        res: list[object] = []
+
+        def run():
+            try:
+                res.append(fn())
+            except BaseException as e:  # raised below, in the test's thread
+                res.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(60)
+        assert res, "the thread did not finish"
+        if isinstance(res[0], BaseException):
+            raise res[0]
+        return res[0]
+
+    with comm:
+        if r == 0:
+            s = gpu.stream()
+            p = gpu.alloc(n)
+            gpu.put(p, _payload(5, n))
+            in_a_thread(lambda: c.send(1, 0, p, n, U8, (n,), 30.0, s))
+            gpu.sync(s)
+        else:
+            host = np.zeros(n, dtype=np.uint8)
+            h = in_a_thread(lambda: c.recv_into(0, 0, host.ctypes.data, host.nbytes, U8, 30.0))
+            assert h.nbytes == n and host.tobytes() == _payload(5, n)
+        comm.barrier()
+
+
+@world(2, timeout=120, requires=("libfabric",))
 def test_fake_rdma_gpudirect_with_a_staged_peer(fake_cuda):
     """Rank 0 uses GPUDirect, rank 1 stages (VARCOMM_RDMA_HMEM differs by
     rank): each side decides alone, so rank 0 writes from GPU staging into

@@ -309,6 +309,7 @@ API CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
   return 0;
 }
 API CUresult cuStreamCreate(void** s, unsigned int) {
+  if (!t_ctx) return 201;  // as the driver: a stream belongs to the current context (CUDA_ERROR_INVALID_CONTEXT)
   *s = new Stream();
   std::lock_guard<std::mutex> g(g_mu);
   g_dead.erase(*s);  // a handle may come back (the real driver may reuse one too)

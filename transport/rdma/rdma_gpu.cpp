@@ -169,6 +169,11 @@ class RdmaGpuTransport final : public Transport {
     // Streams may still wait on a receive's data (its sender closed first):
     // let them go rather than hang a process that closed.
     const bool pending = !sends_.empty() || !credits_.empty();
+    // A failed peer's receives may still be copying out of our slots, and
+    // sends into staging, on streams we cannot see: such memory is left to the
+    // process's exit rather than freed under them.
+    bool lost = false;
+    for (const Remote& r : remotes_) lost = lost || r.dead;
     if (pending) {
       std::lock_guard<std::recursive_mutex> pg(port_->mutex());
       for (size_t j = 0; j < rbase_.size(); ++j) store(landed(j), rbase_[j] + kRelease);
@@ -182,7 +187,7 @@ class RdmaGpuTransport final : public Transport {
         break;
       }
     }
-    if (pending || port_->busy()) return;  // leak rather than free memory a stream or the NIC may still touch
+    if (pending || lost || port_->busy()) return;  // leak rather than free memory a stream or the NIC may still touch
     release();
   }
 
@@ -228,7 +233,7 @@ class RdmaGpuTransport final : public Transport {
 
   std::string expose(void* /*base*/, size_t /*size*/) override {
     std::ostringstream o;
-    o << "rdmagpu1 chunk=" << chunk_ << " rings=" << L_.rings_off() << " slot=" << L_.slot_bytes()
+    o << "rdmagpu2 chunk=" << chunk_ << " rings=" << L_.rings_off() << " slot=" << L_.slot_bytes()
       << " nslots=" << L_.nslots << " bound=" << L_.bound;
     if (rx_dev_)  // our GPU receive slots: senders with GPUDirect write their chunks there
       o << " dkey=" << rx_key_ << " daddr=" << rx_addr_ << " dstride=" << rx_stride_ << " dbytes=" << rx_bytes_;
@@ -238,7 +243,7 @@ class RdmaGpuTransport final : public Transport {
   void connect(int peer, const std::string& desc) override {
     Remote r;
     try {
-      if (desc.rfind("rdmagpu1 ", 0) != 0) throw std::invalid_argument("magic");
+      if (desc.rfind("rdmagpu2 ", 0) != 0) throw std::invalid_argument("magic");
       r.chunk = std::stoull(field(desc, "chunk"));
       r.rings_off = std::stoull(field(desc, "rings"));
       r.slot_bytes = std::stoull(field(desc, "slot"));
@@ -255,7 +260,8 @@ class RdmaGpuTransport final : public Transport {
       throw Error(ErrorKind::Invalid, "bad rdma-gpu descriptor from rank " + std::to_string(peer) + ": " + desc);
     }
     if (r.chunk == 0 || r.chunk % 256 || r.nslots < 1 || r.nslots > kMaxPeerSlots || r.slot_bytes < kPayloadOff ||
-        (r.dev_rx && (r.dstride < r.bound || r.dbytes / r.dstride < size_t(world_) * size_t(r.nslots))))
+        (r.dev_rx && (r.dstride == 0 || r.dstride < r.bound ||
+                      r.dbytes / r.dstride < size_t(world_) * size_t(r.nslots))))
       throw Error(ErrorKind::Invalid, "bad rdma-gpu descriptor from rank " + std::to_string(peer) + ": " + desc);
     r.sbase.assign(size_t(r.nslots), 0);
     r.connected = true;
@@ -289,10 +295,13 @@ class RdmaGpuTransport final : public Transport {
       throw Error(ErrorKind::Invalid, "rdma-gpu: a write that does not fit rank " + std::to_string(peer) + "'s slots");
     // Our ring in the peer's region: its slots (ours) k = 0 .. nslots-1.
     const int k = int((ready_off - r.rings_off) / r.slot_bytes % size_t(r.nslots));
+    const size_t slot = (ready_off - r.rings_off) / r.slot_bytes;  // (us, k) in its ring order: its GPU slot too
+    if (slot >= size_t(world_) * size_t(r.nslots))
+      throw Error(ErrorKind::Invalid, "rdma-gpu: a write past rank " + std::to_string(peer) + "'s slots");
     const size_t nch = chunks(n, r.chunk);
     if (nch) {
+      CtxScope scope(d_, ctx_);  // the caller's thread may have no context, or another GPU's
       stage_for(peer, r);
-      CtxScope scope(d_, ctx_);
       CUstream s = reinterpret_cast<CUstream>(stream);
       check_stream(s, "send");
       char* st = r.stage + size_t(k) * r.stride;
@@ -309,7 +318,7 @@ class RdmaGpuTransport final : public Transport {
     SendJob j;
     j.peer = peer;
     j.k = k;
-    j.slot = (ready_off - r.rings_off) / r.slot_bytes;  // (us, k) in its ring order: its GPU slot too
+    j.slot = slot;
     j.off = ready_off + kPayloadOff;
     j.n = n;
     j.nch = nch;
@@ -379,6 +388,7 @@ class RdmaGpuTransport final : public Transport {
         throw Error(ErrorKind::PeerFailure, "recv from rank " + std::to_string(peer) + " failed: peer failure: " +
                                                 host_->peer_error(peer), peer);
       if (rx_dev_) {  // out of GPU memory: a copy on our own stream, waited for
+        CtxScope scope(d_, ctx_);
         if (!own_stream_) check(d_.StreamCreate(&own_stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
         cu::copied(d_, ctx_, cu::copy_async(d_, ctx_, ordinal_, "rdma-gpu", dst, src, n,
                                             reinterpret_cast<uintptr_t>(own_stream_), true),
@@ -454,6 +464,17 @@ class RdmaGpuTransport final : public Transport {
     // The stand-in's "GPU memory" is host memory, which any provider takes.
     const bool offered = d_.stand_in || port_->hmem_cuda(&why);
     if (d_.stand_in) why = "CPU stand-in driver: its GPU memory is host memory, which " + prov + " registers as such";
+    int gdr_ok = 1;  // (a driver before CUDA 11.3 does not know the attribute: the registration will tell)
+    const bool gpu_can = d_.DeviceGetAttribute(&gdr_ok, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED, dev_) !=
+                             CUDA_SUCCESS || gdr_ok;
+    if (!gpu_can && opt != "off") {
+      if (opt == "on")
+        throw Error(ErrorKind::Invalid, "VARCOMM_RDMA_HMEM=1 (GPUDirect RDMA) but cuda:" + std::to_string(ordinal_) +
+                                            " does not support GPUDirect RDMA (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_"
+                                            "SUPPORTED is 0); unset it to stage GPU messages through host memory");
+      gdr_note_ = "not used: cuda:" + std::to_string(ordinal_) + " does not support it";
+      return;
+    }
     if (opt == "off") {
       gdr_note_ = "off (VARCOMM_RDMA_HMEM=0)";
     } else if (opt == "on") {
@@ -477,17 +498,16 @@ class RdmaGpuTransport final : public Transport {
   // GPUDirect's receive slots: one bound-sized area in GPU memory per slot of
   // every sender's ring, registered for peers to write. Kept only where this
   // GPU shows a NIC's writes to the stream that waits for them (ordered, or
-  // flushed from the host; see the top of the file).
+  // flushed from the host; see the top of the file). Chosen by rdma_hmem=on,
+  // a failure is an error; by auto, the note says why receives stay staged.
   void open_device_slots() {
     int order = 0, flush_opts = 0;
     d_.DeviceGetAttribute(&order, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev_);
     d_.DeviceGetAttribute(&flush_opts, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS, dev_);
-    if (order < CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER) {
-      if (!(flush_opts & CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST) || !d_.FlushGPUDirectRDMAWrites) {
-        rx_note_ = "this GPU neither orders a NIC's writes nor can flush them from the host";
-        return;
-      }
-      flush_ = true;
+    const bool flush = order < CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER;
+    if (flush && (!(flush_opts & CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST) || !d_.FlushGPUDirectRDMAWrites)) {
+      rx_note_ = "this GPU neither orders a NIC's writes nor can flush them from the host";
+      return;
     }
     rx_stride_ = align_up(L_.bound ? L_.bound : 1, 4096);
     const size_t bytes = rx_stride_ * size_t(world_) * size_t(L_.nslots);
@@ -497,49 +517,71 @@ class RdmaGpuTransport final : public Transport {
                  "VARCOMM_RDMA_HMEM=1";
       return;
     }
-    const std::string hint = " (" + std::to_string(bytes) + " bytes of GPU memory: world x slots x bound); lower "
-                             "bound or slots, or set VARCOMM_RDMA_HMEM=0 to stage GPU messages through host memory";
-    CUdeviceptr p = 0;
-    CUresult r = d_.MemAlloc(&p, bytes);
-    if (r != CUDA_SUCCESS)
-      throw Error(ErrorKind::Invalid, "rdma-gpu: GPUDirect receive slots: " + cu::error_string(d_, r, "cuMemAlloc") + hint);
-    try {
-      rx_key_ = port_->reg_target(reinterpret_cast<void*>(p), bytes, iface_, &rx_addr_, &rx_mr_);
-    } catch (const Error& e) {
-      d_.MemFree(p);
-      throw Error(ErrorKind::Invalid, std::string("rdma-gpu: GPUDirect receive slots: ") + e.what() + hint);
+    void* mr = nullptr;
+    std::string why;
+    CUdeviceptr p = gpu_alloc(bytes, true, &mr, &why);
+    if (!p) {
+      why = "GPUDirect receive slots: " + why + " (" + std::to_string(bytes) +
+            " bytes of GPU memory: world x slots x bound)";
+      if (gdr_forced_)
+        throw Error(ErrorKind::Invalid, "rdma-gpu: " + why + "; lower bound or slots, or set VARCOMM_RDMA_HMEM=0 "
+                                        "to stage GPU messages through host memory");
+      rx_note_ = why;
+      return;
     }
     rx_dev_ = p;
+    rx_mr_ = mr;
     rx_bytes_ = bytes;
-    gpu_bytes_ += bytes;
+    flush_ = flush;
   }
 
-  // Pinned staging for sends to `peer`, on its first GPU message: one
-  // bound-sized area per slot of its ring, so the protocol's credits also
-  // say when an area is free again.
+  // GPU memory registered with the NIC for it to read (our staging: its
+  // descriptor in *desc) or, `remote`, for peers to write (our receive slots:
+  // key and address in rx_key_ / rx_addr_); 0 with *why on failure. The
+  // caller has our context current.
+  CUdeviceptr gpu_alloc(size_t bytes, bool remote, void** mr, std::string* why, void** desc = nullptr) {
+    CUdeviceptr p = 0;
+    CUresult r = d_.MemAlloc(&p, bytes);
+    if (r != CUDA_SUCCESS) {
+      *why = cu::error_string(d_, r, "cuMemAlloc");
+      return 0;
+    }
+    try {
+      if (remote) {
+        rx_key_ = port_->reg_target(reinterpret_cast<void*>(p), bytes, iface_, &rx_addr_, mr);
+      } else {
+        void* dsc = port_->reg_source(reinterpret_cast<void*>(p), bytes, iface_, mr);
+        if (desc) *desc = dsc;
+      }
+    } catch (const Error& e) {
+      d_.MemFree(p);
+      *why = e.what();
+      return 0;
+    }
+    gpu_bytes_ += bytes;
+    return p;
+  }
+
+  // Staging for sends to `peer`, on its first GPU message: one bound-sized
+  // area per slot of its ring, so the protocol's credits also say when an
+  // area is free again. GPU memory under GPUDirect (within kAutoGpuBytes when
+  // chosen by auto, which stages through pinned memory past it or where the
+  // allocation fails), else pinned host memory. The caller has our context current.
   void stage_for(int peer, Remote& r) {
     if (r.stage) return;
     r.stride = align_up(r.bound ? r.bound : 1, 4096);
     r.stage_bytes = r.stride * size_t(r.nslots);
-    // GPUDirect: in GPU memory, which the NIC reads (by itself, within kAutoGpuBytes).
     if (gdr_ && (gdr_forced_ || gpu_bytes_ + r.stage_bytes <= kAutoGpuBytes)) {
-      CUdeviceptr p = 0;
-      CUresult rc = d_.MemAlloc(&p, r.stage_bytes);
-      if (rc != CUDA_SUCCESS)
-        throw Error(ErrorKind::Invalid, "rdma-gpu: GPUDirect staging for rank " + std::to_string(peer) + ": " +
-                                            cu::error_string(d_, rc, "cuMemAlloc") + " (" +
-                                            std::to_string(r.stage_bytes) + " bytes: slots x its bound); lower "
-                                            "bound or slots, or set VARCOMM_RDMA_HMEM=0");
-      try {
-        r.stage_desc = port_->reg_source(reinterpret_cast<void*>(p), r.stage_bytes, iface_, &r.stage_mr);
-      } catch (...) {
-        d_.MemFree(p);
-        throw;
+      std::string why;
+      if (CUdeviceptr p = gpu_alloc(r.stage_bytes, false, &r.stage_mr, &why, &r.stage_desc)) {
+        r.stage = reinterpret_cast<char*>(p);
+        r.stage_dev = true;
+        return;
       }
-      r.stage = reinterpret_cast<char*>(p);
-      r.stage_dev = true;
-      gpu_bytes_ += r.stage_bytes;
-      return;
+      if (gdr_forced_)
+        throw Error(ErrorKind::Invalid, "rdma-gpu: GPUDirect staging for rank " + std::to_string(peer) + ": " + why +
+                                            " (" + std::to_string(r.stage_bytes) + " bytes: slots x its bound); "
+                                            "lower bound or slots, or set VARCOMM_RDMA_HMEM=0");
     }
     void* m = mmap(nullptr, r.stage_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED)

@@ -66,7 +66,7 @@ inline bool nic_provider(const std::string& prov) {
 // Whether rdma_hmem (auto | on | off) asks for GPUDirect RDMA on `prov` in a
 // process using CUDA device `cuda_device` (-1: none), if the provider offers it.
 inline bool wants_gpudirect(const std::string& rdma_hmem, const std::string& prov, int cuda_device) {
-  return rdma_hmem == "on" || (rdma_hmem == "auto" && cuda_device >= 0 && nic_provider(prov));
+  return cuda_device >= 0 && (rdma_hmem == "on" || (rdma_hmem == "auto" && nic_provider(prov)));
 }
 
 }  // namespace rdma
