@@ -10,6 +10,9 @@
  *   fi_pingpong [-p prov] [-i domain] [-s size]... [-n iters]   fork both sides on this host
  *   fi_pingpong -S port [...]                                   server, waits for a client
  *   fi_pingpong -C host:port [...]                              client
+ *   -R: each ping is a rendezvous, as varcomm's over eager_max into a landing
+ *       area: an 8-byte head, the peer's 8-byte answer, then the data (three
+ *       writes); the limit for that protocol on the provider
  * The out-of-band TCP socket only exchanges addresses and keys.
  *
  * Build: cc -O2 -o fi_pingpong fi_pingpong.c $(pkg-config --cflags --libs libfabric)
@@ -64,6 +67,7 @@ static size_t maxsize;
 static fi_addr_t peer;
 static uint64_t peer_key, peer_addr;
 static long remote_seen, posted, tx_done;
+static int rendezvous; /* -R */
 
 static double now_us(void) {
   struct timespec ts;
@@ -177,7 +181,15 @@ static double run(int client, size_t size, int iters) {
   double t0 = 0;
   for (int i = 0; i < warm + iters; i++) {
     if (i == warm) t0 = now_us();
-    if (client) {
+    if (rendezvous) { /* head, answer, data; then the same back */
+      if (client) {
+        post(8, i), wait_remote(remote_seen + 1), post(size, i);
+        wait_remote(remote_seen + 1), post(8, i), wait_remote(remote_seen + 1);
+      } else {
+        wait_remote(remote_seen + 1), post(8, i), wait_remote(remote_seen + 1);
+        post(8, i), wait_remote(remote_seen + 1), post(size, i);
+      }
+    } else if (client) {
       post(size, i);
       wait_remote(remote_seen + 1);
     } else {
@@ -230,7 +242,7 @@ int main(int argc, char **argv) {
   int server_port = -1, fixed_iters = 0, opt;
   size_t sizes[64];
   int nsizes = 0;
-  while ((opt = getopt(argc, argv, "p:i:s:n:S:C:h")) != -1) {
+  while ((opt = getopt(argc, argv, "p:i:s:n:S:C:Rh")) != -1) {
     switch (opt) {
       case 'p': prov = optarg; break;
       case 'i': dom = optarg; break;
@@ -238,9 +250,10 @@ int main(int argc, char **argv) {
       case 'n': fixed_iters = atoi(optarg); break;
       case 'S': server_port = atoi(optarg); break;
       case 'C': client_to = optarg; break;
+      case 'R': rendezvous = 1; break;
       default:
         fprintf(stderr, "usage: %s [-p provider] [-i domain] [-s bytes]... [-n iters] "
-                        "[-S port | -C host:port]\n", argv[0]);
+                        "[-S port | -C host:port] [-R]\n", argv[0]);
         return 2;
     }
   }
