@@ -232,3 +232,21 @@ def test_raw_libfabric_provider() -> None:
     with varcomm.init(transport="shm", timeout=30) as comm:
         assert comm.route_info(1 - comm.rank)["route"] == "shm"
         assert fi_provider(ctx, comm) == "shm"
+
+
+@pytest.mark.skipif("rdma-gpu" not in varcomm.build_info()["transports"],
+                    reason="needs the rdma-gpu transport (libfabric and CUDA support at build time)")
+@pytest.mark.parametrize("hmem", ["0", "1"])
+def test_rdma_device_benchmark_runs_on_the_stand_in(hmem: str) -> None:
+    """varcomm_bench.rdma_device (issue #13's CPU-stand-in benchmark), staged and
+    by GPUDirect: it builds the fake driver, runs both of its tests on 2 ranks,
+    and prints a row per delay and per chunk size with positive numbers."""
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, VARCOMM_RDMA_HMEM=hmem)
+    for k in _JOB_VARS:
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "varcomm_bench.rdma_device", "--delays", "1000", "--chunks", "64K",
+                        "--size", "256K", "--iters", "4"], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| 1000 ", "| 64K "))]
+    assert len(rows) == 2, r.stdout
+    assert float(rows[0][2].split()[0]) > 0 and float(rows[1][4]) > 0, r.stdout
