@@ -254,6 +254,8 @@ class Engine {
   uint64_t alloc(ReqKind kind);
   void recycle(uint64_t id);
   void progress_locked();
+  // Every peer's queued sends (a blocking receive's turn to move them); caller holds mu_.
+  void drive_sends();
   void progress_sends(int peer);
   void progress_recvs(int peer);
   bool try_write(int peer, Request& r);

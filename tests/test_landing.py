@@ -229,3 +229,46 @@ def test_random_landings_byte_exact(transport):
             del held, got, empty
             assert _drained(comm) == 0, "blocks leaked"
             comm.send(np.array([1]), 0, tag=9)
+
+
+@pytest.mark.parametrize("form", ["out", "new"])
+@world(3, timeout=120)
+def test_queued_send_moves_while_its_sender_keeps_receiving(form):
+    """Rank 1 has a 4 MiB send queued to rank 0 (its data copied by rank 1
+    itself: streamed through the ring, CMA off, or written into rank 0's
+    landing area) while it makes 1500 blocking receives from rank 2 that always
+    find their message there. Those receives must move the queued send too:
+    rank 0 gets it, and tells rank 2, long before rank 2's stream ends (it
+    came only after the last receive, when a receive that matched at once
+    returned without driving sends)."""
+    n, count = 4 << 20, 1500
+    comm = varcomm.init(transport="shm", bound=1 << 20, slots=8, timeout=60, cma="off")
+    r = comm.rank
+    with comm:
+        comm.barrier()
+        if r == 0:
+            msg = comm.recv(1, tag=1, out=np.empty(n, np.uint8) if form == "out" else None, array="numpy")
+            assert np.array_equal(np.asarray(msg), _data(n, 5))
+            comm.send(np.zeros(1, np.uint8), 2, tag=3)  # "got it"
+        elif r == 1:
+            w = comm.isend(_data(n, 5), 0, tag=1)
+            buf = np.empty(16, np.uint8)
+            for _ in range(count):
+                comm.recv(2, tag=2, out=buf)
+                time.sleep(0.0002)  # work per message: rank 2 stays ahead
+            w.wait(30)
+        else:
+            got = comm.irecv(0, tag=3)
+            sent = 0
+            while sent < count:
+                comm.send(np.zeros(16, np.uint8), 1, tag=2)
+                sent += 1
+                if got.is_completed():
+                    break
+            told_after = sent
+            for _ in range(count - sent):
+                comm.send(np.zeros(16, np.uint8), 1, tag=2)
+            got.wait(30)
+            # (~150 here with the fix, all 1500 without: a margin for a loaded machine)
+            assert told_after < count * 3 // 4, f"rank 0 had rank 1's message only after {told_after} of {count}"
+        comm.barrier()
