@@ -640,7 +640,10 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
         if (!staged_.empty()) free_staged(false);  // a sender may wait for one of those slots
         // (A comm.empty out that a given-up receive's landing may still write:
         // waited for, within this receive's timeout.)
-        if (!out_settled(out, mem)) return false;
+        if (!out_settled(out, mem)) {
+          drive_sends();  // (while we wait, as below)
+          return false;
+        }
         if (!p.posted.empty()) {
           result = -1;  // FIFO: queue behind the posted irecvs
           return true;
