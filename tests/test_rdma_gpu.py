@@ -285,6 +285,25 @@ def test_fake_rdma_gpudirect_selection(fake_cuda, hmem):
 
 
 @world(2, timeout=120, requires=("libfabric",))
+@pytest.mark.parametrize("hmem", ["1", "auto"])
+def test_fake_rdma_gpudirect_on_a_gpu_without_it(fake_cuda, hmem):
+    """A GPU that reports no GPUDirect RDMA support (the fake with
+    FAKE_CUDA_NO_GDR): forced, init refuses and names the variable; auto
+    stages, and says so."""
+    os.environ.update(FAKE_CUDA_NO_GDR="1", VARCOMM_RDMA_HMEM=hmem)
+    FakeGpu(fake_cuda)
+    os.environ.update(VARCOMM_NVLINK="1", VARCOMM_NVLINK_DEVICE="0")
+    if hmem == "1":
+        with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_RDMA_HMEM=1 .*cuda:0 does not support GPUDirect"):
+            varcomm.init(transport="rdma", timeout=30, bound=BOUND)
+        return
+    with varcomm.init(transport="rdma", timeout=30, bound=BOUND) as comm:
+        assert comm.route_info(1 - comm.rank)["device_gpudirect"] == "off"
+        assert "GPUDirect RDMA: not used: cuda:0 does not support it" in comm.describe_transport(1 - comm.rank)
+        comm.barrier()
+
+
+@world(2, timeout=120, requires=("libfabric",))
 def test_fake_rdma_gpudirect_from_a_thread_without_a_context(fake_cuda):
     """GPUDirect's GPU memory and stream are made in the communicator's
     context, not the caller's: a send (the first, which allocates the staging)

@@ -174,8 +174,13 @@ API CUresult cuDeviceGet(int* d, int ordinal) { if (ordinal != 0) return 101; *d
 API CUresult cuDeviceGetName(char* name, int len, int) { snprintf(name, len, "fake GPU (varcomm test driver)"); return 0; }
 API CUresult cuDeviceGetAttribute(int* v, int attr, int) {
   // compute capability 9.0, UVA, 64-bit stream memops; GPUDirect RDMA
-  // supported (116), flushed from the host (117: option HOST), writes not
-  // ordered for the GPU (118: NONE), so rdma-gpu takes its flushing path
+  // supported (116; FAKE_CUDA_NO_GDR=1 plays a GPU without it), flushed from
+  // the host (117: option HOST), writes not ordered for the GPU (118: NONE),
+  // so rdma-gpu takes its flushing path
+  if (attr == 116 && getenv("FAKE_CUDA_NO_GDR")) {
+    *v = 0;
+    return 0;
+  }
   *v = attr == 75 ? 9 : (attr == 41 || attr == 122 || attr == 116 || attr == 117) ? 1 : 0;
   return 0;
 }

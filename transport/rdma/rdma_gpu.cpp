@@ -126,10 +126,10 @@ class RdmaGpuTransport final : public Transport {
     check(d_.DevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
     retained_ = true;
     ordered_ = port_->provider().find("ofi_rxm") != std::string::npos;
-    choose_gpudirect(o.rdma_hmem);
-    // The NIC registers the stand-in's "GPU memory" as the host memory it is.
-    iface_ = d_.stand_in ? -1 : ordinal_;
     try {
+      choose_gpudirect(o.rdma_hmem);  // (may refuse: inside, so the context is released)
+      // The NIC registers the stand-in's "GPU memory" as the host memory it is.
+      iface_ = d_.stand_in ? -1 : ordinal_;
       CtxScope scope(d_, ctx_);
       std::string why;
       if (gdr_) open_device_slots();
@@ -169,11 +169,6 @@ class RdmaGpuTransport final : public Transport {
     // Streams may still wait on a receive's data (its sender closed first):
     // let them go rather than hang a process that closed.
     const bool pending = !sends_.empty() || !credits_.empty();
-    // A failed peer's receives may still be copying out of our slots, and
-    // sends into staging, on streams we cannot see: such memory is left to the
-    // process's exit rather than freed under them.
-    bool lost = false;
-    for (const Remote& r : remotes_) lost = lost || r.dead;
     if (pending) {
       std::lock_guard<std::recursive_mutex> pg(port_->mutex());
       for (size_t j = 0; j < rbase_.size(); ++j) store(landed(j), rbase_[j] + kRelease);
@@ -187,7 +182,7 @@ class RdmaGpuTransport final : public Transport {
         break;
       }
     }
-    if (pending || lost || port_->busy()) return;  // leak rather than free memory a stream or the NIC may still touch
+    if (pending || port_->busy()) return;  // leak rather than free memory a stream or the NIC may still touch
     release();
   }
 
@@ -201,7 +196,7 @@ class RdmaGpuTransport final : public Transport {
     } else {
       o << "GPUDirect RDMA, " << gdr_note_ << "; sends read GPU staging"
         << (gdr_forced_ ? "" : " (pinned host memory once GPUDirect holds " + std::to_string(kAutoGpuBytes) +
-                                   " bytes of GPU memory)")
+                                   " bytes of GPU memory, or where GPU memory cannot be allocated or registered)")
         << ", "
         << (rx_dev_ ? "receives land in " + std::to_string(rx_bytes_) + " bytes of GPU receive slots"
                     : "receives land in host slots (" + rx_note_ + ")")
@@ -757,13 +752,16 @@ class RdmaGpuTransport final : public Transport {
 
   void release() {
     release_gpu_memory();
-    if (flags_) {
-      if (flags_dev_) host_unregister(d_, flags_);
-      munmap(flags_, flags_bytes_);
-      flags_ = nullptr;
+    if (retained_) {  // unregistering host memory needs our context current, as registering it did
+      CtxScope scope(d_, ctx_);
+      if (flags_) {
+        if (flags_dev_) host_unregister(d_, flags_);
+        munmap(flags_, flags_bytes_);
+        flags_ = nullptr;
+      }
+      if (region_dev_) host_unregister(d_, local_.base());
+      region_dev_ = 0;
     }
-    if (region_dev_) host_unregister(d_, local_.base());
-    region_dev_ = 0;
     if (retained_) d_.DevicePrimaryCtxRelease(dev_);
     retained_ = false;
   }
