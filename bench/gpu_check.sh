@@ -85,6 +85,20 @@ if "$PY" -c "import sys, varcomm; sys.exit(0 if 'rdma-gpu' in varcomm.build_info
 else
   say "cross-host GPU: skipped: this build has no rdma-gpu (libfabric missing at build time, see above)"; have_rdma_gpu=0
 fi
+# Whether this machine could run GPUDirect RDMA (the provider must offer FI_HMEM for CUDA): said, not required.
+if [ "$have_rdma_gpu" -eq 1 ]; then
+  say "GPUDirect RDMA with VARCOMM_RDMA_HMEM=1 on ${VARCOMM_FI_PROVIDER:-tcp;ofi_rxm}:"
+  VARCOMM_RDMA_HMEM=1 VARCOMM_TRANSPORT=rdma VARCOMM_FI_PROVIDER="${VARCOMM_FI_PROVIDER:-tcp;ofi_rxm}" timeout 40 \
+    "$PY" -m varcomm.run -n 2 --timeout 35 -- "$PY" -c 'import torch, varcomm
+torch.cuda.init()
+try:
+    c = varcomm.init(timeout=20)
+except varcomm.InvalidArgument as e:
+    print("gpu_check: GPUDirect refused:", e, flush=True)
+else:
+    print("gpu_check: " + c.describe_transport(1 - c.rank) if c.rank == 0 else "", flush=True)
+    c.close()' 2>&1 | grep "gpu_check: " | head -2 | tee -a "$LOG" || true
+fi
 left=$((290 - ($(date +%s) - t_start)))
 test_s=$((left - 130)); [ "$test_s" -gt 150 ] && test_s=150; [ "$test_s" -lt 60 ] && test_s=60
 say "tests: $GPU_TESTS, real-GPU cases only (at most ${test_s} s)"
