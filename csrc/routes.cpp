@@ -219,7 +219,7 @@ void Setup::open_transports() {
         devices_[f.name] = open(f);
         device_ordinal_ = o_.cuda_device;
       } catch (const Error& err) {
-        if (o_.nvlink != "auto") throw;
+        if (o_.nvlink != "auto" || err.forced) throw;
         device_notes_[f.name] = err.what();
       }
     }

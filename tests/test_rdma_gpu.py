@@ -288,11 +288,12 @@ def test_fake_rdma_gpudirect_selection(fake_cuda, hmem):
 @pytest.mark.parametrize("hmem", ["1", "auto"])
 def test_fake_rdma_gpudirect_on_a_gpu_without_it(fake_cuda, hmem):
     """A GPU that reports no GPUDirect RDMA support (the fake with
-    FAKE_CUDA_NO_GDR): forced, init refuses and names the variable; auto
-    stages, and says so."""
+    FAKE_CUDA_NO_GDR): forced, init refuses and names the variable (also
+    with VARCOMM_NVLINK=auto, which routes around other device transports'
+    failures); auto stages, and says so."""
     os.environ.update(FAKE_CUDA_NO_GDR="1", VARCOMM_RDMA_HMEM=hmem)
     FakeGpu(fake_cuda)
-    os.environ.update(VARCOMM_NVLINK="1", VARCOMM_NVLINK_DEVICE="0")
+    os.environ.update(VARCOMM_NVLINK="auto", VARCOMM_NVLINK_DEVICE="0")
     if hmem == "1":
         with pytest.raises(varcomm.InvalidArgument, match="VARCOMM_RDMA_HMEM=1 .*cuda:0 does not support GPUDirect"):
             varcomm.init(transport="rdma", timeout=30, bound=BOUND)
@@ -460,6 +461,10 @@ WORKER = textwrap.dedent('''
             c.recv_into(other, 1, out, BOUND, U8, 30.0, s)
             gpu.sync(s)
             assert gpu.get(out, 3 * CHUNK) == _payload(500 + 10 * other + i, 3 * CHUNK), i
+        # Both have all 30 before either exits: a device send returns before its
+        # chunks are on the wire, and a peer gone mid-message is a failed peer.
+        comm.send(np.zeros(1, np.uint8), other, tag=2)
+        comm.recv(other, tag=2)
         print("OK", r, flush=True)
         os._exit(0)
 ''')

@@ -1075,8 +1075,9 @@ std::string rdma_info(const std::string& provider, const std::string& iface) {
   // What rdma-gpu's GPUDirect choice (rdma_gpu.cpp) will see.
   if (!hmem.empty())
     o << "GPU memory (FI_HMEM, GPUDirect RDMA): " << hmem
-      << "; rdma-gpu selects it with VARCOMM_RDMA_HMEM=1, or auto on verbs/efa/cxi (its zero-copy data path is not "
-         "implemented yet: GPU messages are staged through pinned host memory)\n";
+      << "; rdma-gpu uses it with VARCOMM_RDMA_HMEM=1, or by auto on verbs/efa/cxi in a process using CUDA on a GPU "
+         "that supports it (staging and receive slots in GPU memory); else GPU messages are staged through pinned "
+         "host memory\n";
   return o.str();
 }
 

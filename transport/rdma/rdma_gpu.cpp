@@ -466,7 +466,7 @@ class RdmaGpuTransport final : public Transport {
       if (opt == "on")
         throw Error(ErrorKind::Invalid, "VARCOMM_RDMA_HMEM=1 (GPUDirect RDMA) but cuda:" + std::to_string(ordinal_) +
                                             " does not support GPUDirect RDMA (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_"
-                                            "SUPPORTED is 0); unset it to stage GPU messages through host memory");
+                                            "SUPPORTED is 0); unset it to stage GPU messages through host memory", -1, /*forced=*/true);
       gdr_note_ = "not used: cuda:" + std::to_string(ordinal_) + " does not support it";
       return;
     }
@@ -475,7 +475,7 @@ class RdmaGpuTransport final : public Transport {
     } else if (opt == "on") {
       if (!offered)
         throw Error(ErrorKind::Invalid, "VARCOMM_RDMA_HMEM=1 (GPUDirect RDMA) but provider " + prov + ": " + why +
-                                            "; unset it to stage GPU messages through host memory");
+                                            "; unset it to stage GPU messages through host memory", -1, /*forced=*/true);
       gdr_ = true;
       gdr_forced_ = true;
       gdr_note_ = "selected by VARCOMM_RDMA_HMEM=1 (" + why + ")";
@@ -520,7 +520,7 @@ class RdmaGpuTransport final : public Transport {
             " bytes of GPU memory: world x slots x bound)";
       if (gdr_forced_)
         throw Error(ErrorKind::Invalid, "rdma-gpu: " + why + "; lower bound or slots, or set VARCOMM_RDMA_HMEM=0 "
-                                        "to stage GPU messages through host memory");
+                                        "to stage GPU messages through host memory", -1, /*forced=*/true);
       rx_note_ = why;
       return;
     }
