@@ -75,7 +75,6 @@ def _check_gpudirect(comm, hmem: str) -> None:
     want = "selected" if hmem == "1" else "off"
     assert info["device_gpudirect"] == want, info
     assert (int(info["device_gpu_receive_slots"]) > 0) == (hmem == "1"), info
-    assert info["device_staged"] == ("0" if hmem == "1" else "1"), info
 
 
 def _query(gpu: FakeGpu, s: int) -> int:

@@ -112,7 +112,7 @@ def _enqueue(comm: Any, gpu: _Fake, n: int = 64, size: int = 16384) -> dict[str,
     buf = np.zeros(size, dtype=np.uint8)
     if comm.rank == 0:
         for _ in range(n):
-            _host_send(comm, 1, 1, buf)
+            comm.send(buf, 1, 1, timeout=60.0)
         while c.unflushed():
             time.sleep(0.001)
         comm.barrier()
@@ -123,21 +123,11 @@ def _enqueue(comm: Any, gpu: _Fake, n: int = 64, size: int = 16384) -> dict[str,
             c.progress()
         for _ in range(n):
             t = time.perf_counter_ns()
-            _host_recv(comm, 0, 1, buf)
+            comm.recv(0, 1, out=buf, timeout=60.0)
             host_us.append((time.perf_counter_ns() - t) / 1e3)
     comm.barrier()
     return {"median_us": statistics.median(us), "max_us": max(us), "stream_busy": busy,
             "host_median_us": statistics.median(host_us) if host_us else 0.0}
-
-
-def _host_send(comm: Any, dst: int, tag: int, buf: Any) -> None:
-    """The host baseline: a blocking send of a numpy buffer through the public API."""
-    comm.send(buf, dst, tag, timeout=60.0)
-
-
-def _host_recv(comm: Any, src: int, tag: int, buf: Any) -> None:
-    """The host baseline: a blocking receive into a numpy buffer (out=) through the public API."""
-    comm.recv(src, tag, out=buf, timeout=60.0)
 
 
 def _bandwidth(comm: Any, gpu: _Fake, size: int, iters: int) -> dict[str, float]:
@@ -159,17 +149,17 @@ def _bandwidth(comm: Any, gpu: _Fake, size: int, iters: int) -> dict[str, float]
                     if kind == "device":
                         c.send(1, 0, dsrc, size, u8, (size,), 60.0, s)
                     else:
-                        _host_send(comm, 1, 0, hsrc)
-                _host_recv(comm, 1, 1, ack)
+                        comm.send(hsrc, 1, 0, timeout=60.0)
+                comm.recv(1, 1, out=ack, timeout=60.0)
                 best[kind] = min(best[kind], time.perf_counter() - t0)
             else:
                 for _ in range(iters):
                     if kind == "device":
                         c.recv_into(0, 0, dout, size, u8, 60.0, s)
                     else:
-                        _host_recv(comm, 0, 0, hout)
+                        comm.recv(0, 0, out=hout, timeout=60.0)
                 gpu.sync(s)  # the device messages are in dout
-                _host_send(comm, 0, 1, ack)
+                comm.send(ack, 0, 1, timeout=60.0)
     gpu.sync(s)
     return {k: size * iters / v / 1e9 for k, v in best.items()}
 

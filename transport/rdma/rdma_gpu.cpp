@@ -213,8 +213,7 @@ class RdmaGpuTransport final : public Transport {
     return {{"chunk", std::to_string(chunk_)},
             {"gpudirect", gdr_ ? "selected" : "off"},
             {"gpu_receive_slots", std::to_string(rx_bytes_)},
-            {"gdr_flush", flush_ ? "1" : "0"},
-            {"staged", gdr_ ? "0" : "1"}};
+            {"gdr_flush", flush_ ? "1" : "0"}};
   }
   bool device() const override { return true; }
   // The self chunk of an all-to-all, or a staged host message into device
@@ -512,9 +511,10 @@ class RdmaGpuTransport final : public Transport {
                  "VARCOMM_RDMA_HMEM=1";
       return;
     }
-    void* mr = nullptr;
     std::string why;
-    CUdeviceptr p = gpu_alloc(bytes, true, &mr, &why);
+    CUdeviceptr p = gpu_alloc(bytes, &why, [&](void* m) {
+      rx_key_ = port_->reg_target(m, bytes, iface_, &rx_addr_, &rx_mr_);  // peers write here
+    });
     if (!p) {
       why = "GPUDirect receive slots: " + why + " (" + std::to_string(bytes) +
             " bytes of GPU memory: world x slots x bound)";
@@ -525,16 +525,14 @@ class RdmaGpuTransport final : public Transport {
       return;
     }
     rx_dev_ = p;
-    rx_mr_ = mr;
     rx_bytes_ = bytes;
     flush_ = flush;
   }
 
-  // GPU memory registered with the NIC for it to read (our staging: its
-  // descriptor in *desc) or, `remote`, for peers to write (our receive slots:
-  // key and address in rx_key_ / rx_addr_); 0 with *why on failure. The
-  // caller has our context current.
-  CUdeviceptr gpu_alloc(size_t bytes, bool remote, void** mr, std::string* why, void** desc = nullptr) {
+  // GPU memory, registered with the NIC by `reg` (which throws on failure);
+  // 0 with *why when either fails, nothing kept. The caller has our context current.
+  template <class Reg>
+  CUdeviceptr gpu_alloc(size_t bytes, std::string* why, Reg&& reg) {
     CUdeviceptr p = 0;
     CUresult r = d_.MemAlloc(&p, bytes);
     if (r != CUDA_SUCCESS) {
@@ -542,12 +540,7 @@ class RdmaGpuTransport final : public Transport {
       return 0;
     }
     try {
-      if (remote) {
-        rx_key_ = port_->reg_target(reinterpret_cast<void*>(p), bytes, iface_, &rx_addr_, mr);
-      } else {
-        void* dsc = port_->reg_source(reinterpret_cast<void*>(p), bytes, iface_, mr);
-        if (desc) *desc = dsc;
-      }
+      reg(reinterpret_cast<void*>(p));
     } catch (const Error& e) {
       d_.MemFree(p);
       *why = e.what();
@@ -568,7 +561,9 @@ class RdmaGpuTransport final : public Transport {
     r.stage_bytes = r.stride * size_t(r.nslots);
     if (gdr_ && (gdr_forced_ || gpu_bytes_ + r.stage_bytes <= kAutoGpuBytes)) {
       std::string why;
-      if (CUdeviceptr p = gpu_alloc(r.stage_bytes, false, &r.stage_mr, &why, &r.stage_desc)) {
+      if (CUdeviceptr p = gpu_alloc(r.stage_bytes, &why, [&](void* m) {  // the NIC reads it
+            r.stage_desc = port_->reg_source(m, r.stage_bytes, iface_, &r.stage_mr);
+          })) {
         r.stage = reinterpret_cast<char*>(p);
         r.stage_dev = true;
         return;
