@@ -430,13 +430,34 @@ void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbyt
   c.wait(id, timeout, owner);
 }
 
-// Blocking receive into a caller buffer; false when irecvs from src are
-// posted (FIFO: the caller must queue behind them).
+// A receive into a host out that recv_direct cannot finish (its message
+// lands in out or streams in, or irecvs from src are posted before it): as
+// an irecv, waited for here, so a large message into a comm.empty buffer is
+// one call too (the Python irecv path cost ~10 us per message). False where
+// the caller's own path must take it (no out: recv_new's claim; device memory,
+// whose stream the caller records). The wait has the whole timeout again,
+// as the Python path had: the message has come, only its data is awaited.
+bool recv_posted(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
+                 std::optional<double> timeout, Mem mem, int* claim) {
+  if (claim || !out || mem.device) return false;
+  uint64_t id = c.engine->irecv(src, tag, out, cap, dtype, mem, false);
+  c.wait(id, timeout);
+  MsgInfo m = c.engine->info(id);
+  h->tag = m.tag;
+  h->nbytes = m.nbytes;
+  h->dtype = m.dtype;
+  h->ndim = uint32_t(m.shape.size());
+  std::copy(m.shape.begin(), m.shape.end(), h->shape);
+  h->flags = m.flags;
+  return true;
+}
+// Blocking receive into a caller buffer; false when the caller's own path
+// must take it (see recv_posted).
 bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint32_t dtype, MsgHeader* h,
                    std::optional<double> timeout, Mem mem = {}, int* claim = nullptr) {
   timeout = timeout_of(timeout);  // NaN refused before anything is consumed
   int r = c.engine->recv_direct(src, tag, out, cap, dtype, h, Clock::time_point::min(), mem, claim);
-  if (r != 0) return r > 0;
+  if (r != 0) return r > 0 || recv_posted(c, src, tag, out, cap, dtype, h, timeout, mem, claim);
   auto deadline = deadline_of(timeout);
   for (;;) {
     auto slice = std::min(deadline, Clock::now() + std::chrono::milliseconds(100));
@@ -445,7 +466,7 @@ bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint3
       py::gil_scoped_release nogil;
       got = c.engine->recv_direct(src, tag, out, cap, dtype, h, slice, mem, claim);
     }
-    if (got != 0) return got > 0;
+    if (got != 0) return got > 0 || recv_posted(c, src, tag, out, cap, dtype, h, timeout, mem, claim);
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     if (Clock::now() >= deadline) {
       if (c.engine->out_unsettled(out, mem)) throw Error(ErrorKind::Timeout, Engine::unsettled_text(), src);
