@@ -371,8 +371,11 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
     *kind = ErrorKind::Invalid;
     return head + "a rendezvous message of " + std::to_string(h.nbytes) + " bytes from host memory cannot land in "
            "GPU memory " + (h.nbytes > layout_.bound ? "over this rank's bound (" + std::to_string(layout_.bound) +
-           " bytes)" : std::string("on a pair that streams it (no single-copy read)")) +
-           ": receive it into host memory, or raise the bound" + kept;
+           " bytes): receive it into host memory, or raise the bound"
+                                       : std::string("on a pair that streams it (no single-copy read): receive it "
+                                                     "into host memory, or raise the sender's eager_max "
+                                                     "(VARCOMM_EAGER_MAX) to its size")) +
+           kept;
   }
   if (h.flags & kDescriptor) {
     *kind = ErrorKind::Mismatch;
@@ -421,14 +424,15 @@ bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem, bool held) const {
   // every count is in (Request::hold), one copy instead of two.
   // From 32 KiB, where one CMA copy plus its system call beats two memcpys
   // on the hosts measured (bench/results/issue11-2026-12-02-s6.md).
-  if (held) return p.pulls && nbytes > std::min<uint64_t>(opt_.eager_max, 32 << 10);
+  uint64_t eager = opt_.eager_max ? opt_.eager_max : p.t ? p.t->eager_max() : UINT64_MAX;
+  if (held) return p.pulls && nbytes > std::min<uint64_t>(eager, 32 << 10);
   // (Not where a device route exists: a host message streamed to a GPU out
   // cannot land there, see misfit.)
   uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;
   // Over eager_max the data is copied once where the pair can: the receiver
   // reads it from us (CMA), or we write it into its landing area.
   bool once = p.pulls || (p.lands && p.layout.landing);
-  return nbytes > p.layout.bound || (nbytes > opt_.eager_max && once) || (sc && nbytes > 2 * sc);
+  return nbytes > p.layout.bound || (nbytes > eager && once) || (sc && nbytes > 2 * sc);
 }
 
 bool Engine::streams_in(int peer, const MsgHeader& h) const {

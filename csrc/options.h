@@ -10,7 +10,7 @@ namespace varcomm {
 
 struct Options {
   uint64_t bound = 8ull << 20;   // payload bytes per slot: larger messages go by rendezvous
-  uint64_t eager_max = 256ull << 10;  // larger messages go by rendezvous where the pair copies once (shm CMA)
+  uint64_t eager_max = 0;  // larger messages go by rendezvous where the pair copies once; 0: Transport::eager_max
   uint64_t landing = 64ull << 20;  // landing area bytes (protocol.h kPushCredit); 0: none
   uint64_t max_message = 0;      // largest message this rank sends; 0: no limit
   int slots = 8;                 // ring depth per sending peer

@@ -54,6 +54,12 @@ class Transport {
   // copies one out of its slot while the next is on the wire (or, on shm,
   // being copied in by the sender); 0: in bound-sized pieces.
   virtual uint64_t stream_chunk() const { return 0; }
+  // The largest host message sent eagerly where the pair can copy once (the
+  // receiver reads by CMA, or the sender writes into its landing area), when
+  // Options::eager_max leaves it to the transport: past it a rendezvous round
+  // trip costs less than the copy out of the slot. 256 KiB is where one CMA
+  // copy beats two memcpys on shm (bench/results/issue11-2026-12-02-s6.md).
+  virtual uint64_t eager_max() const { return 256u << 10; }
   // The largest write_message this transport makes at any 256-aligned offset
   // of the peer's region, not only its slots: where a rendezvous sender may
   // write a message straight into the receiver's landing area (protocol.h

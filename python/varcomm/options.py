@@ -65,8 +65,11 @@ def parse_bytes(text: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class Bytes(Kind):
     minimum: int = 0
+    auto: bool = False  # None (or "auto") means: decided by the core
 
-    def convert(self, value: object) -> int:
+    def convert(self, value: object) -> int | None:
+        if self.auto and (value is None or (isinstance(value, str) and value.strip().lower() == "auto")):
+            return None
         if isinstance(value, str):
             n = parse_bytes(value)
         elif isinstance(value, int) and not isinstance(value, bool):
@@ -177,9 +180,9 @@ class Text(Kind):
         return value.strip()
 
 
-def _bytes(minimum: int = 0) -> Bytes:
+def _bytes(minimum: int = 0, auto: bool = False) -> Bytes:
     what = "a size in bytes (e.g. 8388608, 64K, 64MiB, 1.5M, 1G)"
-    return Bytes(what + (f", at least {minimum}" if minimum else ""), minimum)
+    return Bytes(what + (f", at least {minimum}" if minimum else "") + (", or auto" if auto else ""), minimum, auto)
 
 
 def _int(minimum: int, maximum: int | None = None, auto: bool = False) -> Int:
@@ -376,12 +379,15 @@ class Options(_Declared):
         "shm: single-copy reads of the sender's memory (CMA, process_vm_readv) for large messages; `auto`: where "
         "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
         "else messages over the bound stream through the slots (1/0 mean on/off)")
-    eager_max: int = _opt("VARCOMM_EAGER_MAX", _bytes(0), 256 * KiB,
-                          "largest message sent eagerly where the pair can copy once (a landing area, or shm with "
-                          "CMA); a larger one goes by rendezvous: the data is copied once, by the sender into the "
-                          "receiver's landing area or by the receiver out of the sender's memory, and the send "
-                          "completes when it has; all-to-all chunks go so from min(this, 32 KiB) where the receiver "
-                          "copies by CMA", "256 KiB")
+    eager_max: int | None = _opt("VARCOMM_EAGER_MAX", _bytes(1, auto=True), None,
+                                 "largest message sent eagerly where the pair can copy once (a landing area, or shm "
+                                 "with CMA); a larger one goes by rendezvous: the data is copied once, by the sender "
+                                 "into the receiver's landing area or by the receiver out of the sender's memory, and "
+                                 "the send completes when it has; all-to-all chunks go so from min(this, 32 KiB) where "
+                                 "the receiver copies by CMA; `auto`: the transport's, where a rendezvous round trip "
+                                 "costs less than the copy out of the slot. Over rdma a host message into a GPU "
+                                 "`out` must be within it (a rendezvous cannot land there: refused, and kept)",
+                                 "shm 256 KiB, rdma 2 x `rdma_chunk`, at least 256 KiB (2 MiB)")
     landing: int = _opt("VARCOMM_LANDING", _bytes(0), 64 * MiB,
                         "bytes of this rank's landing area (shm, rdma): a rendezvous message received without "
                         "`out`, or into a `comm.empty` buffer, is written there once by its sender and the result "
@@ -418,7 +424,8 @@ class Options(_Declared):
             "rdma_strict": self.rdma_strict, "rdma_eager_credits": self.rdma_eager_credits,
             "liveness_addr": self.liveness_addr, "debug": self.debug, "nvlink": self.nvlink,
             "cuda_device": cuda_device, "nvlink_flags": self.nvlink_flags,
-            "nvlink_kernel_max": self.nvlink_kernel_max, "eager_max": self.eager_max, "landing": self.landing,
+            "nvlink_kernel_max": self.nvlink_kernel_max, "eager_max": self.eager_max or 0,  # 0: the transport's
+            "landing": self.landing,
             "max_message": self.max_message, "job_key": self.job_key,
             "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem, "cma": self.cma,
         }

@@ -216,6 +216,13 @@ class RdmaTransport final : public Transport, public rdma::Port {
 
   std::string name() const override { return "rdma"; }
   uint64_t stream_chunk() const override { return stream_chunk_; }
+  // Eager up to where host messages stream anyway: on tcp;ofi_rxm the
+  // rendezvous round trip before the write cost more than the copy out of
+  // the slot saves (1 MiB ping-pong 0.59-0.67x fi_pingpong by rendezvous,
+  // 1.01-1.15x eager; bench/results/issue11-2026-12-04-s9.md).
+  // (Never under the shm default: a host message past eager_max into a GPU
+  // out on a pair with a device route is refused, see Engine::misfit.)
+  uint64_t eager_max() const override { return std::max<uint64_t>(2 * stream_chunk_, Transport::eager_max()); }
   // One fi_writemsg of header + payload; the provider's own limit.
   uint64_t landing_write_max() const override {
     return info_->ep_attr->max_msg_size > kHeaderBytes ? info_->ep_attr->max_msg_size - kHeaderBytes : 0;
