@@ -449,7 +449,7 @@ size_t Engine::land_alloc(uint64_t nbytes) {
     size_t off = it->first, left = it->second - want;
     land_free_.erase(it);
     if (left) land_free_[off + want] = left;
-    land_used_[off] = {want, 1, false};
+    land_used_[off] = {want, 1, false, false};
     return off;
   }
   return 0;
@@ -459,6 +459,7 @@ void Engine::land_unref(size_t off) {
   auto u = land_used_.find(off);
   if (u == land_used_.end() || --u->second.refs > 0) return;
   size_t len = u->second.len;
+  if (u->second.lent) land_lent_ -= len;
   land_used_.erase(u);
   // Merge with the free neighbours, so large blocks stay possible.
   auto next = land_free_.lower_bound(off);
@@ -510,18 +511,23 @@ std::string Engine::unsettled_text() {
          "buffer";
 }
 
-int Engine::landing_buffer(uint64_t nbytes) {
+int Engine::landing_buffer(uint64_t nbytes, uint64_t lend_cap) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  if (lend_cap && (nbytes > lend_cap || land_lent_ + align_up(kPayloadOff + nbytes, 4096) > lend_cap)) return 0;
   size_t off = land_alloc(nbytes);
-  return off ? landed_slot(off) : 0;
+  if (!off) return 0;
+  Block& b = land_used_.at(off);
+  b.lent = true;
+  land_lent_ += b.len;
+  return landed_slot(off);
 }
 
-std::pair<uint64_t, uint64_t> Engine::landing_stats() {
+std::tuple<uint64_t, uint64_t, uint64_t> Engine::landing_stats() {
   std::lock_guard<std::mutex> g(mu_);
   uint64_t free = 0;
   for (auto& kv : land_free_) free += kv.second;
-  return {free, land_used_.size()};
+  return {free, land_used_.size(), land_lent_};
 }
 
 bool Engine::try_land(int peer, int slot, const MsgHeader& h, uint64_t id, char* dst, size_t block) {

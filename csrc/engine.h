@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -156,15 +157,19 @@ class Engine {
   // A receive buffer of nbytes in this rank's landing area (comm.empty): a
   // rendezvous message received into it is written there by its sender, the
   // one copy. Returns its slot code for slot_payload/release_claimed (the
-  // caller holds one reference), or 0 when the area has no room.
-  int landing_buffer(uint64_t nbytes);
+  // caller holds one reference), or 0 when the area has no room, or when
+  // lend_cap is set and the blocks lent this way would then hold more than
+  // lend_cap bytes. The cap counts lent blocks only, not the transient ones
+  // that messages land in, so whether a collective's output is lent does not
+  // depend on how far its peers' chunks have got.
+  int landing_buffer(uint64_t nbytes, uint64_t lend_cap = 0);
   // Whether matched recv `id` landed in a landing block (take_claim lends it).
   bool landed(uint64_t id) {
     std::lock_guard<std::mutex> g(mu_);
     return get(id).land != 0;
   }
-  // (bytes free, blocks in use) of the landing area.
-  std::pair<uint64_t, uint64_t> landing_stats();
+  // (bytes free, blocks in use, bytes lent by landing_buffer) of the landing area.
+  std::tuple<uint64_t, uint64_t, uint64_t> landing_stats();
   // A recv matched without out becomes a claim on its slot (returned, its
   // header in *hdr, its sender in *peer) and the request is recycled; release_claimed ends it.
   // Host payloads only (device messages and descriptors are refused).
@@ -403,7 +408,9 @@ class Engine {
     size_t len;
     int refs;
     bool pending;  // a landing into it is still to come
+    bool lent;     // made by landing_buffer: counted in land_lent_
   };
+  uint64_t land_lent_ = 0;
   std::map<size_t, size_t> land_free_;  // offset -> bytes
   std::map<size_t, Block> land_used_;
 };

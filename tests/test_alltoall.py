@@ -499,9 +499,17 @@ def test_large_torch_outputs_come_from_half_the_landing_area():
     """A torch output over 4 MiB is a block of the landing area (pages kept
     hot from one call to the next), freed when dropped; outputs kept alive
     take at most half the area, then come from torch, and every result is
-    right either way."""
+    right either way. Only lent blocks count against that half: a received
+    message held in the area (or a chunk of the same call landing there
+    meanwhile, which made the choice depend on timing) does not."""
     with _init("shm", bound=8 << 20, slots=2, timeout=30, landing=16 << 20) as comm:
         r, n = comm.rank, comm.world_size
+        # a 4 MiB point-to-point message received into a new tensor lands in the area and is kept
+        w = comm.isend(torch.full((1 << 20,), float(r)), 1 - r)
+        kept = comm.recv(1 - r)
+        w.wait()
+        assert kept[0].item() == 1 - r
+        assert comm._c.landing_stats()[1:] == (1, 0), comm._c.landing_stats()
         rows = 768  # 3 MiB chunks: 6 MiB outputs
         held = []
         for it in range(3):
@@ -511,9 +519,12 @@ def test_large_torch_outputs_come_from_half_the_landing_area():
             assert torch.equal(got[::rows, 0], torch.tensor([10.0 * it + s for s in range(n)]))
             held.append(got)
             # the first fits in half of 16 MiB; the second would not leave half free
-            assert comm._c.landing_stats()[1] == 1, (it, comm._c.landing_stats())
+            free, blocks, lent = comm._c.landing_stats()
+            assert (blocks, lent) == (2, (6 << 20) + 4096), (it, comm._c.landing_stats())
         del held, got
-        assert comm._c.landing_stats()[1] == 0, "a dropped output kept its block"
+        assert comm._c.landing_stats()[1:] == (1, 0), "a dropped output kept its block"
+        del kept
+        assert comm._c.landing_stats()[1:] == (0, 0), "a dropped result kept its block"
 
 
 @pytest.mark.parametrize("transport", MODES)

@@ -74,7 +74,7 @@ def test_a_large_message_lands_once_and_is_the_result(transport):
             assert _blocks(comm) == 1, "a view keeps its block"
             assert list(view) == list(_data(n, 0)[10:20])
             del view
-            assert comm._c.landing_stats() == (free0, 0), "a dropped result did not free its block"
+            assert comm._c.landing_stats() == (free0, 0, 0), "a dropped result did not free its block"
             comm.send(np.array([1]), 0, tag=9)
 
 
@@ -130,7 +130,7 @@ def test_a_full_landing_area_falls_back(transport):
             if transport != "fallback":
                 assert 1 <= _blocks(comm) < k
             del held, h
-            assert comm._c.landing_stats() == (free0, 0)
+            assert comm._c.landing_stats() == (free0, 0, 0)
             comm.send(np.array([1]), 0, tag=9)
 
 

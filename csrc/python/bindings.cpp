@@ -1508,11 +1508,11 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("id"), py::arg("make"), py::arg("landed_only") = false)
       // A Loan over a new landing block of nbytes (Comm.empty), or None when
-      // the landing area has no room.
+      // the landing area has no room (or lent blocks would pass lend_cap bytes).
       .def("landing_buffer",
-           [](py::object self, uint64_t nbytes) -> py::object {
+           [](py::object self, uint64_t nbytes, uint64_t lend_cap) -> py::object {
              Comm& c = self.cast<Comm&>();
-             int slot = c.engine->landing_buffer(nbytes);
+             int slot = c.engine->landing_buffer(nbytes, lend_cap);
              if (!slot) return py::none();
              MsgHeader h{};
              h.nbytes = nbytes;
@@ -1522,7 +1522,8 @@ PYBIND11_MODULE(_C, m) {
                throw py::error_already_set();
              }
              return py::reinterpret_steal<py::object>(l);
-           })
+           },
+           py::arg("nbytes"), py::arg("lend_cap") = 0)
       .def("landing_stats", [](Comm& c) { return c.engine->landing_stats(); })
       .def_property_readonly("collectives", [](Comm& c) { return c.engine->collectives(); })
       // The blocking send/recv, one CPython call each.

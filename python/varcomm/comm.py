@@ -414,10 +414,12 @@ class Communicator:
         kind = arrays.receive_kind(kind, 0)
         return self._landed_empty(kind, word, dims)[0]
 
-    def _landed_empty(self, kind: str, word: int, dims: tuple[int, ...]) -> tuple[Any, int]:
-        """empty() of a dtype word, and its data pointer (the collectives' outputs)."""
+    def _landed_empty(self, kind: str, word: int, dims: tuple[int, ...], lend_cap: int = 0) -> tuple[Any, int]:
+        """empty() of a dtype word, and its data pointer (the collectives' outputs);
+        an ordinary array where the area has no room, or where lent blocks would
+        then hold over lend_cap bytes."""
         nbytes = dtypes.itemsize(word) * math.prod(dims)
-        loan = self._c.landing_buffer(nbytes) if nbytes else None
+        loan = self._c.landing_buffer(nbytes, lend_cap) if nbytes else None
         if loan is None:
             return arrays.empty(kind, word, dims)
         a: Any = arrays.lender(kind)(loan, word, dims, 0)
