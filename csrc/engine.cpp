@@ -124,6 +124,7 @@ void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout&
   auto& p = peers_.at(peer);
   if (std::find(transports_.begin(), transports_.end(), t) == transports_.end()) transports_.push_back(t);
   p.pulls = t->read_refused(peer).empty();
+  p.pulls_chunks = t->chunk_read_refused(peer).empty();
   p.lands = t->landing_write_max();
   p.t = std::move(t);
   p.layout = pl;
@@ -425,7 +426,7 @@ bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem, bool held) const {
   // From 32 KiB, where one CMA copy plus its system call beats two memcpys
   // on the hosts measured (bench/results/issue11-2026-12-02-s6.md).
   uint64_t eager = opt_.eager_max ? opt_.eager_max : p.t ? p.t->eager_max() : UINT64_MAX;
-  if (held) return p.pulls && nbytes > std::min<uint64_t>(eager, 32 << 10);
+  if (held) return p.pulls ? nbytes > std::min<uint64_t>(eager, 32 << 10) : pulls_held(peer, nbytes);
   // (Not where a device route exists: a host message streamed to a GPU out
   // cannot land there, see misfit.)
   uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;
@@ -1085,6 +1086,7 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
         if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
         return -1;
       }
+      pulled_ += h.nbytes;
       try {
         if (!p.tdev && local_dev_) {  // no device route (the sender staged it): as an eager staged message below
           if (uintptr_t mark = local_dev_->copy_async(dst, slot_payload, h.nbytes, mem.stream, true))
@@ -1106,7 +1108,7 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
     // pull gives it one copy too.)
     size_t own = id && reqs_[uint32_t(id)].hold ? 0 : landing_block(dst, h.nbytes);
     if (own && try_land(peer, slot, h, id, static_cast<char*>(dst), own)) return 0;
-    if (p.pulls) {
+    if (id && reqs_[uint32_t(id)].hold ? pulls_held(peer, h.nbytes) : p.pulls) {
       uint64_t src = claim_source(peer, slot, h);
       std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;
       if (!err.empty()) {
@@ -1114,6 +1116,7 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
         if (why) *why = "its message of " + std::to_string(h.nbytes) + " bytes could not be copied: " + err;
         return -1;
       }
+      pulled_ += h.nbytes;
       free_slot(peer, slot, h.seq);  // the sender's send completes
       return 1;
     }
@@ -1230,7 +1233,7 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.state = ReqState::Done;
-    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && p.pulls) {
+    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && pulls_held(peer, r.hdr.nbytes)) {
       r.slot = m->slot;  // copy_out reads it from the sender into its dst
       m->claimed = true;
       r.state = ReqState::Matched;

@@ -152,6 +152,14 @@ class Engine {
   // instead (take_claim, landing_buffer): its reference is dropped.
   void release_claimed(int peer, int slot, uint64_t seq);
   static constexpr int kLandedSlot = -2;
+  // A collective's chunks from this size are read straight out of their
+  // sender wherever that is allowed (Transport::chunk_read_refused), even
+  // where the set-up probe prefers two memcpys: the probe copies 4 MiB in
+  // cache, while chunks cycle through slots and outputs far larger than the
+  // cache, where one CMA copy wins (AMD EPYC, 4 ranks: 4-8 MiB per rank
+  // 0.71-0.86x MPI by two memcpys, 0.89-1.07x by CMA;
+  // bench/results/issue11-2026-12-05-s8.md).
+  static constexpr uint64_t kChunkPull = 512 << 10;
   static int landed_slot(size_t off) { return kLandedSlot - int(off >> 12); }
   static size_t landed_off(int slot) { return size_t(kLandedSlot - slot) << 12; }
   // A receive buffer of nbytes in this rank's landing area (comm.empty): a
@@ -229,6 +237,12 @@ class Engine {
   // Headers discarded because their pair tag was wrong (forged or stray
   // writes into our region), since init.
   uint64_t forged_headers();
+  // Bytes this rank copied straight out of its peers' memory (single-copy
+  // reads: rendezvous messages and collective chunks), since init.
+  uint64_t pulled_bytes() {
+    std::lock_guard<std::mutex> g(mu_);
+    return pulled_;
+  }
   // Whether device-memory messages to and from `peer` travel GPU to GPU (a
   // device transport connects the pair); else they are staged through host memory.
   bool device_route(int peer) {
@@ -329,6 +343,12 @@ class Engine {
   // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
   // `held`: a collective's chunk, held to the bound (isend's `eager`).
   bool rendezvous(int peer, uint64_t nbytes, Mem mem, bool held = false) const;
+  // Whether this rank copies a held receive's (a collective chunk's) data of
+  // nbytes straight out of peer's memory.
+  bool pulls_held(int peer, uint64_t nbytes) const {
+    const Peer& p = peers_[peer];
+    return p.pulls || (p.pulls_chunks && nbytes >= kChunkPull);
+  }
   Transport& device_transport(int peer);
   Transport& local_device();
   template <class F>
@@ -370,6 +390,7 @@ class Engine {
     };
     std::map<uint64_t, Stream> streams;
     bool pulls = false;  // this rank can copy straight out of peer's memory (Transport::read_refused)
+    bool pulls_chunks = false;  // the same for a collective's chunks from kChunkPull (chunk_read_refused)
     uint64_t lands = 0;  // Transport::landing_write_max: the largest message written into a landing area
   };
 
@@ -400,6 +421,7 @@ class Engine {
   bool closed_ = false;
   std::atomic<uint64_t> coll_seq_{0};
   uint64_t forged_ = 0;
+  uint64_t pulled_ = 0;
   // Copies of rendezvous data a receiver claimed and had not answered when
   // this rank let go of the send (Engine::withdraw_heads): it may still read
   // them, so they live as long as the engine.

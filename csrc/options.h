@@ -23,7 +23,7 @@ struct Options {
   bool rdma_eager_credits = false;  // post each rdma credit at once instead of riding on messages
   uint64_t rdma_chunk = 1ull << 20;   // GPU messages over rdma move in chunks of this many bytes (pipelined)
   std::string rdma_hmem = "auto";     // auto | on | off: GPUDirect RDMA (FI_HMEM_CUDA) for GPU messages over rdma
-  std::string cma = "auto";           // auto | on | off: shm single-copy reads (auto: where they beat two memcpys)
+  std::string cma = "auto";           // auto | on | off | chunks: shm single-copy reads (options.py)
   std::string liveness_addr;     // IP for the rdma liveness listener when the fabric address is none
   bool debug = false;            // transports print their set-up to stderr
   std::string nvlink = "auto";   // auto | on | off

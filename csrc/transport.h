@@ -69,6 +69,10 @@ class Transport {
   // empty when this rank can copy straight out of `peer`'s address space, else
   // why not (then rendezvous data streams through the slots).
   virtual std::string read_refused(int /*peer*/) const { return "this transport has no single-copy read"; }
+  // The same for a collective's large chunks (Engine::kChunkPull): empty
+  // where single-copy reads of `peer` are allowed at all, even where they
+  // lose to two in-cache memcpys (read_refused then says so).
+  virtual std::string chunk_read_refused(int peer) const { return read_refused(peer); }
   // Copy n bytes at address `src` of `peer`'s address space into dst; empty
   // when done, else why not (the peer is gone, or the address is not mapped).
   virtual std::string read_peer(int /*peer*/, uint64_t /*src*/, void* /*dst*/, size_t /*n*/) {

@@ -367,6 +367,49 @@ def test_chunks_copied_once_from_their_sender_match_reference(transport, n):
     body()
 
 
+@pytest.mark.parametrize("transport", HELD)
+def test_cma_chunks_reads_only_large_collective_chunks_once(transport):
+    """cma=chunks (what auto picks where the set-up probe prefers two memcpys,
+    e.g. AMD EPYC, but CMA is allowed): a collective's chunks from 512 KiB are
+    copied once, straight out of their sender (pulled_bytes counts exactly
+    those), smaller ones and point-to-point messages take two memcpys, and
+    every result matches the reference."""
+    n = 3
+
+    @world(n, timeout=120)
+    def body():
+        seed = seeded()
+        with _init(transport, bound=1 << 20, slots=2, timeout=60, cma="chunks") as comm:
+            r = comm.rank
+            info = comm.route_info((r + 1) % n)
+            if info["cma_refused"]:
+                pytest.skip(f"CMA is not allowed here: {info['cma_refused']}")
+            assert info["cma"] == "chunks", info
+            assert "a collective's chunks from 512 KiB" in comm.describe_transport((r + 1) % n)
+            trailing, row = (1024,), 4096  # float32 rows: 128 rows = 512 KiB
+            for it in range(8):
+                g = np.random.default_rng([seed, it])
+                splits = g.choice([0, 16, 127, 128, 129, 200, 256], size=(n, n))
+                x = _x(seed, it, r, int(splits[r].sum()), trailing, torch.float32)
+                want = _reference(seed, it, splits, r, trailing, torch.float32)
+                before = comm._c.pulled_bytes
+                got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
+                _check(got, want, rs, splits, r, f"seed {seed} iteration {it}")
+                large = sum(int(splits[s, r]) * row for s in range(n) if s != r and splits[s, r] >= 128)
+                assert comm._c.pulled_bytes - before == large, (it, splits[:, r], comm._c.pulled_bytes - before)
+            # point to point over eager_max into an ordinary out: not a chunk, so not read once
+            before = comm._c.pulled_bytes
+            dst, src = (r + 1) % n, (r - 1) % n
+            w = comm.isend(torch.full((900 << 8,), float(r)), dst)
+            out = torch.empty(1 << 18)
+            got = comm.recv(src, out=out)
+            w.wait()
+            assert got.shape == (900 << 8,) and got[-1].item() == src
+            assert comm._c.pulled_bytes == before
+
+    body()
+
+
 @pytest.mark.skipif(not HELD, reason="no shm transport in this build")
 @world(3, timeout=90)
 def test_a_sender_that_gave_up_still_delivers_its_held_chunks():

@@ -194,7 +194,7 @@ Options options_from_dict(const py::dict& d) {
   get("rdma_hmem", &o.rdma_hmem);
   one_of("rdma_hmem", o.rdma_hmem, {"auto", "on", "off"});
   get("cma", &o.cma);
-  one_of("cma", o.cma, {"auto", "on", "off"});
+  one_of("cma", o.cma, {"auto", "on", "off", "chunks"});
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
   one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});
@@ -1416,6 +1416,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("close_waits_for_peers", [](Comm& c) { return c.ready().close_waits_for_peers(); })
       .def_property_readonly("device_ordinal", [](Comm& c) { return c.ready().device_ordinal(); })
       .def_property_readonly("forged_headers", [](Comm& c) { return c.engine->forged_headers(); })
+      .def_property_readonly("pulled_bytes", [](Comm& c) { return c.engine->pulled_bytes(); })
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("progress",
            [](Comm& c) {

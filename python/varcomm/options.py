@@ -374,11 +374,12 @@ class Options(_Declared):
                              "where nvlink's data flags live (same on every rank)")
     nvlink_kernel_max: int = _opt("VARCOMM_NVLINK_KERNEL_MAX", _bytes(0), 0,
                                   "largest nvlink message sent by one copy-and-flag kernel; 0: copy engine only")
-    cma: str = _opt("VARCOMM_CMA", _choice("auto", "on", "off", aliases=(
+    cma: str = _opt("VARCOMM_CMA", _choice("auto", "on", "off", "chunks", aliases=(
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
         "shm: single-copy reads of the sender's memory (CMA, process_vm_readv) for large messages; `auto`: where "
         "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
-        "else messages over the bound stream through the slots (1/0 mean on/off)")
+        "else messages over the bound stream through the slots and only a collective's chunks from 512 KiB are read "
+        "once (what `chunks` forces: one CMA copy beats two memcpys once the data is out of cache) (1/0 mean on/off)")
     eager_max: int | None = _opt("VARCOMM_EAGER_MAX", _bytes(1, auto=True), None,
                                  "largest message sent eagerly where the pair can copy once (a landing area, or shm "
                                  "with CMA); a larger one goes by rendezvous: the data is copied once, by the sender "

@@ -30,17 +30,23 @@ class ShmTransport : public Transport {
   std::string name() const override { return "shm"; }
   std::string describe() const override {
     std::string d = "shm (same host, mapped host memory; ";
-    if (!use_cma())
-      return d + "messages over the bound stream through the slots: no single-copy reads (" +
-             (probe_.empty() ? std::string("cma=off") : probe_) + "))";
+    if (!use_cma()) {
+      std::string why = probe_.empty() ? "cma=" + cma_ : probe_;
+      if (cma_ == "off" || !cma_refused_.empty())
+        return d + "messages over the bound stream through the slots: no single-copy reads (" +
+               (cma_refused_.empty() ? why : cma_refused_) + "))";
+      return d + "messages over the bound stream through the slots; a collective's chunks from 512 KiB copied once, "
+                 "straight from the sender's memory (CMA), which beats two memcpys out of cache (" + why + "))";
+    }
     if (cma_refused_.empty())
       return d + "messages over eager_max copied once, straight from the sender's memory (CMA" +
              (probe_.empty() ? std::string(", cma=on)") : ": " + probe_ + ")") + ")";
     return d + "no single-copy reads: " + cma_refused_ + "; messages over the bound stream through the slots)";
   }
   std::map<std::string, std::string> properties() const override {
-    bool on = cma_refused_.empty() && use_cma();
-    return {{"cma", on ? "on" : "off"}, {"cma_refused", cma_refused_}, {"cma_probe", probe_}};
+    // on: every message over eager_max; chunks: a collective's large chunks only
+    const char* cma = !cma_refused_.empty() || cma_ == "off" ? "off" : use_cma() ? "on" : "chunks";
+    return {{"cma", cma}, {"cma_refused", cma_refused_}, {"cma_probe", probe_}};
   }
 
   std::string expose(void* base, size_t size) override {
@@ -94,8 +100,13 @@ class ShmTransport : public Transport {
   }
 
   std::string read_refused(int peer) const override {
+    if (!use_cma()) return probe_.empty() ? "cma=" + cma_ : probe_;
+    return chunk_read_refused(peer);
+  }
+
+  std::string chunk_read_refused(int peer) const override {
+    if (cma_ == "off") return "cma=off";
     auto& p = peers_.at(peer);
-    if (!use_cma()) return probe_.empty() ? "cma=off" : probe_;
     return p.cma || p.pid == getpid() ? "" : cma_refused_;
   }
 
@@ -179,8 +190,10 @@ class ShmTransport : public Transport {
   mutable int probed_ = -1;  // use_cma under auto: -1 not yet, 0 no, 1 yes
   mutable std::string probe_;
 
-  // Whether this rank takes single-copy reads: option cma, and under auto
-  // whether one CMA copy beats the eager path's two memcpys on this machine.
+  // Whether this rank takes single-copy reads for every message over
+  // eager_max: option cma, and under auto whether one CMA copy beats the
+  // eager path's two memcpys on this machine (cma=chunks: never; a
+  // collective's large chunks may still be, chunk_read_refused).
   // The kernel copies page by page; where it moves far less than a
   // user-space memcpy (10 GB/s against 33 GB/s on one host here) two memcpys,
   // or chunks streamed through the slots, are faster. Measured once, on
@@ -188,7 +201,7 @@ class ShmTransport : public Transport {
   // either copies a head's data or asks for the stream), so the two sides
   // need not agree.
   bool use_cma() const {
-    if (cma_ != "auto") return cma_ == "on";
+    if (cma_ != "auto") return cma_ == "on";  // (chunks: no)
     if (probed_ < 0) probe();
     return probed_ == 1;
   }
