@@ -52,6 +52,7 @@ LABELS = {
     "varcomm-fresh": "varcomm (torch, a new tensor per recv)",
     "varcomm-empty": "varcomm (torch, out= a comm.empty buffer: written in place by the sender)",
     "mpi4py-fresh": "mpi4py (Probe, new buffer, Recv)",
+    "mpi4py-torch": "mpi4py on varcomm's torch tensors (Send/Recv take them through DLPack)",
     "two-phase": "varcomm two-phase (counts first)",
     "fallback": "varcomm fallback (the same writes over gloo)",
     "mpi4py": "mpi4py + MPI",
@@ -63,7 +64,7 @@ LABELS = {
 SHORT = {"varcomm": "varcomm", "two-phase": "2-phase", "fallback": "fallback", "mpi4py": "mpi4py",
          "libfabric": "libfabric", "memcpy": "memcpy", "d2d": "d2d", "varcomm-numpy": "vc-numpy",
          "varcomm-zerocopy": "vc-0copy", "varcomm-fresh": "vc-fresh",
-         "varcomm-empty": "vc-empty", "mpi4py-fresh": "mpi-fresh", "nccl": "nccl"}
+         "varcomm-empty": "vc-empty", "mpi4py-fresh": "mpi-fresh", "mpi4py-torch": "mpi-torch", "nccl": "nccl"}
 
 
 class BenchError(SystemExit):
@@ -380,6 +381,31 @@ class MpiFreshEP(MpiEP):
 
     def recv(self, peer: int, out: Any) -> Any:
         return self.recv_new(peer)
+
+
+class MpiTorchEP(MpiEP):
+    """mpi4py on the torch tensors of varcomm's torch column, as a torch user
+    calls it (mpi4py takes a tensor through DLPack), the message returned as a
+    view of out's front as varcomm returns it: the baseline for varcomm's torch
+    overhead, which numpy-buffer mpi4py does not pay."""
+
+    def __init__(self, ctx: Ctx) -> None:
+        super().__init__(ctx)
+        self.name = "mpi4py-torch"
+        self.corrupt = corrupting(self.name)
+
+    msg, out, clear, bad = TorchEP.msg, TorchEP.out, TorchEP.clear, TorchEP.bad
+
+    def send(self, x: Any, peer: int) -> None:
+        self.comm.Send([x, self.MPI.BYTE], peer)
+
+    def isend(self, x: Any, peer: int) -> Any:
+        return self.comm.Isend([x, self.MPI.BYTE], peer)
+
+    def recv(self, peer: int, out: Any) -> Any:
+        st = self.status
+        self.comm.Recv([out, self.MPI.BYTE], peer, status=st)
+        return out[:st.Get_count(self.MPI.BYTE) // self.ctx.itemsize]
 
 
 class ZeroCopyEP(TorchEP):

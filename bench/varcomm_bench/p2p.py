@@ -11,7 +11,8 @@ varcomm: ``comm.send(x, peer)`` / ``comm.recv(peer, out=buf)`` with torch tensor
 --dtype, ``buf`` bound-sized and preallocated (the receiver does not pass the size);
 varcomm-fresh: ``comm.recv(peer)``, a new tensor per message; varcomm-empty:
 ``recv(peer, out=buf)`` with ``buf = comm.empty(...)`` (the landing area: a large
-message is written there by its sender); mpi4py-fresh: Probe, a new buffer, Recv.
+message is written there by its sender); mpi4py-fresh: Probe, a new buffer, Recv;
+mpi4py-torch: mpi4py's Send/Recv on the torch column's tensors (through DLPack).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .core import (
     Method,
     MpiEP,
     MpiFreshEP,
+    MpiTorchEP,
     NumpyEP,
     Test,
     TorchEP,
@@ -166,6 +168,8 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
     if ctx.mpi is not None:
         eps["mpi4py"] = MpiEP(ctx)
         eps["mpi4py-fresh"] = MpiFreshEP(ctx)
+        if host:
+            eps["mpi4py-torch"] = MpiTorchEP(ctx)
 
     def ep_method(name: str, reason: str | None) -> Method:
         def kernel(test: str, nbytes: int, n: int, w: int) -> tuple[float, int, int]:
@@ -184,7 +188,8 @@ def run(ctx: Ctx) -> list[dict[str, Any]]:
                ep_method("varcomm-fresh", None if host else "host memory only"),
                ep_method("varcomm-empty", None if host else "host memory only"),
                ep_method("fallback", fb_why), ep_method("mpi4py", ctx.mpi_reason),
-               ep_method("mpi4py-fresh", ctx.mpi_reason)]
+               ep_method("mpi4py-fresh", ctx.mpi_reason),
+               ep_method("mpi4py-torch", ctx.mpi_reason or (None if host else "host memory only"))]
     fi = Method("libfabric", where="root", na=lambda test, s: None if test == "latency" else
                 "fi_pingpong measures ping-pong latency only", checks=False)
     ext = {}
