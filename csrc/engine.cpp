@@ -1072,13 +1072,16 @@ std::string Engine::copy_failed_text(int peer, uint64_t nbytes) const {
 int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id, std::string* why) {
   if (h.flags & kRendezvous) {
     Peer& p = peers_[peer];
+    // Whether we read it straight out of the sender (a collective's chunk: pulls_held).
+    bool held = id && reqs_[uint32_t(id)].hold;
+    bool pull = held ? pulls_held(peer, h.nbytes) : p.pulls;
     if (mem.device) {
       // misfit() let it through: within our bound, and we pull. Into the
       // head's own slot, then the device transport takes it from there as
       // any host payload (and its credit, the seq, completes the send).
       char* slot_payload = region_->base() + layout_.slot_off(peer, slot) + kPayloadOff;
-      uint64_t src = h.nbytes <= layout_.bound && p.pulls ? claim_source(peer, slot, h) : 0;
-      std::string err = h.nbytes > layout_.bound || !p.pulls ? "over this rank's bound, it cannot land in GPU memory"
+      uint64_t src = h.nbytes <= layout_.bound && pull ? claim_source(peer, slot, h) : 0;
+      std::string err = h.nbytes > layout_.bound || !pull ? "over this rank's bound, it cannot land in GPU memory"
                         : src                                 ? p.t->read_peer(peer, src, slot_payload, h.nbytes)
                                                               : kWithdrawn;
       if (!err.empty()) {
@@ -1106,9 +1109,9 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
     // Into out's own landing block (comm.empty): the one copy is the sender's.
     // (Not for a held receive: its caller needs the data at return, and a
     // pull gives it one copy too.)
-    size_t own = id && reqs_[uint32_t(id)].hold ? 0 : landing_block(dst, h.nbytes);
+    size_t own = held ? 0 : landing_block(dst, h.nbytes);
     if (own && try_land(peer, slot, h, id, static_cast<char*>(dst), own)) return 0;
-    if (id && reqs_[uint32_t(id)].hold ? pulls_held(peer, h.nbytes) : p.pulls) {
+    if (pull) {
       uint64_t src = claim_source(peer, slot, h);
       std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;
       if (!err.empty()) {

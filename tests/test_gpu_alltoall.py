@@ -242,6 +242,34 @@ def test_fake_mixed_routes_some_peers_staged(fake_cuda):
         comm.barrier()
 
 
+@world(3, timeout=180)
+def test_fake_staged_chunks_read_once_into_device_outputs(fake_cuda):
+    """cma=chunks (auto's choice where the probe prefers two memcpys): rank 2
+    has no GPU transport and runs the host collective on host copies; the
+    640 KiB host chunks it sends ranks 0 and 1 go by rendezvous, and those
+    ranks read them once, through host memory, into their device outputs
+    (this failed the pair: the device path pulled only under cma=on)."""
+    seed = seeded()
+    r0 = varcomm.testing.rank()
+    dev, comm = _fake(fake_cuda, nvlink="0" if r0 == 2 else "1", bound=1 << 20, slots=2, timeout=60,
+                      cma="chunks")
+    with comm:
+        r, n = comm.rank, comm.world_size
+        if comm.route_info((r + 1) % n)["cma_refused"]:
+            pytest.skip("CMA is not allowed here")
+        before = comm._c.pulled_bytes
+        for it in range(3):
+            splits = np.full((n, n), 160)  # rows of 4 KiB: 640 KiB chunks
+            x = _on(dev, _x(seed, it, r, int(splits[r].sum()), (1024,), torch.float32))
+            got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
+            assert dev.place(got) == FAKE
+            want = _reference(seed, it, splits, r, (1024,), torch.float32)
+            assert list(rs) == [160] * n and same_bytes(got.cpu(), want), f"seed {seed} iteration {it}"
+        if r < 2:  # rank 2's chunks, read once (the device pairs' chunks are not host chunks)
+            assert comm._c.pulled_bytes - before == 3 * (160 << 12)
+        comm.barrier()
+
+
 @pytest.mark.parametrize("transport", ["shm", "rdma"])
 def test_fake_errors_then_usable(fake_cuda, transport):
     """The host path's errors on device memory: a chunk over its receiver's

@@ -140,12 +140,13 @@ def _agree(output: Any, inp: Any, differ: bool, otrail: tuple[int, ...], trailin
 # it then faults in and zeroes (8 MiB uniform all-to-all on 4 ranks: 2.2-2.9
 # ms into fresh tensors, 1.7 ms into the area; 16 MiB: 9.2-10 ms against
 # 6.6-7.0; 4 MiB and under, and numpy, whose heap reuses its pages: no gain,
-# or a loss; bench/results/issue11-2026-12-02-s6.md). Lent blocks (these
-# outputs and comm.empty buffers) take at most half the area, so outputs kept
-# alive (MoE dispatch outputs saved for backward) leave the rest to
-# point-to-point landings; past that, an ordinary tensor. The cap counts lent
-# blocks only: a chunk of this same call landing in the area meanwhile does
-# not change where its output comes from.
+# or a loss; bench/results/issue11-2026-12-02-s6.md). Such an output is
+# lent only while lent blocks (these outputs and comm.empty buffers) would
+# then hold at most half the area, so outputs kept alive (MoE dispatch
+# outputs saved for backward) leave the rest to point-to-point landings;
+# past that, an ordinary tensor. Only lent blocks count: a chunk of this same
+# call landing in the area meanwhile does not change where its output comes
+# from.
 _LANDED_OUT = 4 << 20
 
 
