@@ -156,8 +156,8 @@ class Engine {
   // sender wherever that is allowed (Transport::chunk_read_refused), even
   // where the set-up probe prefers two memcpys: the probe copies 4 MiB in
   // cache, while chunks cycle through slots and outputs far larger than the
-  // cache, where one CMA copy wins (AMD EPYC, 4 ranks: 4-8 MiB per rank
-  // 0.71-0.86x MPI by two memcpys, 0.89-1.07x by CMA;
+  // cache, where one CMA copy wins (AMD EPYC, 4 ranks: 2-8 MiB per rank
+  // 0.38-0.87x MPI by two memcpys, 0.87-1.18x this way;
   // bench/results/issue11-2026-12-05-s8.md).
   static constexpr uint64_t kChunkPull = 512 << 10;
   static int landed_slot(size_t off) { return kLandedSlot - int(off >> 12); }
