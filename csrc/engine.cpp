@@ -23,6 +23,11 @@ constexpr auto kPeerCheck = std::chrono::milliseconds(200);
 // How long a sender waits for a receiver that claimed a rendezvous head to
 // answer (its copy takes a syscall's time: 1 GiB in well under a second).
 constexpr auto kClaimWait = std::chrono::seconds(5);
+// How long a receiver waits for the sender of a chunk it asked to write
+// itself into the output (protocol.h kRawCredit) before it reads the chunk
+// by CMA instead: a sender that is not in a varcomm call (an async
+// all-to-all's caller, computing) does not progress.
+constexpr auto kPushGrace = std::chrono::milliseconds(5);
 // Yielding covers a peer that shares our core; after that a wait sleeps.
 // (Busy polling before it, Options::spin_us, covers a ping-pong round trip.)
 constexpr auto kYieldFor = std::chrono::milliseconds(5);
@@ -421,12 +426,21 @@ bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem, bool held) const {
   if (mem.device) return false;
   const Peer& p = peers_[peer];
   // A collective's chunk (held to the bound): by rendezvous only where the
-  // receiver copies it straight out of us into the output it places once
-  // every count is in (Request::hold), one copy instead of two.
+  // receiver copies it once (pulls_held) into the output it places once
+  // every count is in (Request::hold), or has us write it there.
   // From 32 KiB, where one CMA copy plus its system call beats two memcpys
-  // on the hosts measured (bench/results/issue11-2026-12-02-s6.md).
+  // on the hosts measured (bench/results/issue11-2026-12-02-s6.md), and one
+  // memcpy by the sender beats them everywhere.
+  // (4 ranks on a 2-core AMD EPYC, 256 KiB-4 MiB per rank, outputs in the
+  // landing area: 0.89-4.98x MPI by sender writes, 0.34-2.07x by two memcpys
+  // and CMA; bench/results/issue11-2026-12-05-s8.md.)
   uint64_t eager = opt_.eager_max ? opt_.eager_max : p.t ? p.t->eager_max() : UINT64_MAX;
-  if (held) return p.pulls ? nbytes > std::min<uint64_t>(eager, 32 << 10) : pulls_held(peer, nbytes);
+  // Where the probe prefers two memcpys (pulls_chunks only), from
+  // kChunkPull: into an ordinary output (a caller's out=) smaller chunks
+  // lose by CMA (4 ranks, AMD EPYC, out= a torch.empty: 64 KiB chunks
+  // 240 us by two memcpys, 333 us by CMA, medians of 5; 128 KiB even; 256
+  // KiB 574 against 236 us; bench/results/issue11-2026-12-05-s8.md).
+  if (held) return p.pulls ? nbytes > std::min<uint64_t>(eager, 32 << 10) : p.pulls_chunks && nbytes >= kChunkPull;
   // (Not where a device route exists: a host message streamed to a GPU out
   // cannot land there, see misfit.)
   uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;
@@ -490,14 +504,15 @@ size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
 
 bool Engine::out_settled(const void* out, Mem mem) {
   size_t b = out && !mem.device ? landing_block(out, 0) : 0;
-  if (!b || !land_used_.at(b).pending) return true;
+  auto settled = [&] { return !land_used_.at(b).pending && !land_used_.at(b).raw; };
+  if (!b || settled()) return true;
   for (int q = 0; q < world_; ++q) {  // it may have landed since
     Peer& p = peers_[q];
     if (p.streams.empty() || !p.t) continue;
     p.t->progress();
     check_landings(q);
   }
-  return !land_used_.at(b).pending;
+  return settled();
 }
 
 bool Engine::out_unsettled(const void* out, Mem mem) {
@@ -537,7 +552,7 @@ bool Engine::try_land(int peer, int slot, const MsgHeader& h, uint64_t id, char*
   size_t off = block;
   if (off) {
     Block& b = land_used_.at(off);
-    if (b.pending) return false;  // posted twice: the second takes the other paths (CMA or the stream)
+    if (b.pending || b.raw) return false;  // posted twice: the second takes the other paths (CMA or the stream)
     b.refs++;
   } else if (!(off = land_alloc(h.nbytes))) {
     return false;
@@ -556,6 +571,27 @@ bool Engine::check_landings(int peer) {
   for (auto s = p.streams.begin(); s != p.streams.end();) {
     Peer::Stream& st = s->second;
     const char* blk = base + st.landing;
+    if (st.raw) {
+      std::string err;
+      if (!push_settled(peer, s->first, st, &err)) {
+        ++s;
+        continue;
+      }
+      raw_settled(st.raw);
+      if (!err.empty()) {
+        fail_claim(peer, st.slot, s->first);
+        fail_peer(peer, "its message of " + std::to_string(st.total) + " bytes could not be copied: " + err);
+        return false;
+      }
+      free_slot(peer, st.slot, s->first);  // its send completes
+      if (st.id) {
+        Request& r = reqs_[uint32_t(st.id)];
+        r.state = ReqState::Done;
+        if (r.detached) recycle(st.id);
+      }
+      s = p.streams.erase(s);
+      continue;
+    }
     if (!st.landing) {
       ++s;
       continue;
@@ -855,6 +891,20 @@ void Engine::progress_sends(int peer) {
         r.streaming = true;  // like a stream whose one chunk is written: done once the write is
         r.sent = r.nbytes;
         r.tickets.push_back(tk);
+      } else if (is_raw_credit(c, r.head_seq)) {
+        if (!r.push && !push_raw(peer, r, c)) return;
+        if (r.push == kPushWritten) {
+          // Done with our buffer. The receiver frees the head's slot with
+          // its seq (p.written stays the head's: not reused before that).
+          uint64_t id = *it;
+          it = p.sendq.erase(it);
+          sending_--;
+          r.state = ReqState::Done;
+          if (r.detached) recycle(id);
+          continue;
+        }
+        ++it;  // refused: the receiver reads it and answers with the seq, as for a pull
+        continue;
       } else if (c != r.head_seq) {
         ++it;
         continue;
@@ -937,6 +987,119 @@ uint64_t Engine::claim_source(int peer, int slot, const MsgHeader& h) {
   return 0;  // withdrawn (or a value no sender writes: the same to us)
 }
 
+size_t Engine::block_holding(const char* d, uint64_t n) const {
+  const char* base = region_->base();
+  if (!layout_.landing || d < base + layout_.landing_off() || d >= base + layout_.region_bytes()) return 0;
+  size_t at = size_t(d - base);
+  auto u = land_used_.upper_bound(at);
+  if (u == land_used_.begin()) return 0;
+  --u;
+  size_t in = at - u->first;
+  return in >= kPayloadOff && in <= u->second.len && n <= u->second.len - in ? u->first : 0;
+}
+
+bool Engine::offer_push(int peer, int slot, const MsgHeader& h, uint64_t id, char* dst) {
+  Peer& p = peers_[peer];
+  if (!h.nbytes || !p.t || !p.t->raw_writes() || !p.dead.empty()) return false;
+  size_t blk = block_holding(dst, h.nbytes);
+  size_t off = size_t(dst - region_->base());
+  if (!blk || land_used_.at(blk).pending || off % 64 || off > kRawOffMax) return false;
+  // Claimed as for a pull, so a sender that gives up waiting keeps its
+  // buffer for us (move_rendezvous) and one that closes cannot withdraw it.
+  auto* w = reinterpret_cast<uint64_t*>(region_->base() + layout_.slot_off(peer, slot) + kRvStateOff);
+  uint64_t want = rv_word(h.seq, kRvOffered);
+  if (!__atomic_compare_exchange_n(w, &want, rv_word(h.seq, kRvClaimed), false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    return false;  // moved or withdrawn: the pull sorts it out
+  land_used_.at(blk).refs++;  // the sender may write there until it says it has: never reused before
+  land_used_.at(blk).raw++;
+  Peer::Stream st{id, dst, 0, h.nbytes};
+  st.slot = slot;
+  st.raw = blk;
+  st.src = h.src;
+  st.asked = Clock::now();
+  p.streams[h.seq] = st;
+  p.t->write_u64(peer, p.layout.credit_off(rank_, slot), raw_credit(h.seq, off));
+  return true;
+}
+
+bool Engine::push_settled(int peer, uint64_t seq, Peer::Stream& st, std::string* failed) {
+  auto* w = reinterpret_cast<uint64_t*>(region_->base() + layout_.slot_off(peer, st.slot) + kRvPushOff);
+  uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+  if (v == push_word(seq, kPushed)) {
+    pushed_ += st.total;
+    return true;
+  }
+  if (v == push_word(seq, kPushing) || Clock::now() - st.asked < kPushGrace) return false;
+  if (!__atomic_compare_exchange_n(w, &v, push_word(seq, kPushRevoked), false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    return false;  // it has just begun
+  // Revoked: the buffer is still claimed, so still the sender's data.
+  if (st.dst) {
+    *failed = peers_[peer].t->read_peer(peer, st.src, st.dst, st.total);
+    if (failed->empty()) pulled_ += st.total;
+  }
+  return true;
+}
+
+bool Engine::push_raw(int peer, Request& r, uint64_t c) {
+  r.push = kPushRefused;
+  Peer& p = peers_[peer];
+  size_t off = raw_off(c), end = p.layout.region_bytes();
+  uint64_t* w = rv_word_at(peer, r.head_slot, kRvPushOff);
+  if (!w || !p.t->raw_writes() || !p.layout.landing || off < p.layout.landing_off() || off > end ||
+      r.nbytes > end - off) {
+    fail_peer(peer, peer_str(peer) + " asked for a message of " + std::to_string(r.nbytes) + " bytes at offset " +
+                        std::to_string(off) + ", outside its landing area; it is treated as failed");
+    return false;
+  }
+  uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+  if (v == push_word(r.head_seq, kPushRevoked) ||
+      !__atomic_compare_exchange_n(w, &v, push_word(r.head_seq, kPushing), false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    return true;  // revoked: the receiver reads it itself
+  p.t->write_into(peer, off, r.data, r.nbytes);
+  __atomic_store_n(w, push_word(r.head_seq, kPushed), __ATOMIC_RELEASE);
+  r.push = kPushWritten;
+  return true;
+}
+
+void Engine::raw_settled(size_t blk) {
+  land_used_.at(blk).raw--;
+  land_unref(blk);
+}
+
+void Engine::drop_raw(int peer, uint64_t seq, Peer::Stream& st) {
+  Peer& p = peers_[peer];
+  auto* w = reinterpret_cast<uint64_t*>(region_->base() + layout_.slot_off(peer, st.slot) + kRvPushOff);
+  uint64_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+  for (auto until = Clock::now() + kPeerCheck; v == push_word(seq, kPushing) && Clock::now() < until;
+       v = __atomic_load_n(w, __ATOMIC_ACQUIRE)) {
+    timespec ts{0, 20000};
+    nanosleep(&ts, nullptr);
+  }
+  bool revoked = v != push_word(seq, kPushing) && v != push_word(seq, kPushed) &&
+                 __atomic_compare_exchange_n(w, &v, push_word(seq, kPushRevoked), false, __ATOMIC_ACQ_REL,
+                                             __ATOMIC_ACQUIRE);
+  // A sender still writing (or one that began just now) keeps the block referenced: never reused under it.
+  if (revoked || v == push_word(seq, kPushed)) raw_settled(st.raw);
+  // Revoked: its send fails (nothing will read it); written: its slot is free.
+  if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, st.slot), revoked ? seq | kFailCredit : seq);
+}
+
+uint64_t Engine::landed_output_min(bool torch) {
+  std::lock_guard<std::mutex> g(mu_);
+  // Where a peer writes its chunks into such an output (kRawCredit): from
+  // 256 KiB (4 ranks on a 2-core AMD EPYC, 256 KiB-4 MiB per rank: 0.89-4.98x
+  // MPI this way, 0.34-2.07x by two memcpys or CMA into an ordinary output;
+  // bench/results/issue11-2026-12-05-s8.md). Elsewhere only large torch
+  // outputs, whose fresh pages torch would fault in and zero on every call
+  // (8 MiB, 4 ranks: 2.2-2.9 ms into fresh tensors, 1.7 ms into the area;
+  // 4 MiB and under, and numpy, whose heap reuses its pages: no gain;
+  // bench/results/issue11-2026-12-02-s6.md).
+  if (!layout_.landing) return 0;
+  for (int q = 0; q < world_; ++q)
+    if (q != rank_ && peers_[q].t && peers_[q].t->raw_writes() && pulls_held(q)) return 256 << 10;
+  return torch ? (4 << 20) + 1 : 0;
+}
+
 // Receiver: a claimed head whose copy failed is answered all the same, so
 // its sender stops waiting (and fails that send) instead of holding on.
 void Engine::fail_claim(int peer, int slot, uint64_t seq) {
@@ -954,6 +1117,13 @@ Engine::Await Engine::await_head_credit(uint64_t id, Clock::time_point deadline,
   for (auto last = Clock::now();;) {
     uint64_t c = load_acquire(credit);
     if (c == r.head_seq || c == (r.head_seq | kFailCredit)) return Await::kAnswered;
+    if (is_raw_credit(c, r.head_seq)) {
+      if (!r.push && !push_raw(peer, r, c)) {
+        *why = peers_[peer].dead;
+        return Await::kGone;
+      }
+      if (r.push == kPushWritten) return Await::kAnswered;  // the caller finishes it (progress_sends)
+    }
     auto now = Clock::now();
     if (!peers_[peer].dead.empty() || now - last > kPeerCheck) {
       last = now;
@@ -1051,6 +1221,13 @@ void Engine::withdraw_heads(int peer) {
       if (r.own) graveyard_.push_back(std::move(r.own));
       continue;
     }
+    if (r.push == kPushWritten) {  // written into the receiver's output: done (its slot stays the head's)
+      p.sendq.erase(std::find(p.sendq.begin(), p.sendq.end(), id));
+      sending_--;
+      r.state = ReqState::Done;
+      if (r.detached) recycle(id);
+      continue;
+    }
     uint64_t c = load_acquire(region_->base() + layout_.credit_off(peer, r.head_slot));
     p.written[r.head_slot] = c;
     p.sendq.erase(std::find(p.sendq.begin(), p.sendq.end(), id));
@@ -1074,7 +1251,7 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
     Peer& p = peers_[peer];
     // Whether we read it straight out of the sender (a collective's chunk: pulls_held).
     bool held = id && reqs_[uint32_t(id)].hold;
-    bool pull = held ? pulls_held(peer, h.nbytes) : p.pulls;
+    bool pull = held ? pulls_held(peer) : p.pulls;
     if (mem.device) {
       // misfit() let it through: within our bound, and we pull. Into the
       // head's own slot, then the device transport takes it from there as
@@ -1111,6 +1288,9 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
     // pull gives it one copy too.)
     size_t own = held ? 0 : landing_block(dst, h.nbytes);
     if (own && try_land(peer, slot, h, id, static_cast<char*>(dst), own)) return 0;
+    // A collective's chunk whose output is in our landing area: its sender
+    // copies it there, at memcpy speed (kRawCredit).
+    if (held && pull && offer_push(peer, slot, h, id, static_cast<char*>(dst))) return 0;
     if (pull) {
       uint64_t src = claim_source(peer, slot, h);
       std::string err = src ? p.t->read_peer(peer, src, dst, h.nbytes) : kWithdrawn;
@@ -1236,7 +1416,7 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.state = ReqState::Done;
-    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && pulls_held(peer, r.hdr.nbytes)) {
+    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && pulls_held(peer)) {
       r.slot = m->slot;  // copy_out reads it from the sender into its dst
       m->claimed = true;
       r.state = ReqState::Matched;
@@ -1310,7 +1490,7 @@ bool Engine::route_chunks(int peer) {
     MsgHeader h = *hp;
     if (!sane(peer, h, a->seq)) return false;
     auto s = p.streams.find(uint64_t(h.tag));
-    if (s == p.streams.end() || s->second.landing || h.nbytes > s->second.total - s->second.got) {
+    if (s == p.streams.end() || s->second.landing || s->second.raw || h.nbytes > s->second.total - s->second.got) {
       fail_peer(peer, peer_str(peer) + " wrote a chunk of " + std::to_string(h.nbytes) +
                           " bytes for a rendezvous message this rank did not ask it to stream (seq " +
                           std::to_string(h.tag) + "); it is treated as failed");
@@ -1350,6 +1530,7 @@ void Engine::fail_request(uint64_t id, ErrorKind kind, const std::string& why) {
 void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
   Peer& p = peers_[peer];
   for (auto& kv : p.streams) {
+    if (kv.second.raw) drop_raw(peer, kv.first, kv.second);
     if (kv.second.id)
       fail_request(kv.second.id, kind, why + " (" + std::to_string(kv.second.got) + " of " +
                                            std::to_string(kv.second.total) + " bytes had arrived)");
@@ -1465,7 +1646,11 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   else if (r.state == ReqState::Streaming) {
     auto& st = peers_[r.peer].streams;
     for (auto& kv : st)
-      if (kv.second.id == id && kv.second.landing)
+      if (kv.second.id == id && kv.second.raw)
+        msg += " with its chunk of " + std::to_string(kv.second.total) +
+               " bytes asked of its sender, to be written into the output (it is read from the sender instead "
+               "if that does not happen within milliseconds; the channel stays usable)";
+      else if (kv.second.id == id && kv.second.landing)
         msg += " with its message of " + std::to_string(kv.second.total) +
                " bytes taken: its sender was told where to write it and has not yet; that message is dropped when it "
                "lands, and its send completes (the channel stays usable; a receive that must not lose it needs a "

@@ -66,6 +66,9 @@ struct Request {
   uint64_t head_seq = 0;
   uint64_t sent = 0;
   std::vector<uint64_t> tickets;
+  // A held chunk its receiver asked us to write into its output (kRawCredit):
+  // 0 not yet, kPushWritten (our part is done), kPushRefused (it reads it).
+  uint8_t push = 0;
   // The data, copied, once the caller stopped waiting (Engine::move_rendezvous):
   // `data` points here then, and the caller's buffer is the caller's again.
   std::unique_ptr<char[]> own;
@@ -152,14 +155,6 @@ class Engine {
   // instead (take_claim, landing_buffer): its reference is dropped.
   void release_claimed(int peer, int slot, uint64_t seq);
   static constexpr int kLandedSlot = -2;
-  // A collective's chunks from this size are read straight out of their
-  // sender wherever that is allowed (Transport::chunk_read_refused), even
-  // where the set-up probe prefers two memcpys: the probe copies 4 MiB in
-  // cache, while chunks cycle through slots and outputs far larger than the
-  // cache, where one CMA copy wins (AMD EPYC, 4 ranks: 2-8 MiB per rank
-  // 0.38-0.87x MPI by two memcpys, 0.87-1.18x this way;
-  // bench/results/issue11-2026-12-05-s8.md).
-  static constexpr uint64_t kChunkPull = 512 << 10;
   static int landed_slot(size_t off) { return kLandedSlot - int(off >> 12); }
   static size_t landed_off(int slot) { return size_t(kLandedSlot - slot) << 12; }
   // A receive buffer of nbytes in this rank's landing area (comm.empty): a
@@ -243,6 +238,15 @@ class Engine {
     std::lock_guard<std::mutex> g(mu_);
     return pulled_;
   }
+  // Bytes of collective chunks this rank's peers wrote straight into its
+  // outputs in the landing area (protocol.h kRawCredit), since init.
+  uint64_t pushed_bytes() {
+    std::lock_guard<std::mutex> g(mu_);
+    return pushed_;
+  }
+  // Bytes from which a collective's host output is placed in the landing
+  // area (0: never), for torch outputs or others.
+  uint64_t landed_output_min(bool torch);
   // Whether device-memory messages to and from `peer` travel GPU to GPU (a
   // device transport connects the pair); else they are staged through host memory.
   bool device_route(int peer) {
@@ -343,11 +347,27 @@ class Engine {
   // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
   // `held`: a collective's chunk, held to the bound (isend's `eager`).
   bool rendezvous(int peer, uint64_t nbytes, Mem mem, bool held = false) const;
-  // Whether this rank copies a held receive's (a collective chunk's) data of
-  // nbytes straight out of peer's memory.
-  bool pulls_held(int peer, uint64_t nbytes) const {
+  // Receiver: asks the sender of held chunk h to write it into dst, which
+  // lies in a landing block of ours (kRawCredit); false where it cannot.
+  bool offer_push(int peer, int slot, const MsgHeader& h, uint64_t id, char* dst);
+  // Receiver: the landing block holding [d, d + n), or 0.
+  size_t block_holding(const char* d, uint64_t n) const;
+  // Sender: the receiver asked for r's data at its region's offset raw_off(c):
+  // sets r.push. False when that made us fail the pair.
+  static constexpr uint8_t kPushWritten = 1, kPushRefused = 2;
+  // A collective's chunk from this size goes by rendezvous where CMA is allowed only for chunks (rendezvous()).
+  static constexpr uint64_t kChunkPull = 128 << 10;
+  bool push_raw(int peer, Request& r, uint64_t c);
+  // Receiver: a raw push's landing block is settled (written, or revoked).
+  void raw_settled(size_t blk);
+  // Whether a collective's chunks from peer are copied once, by peer into
+  // an output in our landing area (offer_push) or else by us out of peer's
+  // memory: CMA is allowed (even where the set-up probe prefers two memcpys
+  // for point-to-point: it copies 4 MiB in cache, while chunks cycle through
+  // slots and outputs far larger than the cache).
+  bool pulls_held(int peer) const {
     const Peer& p = peers_[peer];
-    return p.pulls || (p.pulls_chunks && nbytes >= kChunkPull);
+    return p.pulls || p.pulls_chunks;
   }
   Transport& device_transport(int peer);
   Transport& local_device();
@@ -387,12 +407,23 @@ class Engine {
       uint64_t got, total;
       size_t landing = 0;  // the landing block the sender writes it into (kPushCredit), else chunks
       int slot = -1;       // a landing's head slot (its rendezvous word says whether the sender withdrew)
+      // A held chunk its sender writes straight into dst (kRawCredit): the
+      // landing block dst is in (referenced until then), where to read it
+      // from ourselves if the sender is late (kPushGrace), and since when.
+      size_t raw = 0;
+      uint64_t src = 0;
+      std::chrono::steady_clock::time_point asked{};
     };
     std::map<uint64_t, Stream> streams;
     bool pulls = false;  // this rank can copy straight out of peer's memory (Transport::read_refused)
-    bool pulls_chunks = false;  // the same for a collective's chunks from kChunkPull (chunk_read_refused)
+    bool pulls_chunks = false;  // the same for a collective's chunks (chunk_read_refused)
     uint64_t lands = 0;  // Transport::landing_write_max: the largest message written into a landing area
   };
+  // Receiver: a raw push that is done (or revoked and copied here); false
+  // while it is pending. Sets *failed where the CMA read failed.
+  bool push_settled(int peer, uint64_t seq, Peer::Stream& st, std::string* failed);
+  // Receiver: a pending raw push given up on with its pair (close, failure).
+  void drop_raw(int peer, uint64_t seq, Peer::Stream& st);
 
   int rank_, world_;
   Options opt_;
@@ -422,6 +453,7 @@ class Engine {
   std::atomic<uint64_t> coll_seq_{0};
   uint64_t forged_ = 0;
   uint64_t pulled_ = 0;
+  uint64_t pushed_ = 0;
   // Copies of rendezvous data a receiver claimed and had not answered when
   // this rank let go of the send (Engine::withdraw_heads): it may still read
   // them, so they live as long as the engine.
@@ -431,6 +463,7 @@ class Engine {
     int refs;
     bool pending;  // a landing into it is still to come
     bool lent;     // made by landing_buffer: counted in land_lent_
+    int raw = 0;   // held chunks its senders were asked to write into it (kRawCredit), not yet settled
   };
   uint64_t land_lent_ = 0;
   std::map<size_t, size_t> land_free_;  // offset -> bytes

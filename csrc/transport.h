@@ -65,6 +65,14 @@ class Transport {
   // write a message straight into the receiver's landing area (protocol.h
   // kPushCredit). 0: only into slots.
   virtual uint64_t landing_write_max() const { return 0; }
+  // Copy n bytes into `peer`'s region at `off` (in its landing area) with
+  // ordinary stores, which the caller's next release store to a peer_word()
+  // publishes: a collective's chunk written straight into the receiver's
+  // output (protocol.h kRawCredit). Only where raw_writes() is true.
+  virtual bool raw_writes() const { return false; }
+  virtual void write_into(int /*peer*/, size_t /*off*/, const void* /*data*/, size_t /*n*/) {
+    throw std::logic_error(name() + " transport cannot write into a peer's region");
+  }
   // Single-copy reads of a peer's memory (rendezvous, protocol.h kRendezvous):
   // empty when this rank can copy straight out of `peer`'s address space, else
   // why not (then rendezvous data streams through the slots).

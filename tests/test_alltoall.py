@@ -368,12 +368,13 @@ def test_chunks_copied_once_from_their_sender_match_reference(transport, n):
 
 
 @pytest.mark.parametrize("transport", HELD)
-def test_cma_chunks_reads_only_large_collective_chunks_once(transport):
+def test_cma_chunks_copies_collective_chunks_from_128k_once(transport):
     """cma=chunks (what auto picks where the set-up probe prefers two memcpys,
-    e.g. AMD EPYC, but CMA is allowed): a collective's chunks from 512 KiB are
-    copied once, straight out of their sender (pulled_bytes counts exactly
-    those), smaller ones and point-to-point messages take two memcpys, and
-    every result matches the reference."""
+    e.g. AMD EPYC, but CMA is allowed): a collective's chunks from 128 KiB are
+    copied once: written by their sender into an output in the landing area
+    (pushed_bytes), else read out of the sender (pulled_bytes, also where a
+    sender is slow to write). Smaller chunks and point-to-point messages take
+    two memcpys, and every result matches the reference."""
     n = 3
 
     @world(n, timeout=120)
@@ -385,27 +386,31 @@ def test_cma_chunks_reads_only_large_collective_chunks_once(transport):
             if info["cma_refused"]:
                 pytest.skip(f"CMA is not allowed here: {info['cma_refused']}")
             assert info["cma"] == "chunks", info
-            assert "a collective's chunks from 512 KiB" in comm.describe_transport((r + 1) % n)
-            trailing, row = (1024,), 4096  # float32 rows: 128 rows = 512 KiB
+            assert "a collective's chunks from 128 KiB" in comm.describe_transport((r + 1) % n)
+            trailing, row = (1024,), 4096  # float32 rows: 32 rows = 128 KiB
+            pushed0 = comm._c.pushed_bytes
             for it in range(8):
                 g = np.random.default_rng([seed, it])
-                splits = g.choice([0, 16, 127, 128, 129, 200, 256], size=(n, n))
+                # outputs of 0-2.3 MiB: some under the landing threshold (256 KiB), most over
+                splits = g.choice([0, 3, 31, 32, 40, 127, 200], size=(n, n))
                 x = _x(seed, it, r, int(splits[r].sum()), trailing, torch.float32)
                 want = _reference(seed, it, splits, r, trailing, torch.float32)
-                before = comm._c.pulled_bytes
+                before = comm._c.pulled_bytes + comm._c.pushed_bytes
                 got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
                 _check(got, want, rs, splits, r, f"seed {seed} iteration {it}")
-                large = sum(int(splits[s, r]) * row for s in range(n) if s != r and splits[s, r] >= 128)
-                assert comm._c.pulled_bytes - before == large, (it, splits[:, r], comm._c.pulled_bytes - before)
-            # point to point over eager_max into an ordinary out: not a chunk, so not read once
-            before = comm._c.pulled_bytes
+                large = sum(int(splits[s, r]) * row for s in range(n) if s != r and splits[s, r] >= 32)
+                once = comm._c.pulled_bytes + comm._c.pushed_bytes - before
+                assert once == large, (it, splits[:, r], once)
+            assert comm._c.pushed_bytes > pushed0, "no chunk was written into a landing-area output by its sender"
+            # point to point over eager_max into an ordinary out: not a chunk, so not copied once
+            before = comm._c.pulled_bytes + comm._c.pushed_bytes
             dst, src = (r + 1) % n, (r - 1) % n
             w = comm.isend(torch.full((900 << 8,), float(r)), dst)
             out = torch.empty(1 << 18)
             got = comm.recv(src, out=out)
             w.wait()
             assert got.shape == (900 << 8,) and got[-1].item() == src
-            assert comm._c.pulled_bytes == before
+            assert comm._c.pulled_bytes + comm._c.pushed_bytes == before
 
     body()
 
@@ -454,6 +459,69 @@ def test_a_sender_that_dies_before_its_held_chunk_is_read_fails_its_receivers():
     t0 = time.monotonic()
     with pytest.raises(varcomm.PeerFailure, match="rank 2"):
         A.all_to_all_v(comm, x, [64] * n)
+    assert time.monotonic() - t0 < 10, "a dead sender took too long to detect"
+    other = 1 - r
+    comm.send(torch.tensor([r]), dst=other)
+    assert comm.recv(src=other).item() == other
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(2, timeout=90)
+def test_a_sender_that_does_not_progress_is_read_instead_of_waited_for():
+    """Rank 1's output is in its landing area, so it asks rank 0 to write its
+    chunk there; rank 0 started its all-to-all asynchronously and sleeps
+    without calling into varcomm. Rank 1 stops waiting for the write after a
+    grace of milliseconds and reads the chunk itself: its call returns long
+    before rank 0 wakes, with rank 0's data."""
+    with _init("shm", bound=1 << 20, slots=4, timeout=20, cma="chunks") as comm:
+        r, n = comm.rank, comm.world_size
+        if comm.route_info(1 - r)["cma_refused"]:
+            pytest.skip("CMA is not allowed here")
+        rows = 128  # 512 KiB chunks, 1 MiB outputs: from the landing area
+        x = torch.full((rows * n, 1024), float(r))
+        comm.barrier()
+        if r == 0:
+            work = A.all_to_all_v(comm, x, [rows] * n, async_op=True)
+            time.sleep(1.5)
+            got, rs = work.wait()
+        else:
+            time.sleep(0.1)  # rank 0's head is in
+            pulled = comm._c.pulled_bytes
+            t0 = time.monotonic()
+            got, rs = A.all_to_all_v(comm, x, [rows] * n)
+            took = time.monotonic() - t0
+            assert took < 0.7, f"rank 1 waited {took:.2f} s for a sender that was not progressing"
+            assert comm._c.pulled_bytes - pulled == rows * 4096, "rank 0's chunk was not read by rank 1"
+        assert rs == [rows] * n
+        assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
+        assert torch.equal(got, got[::rows].repeat_interleave(rows, 0))
+        comm.barrier()
+        pushed = comm._c.pushed_bytes
+        got, rs = A.all_to_all_v(comm, x, [rows] * n)  # both progressing: written by the sender
+        assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
+        assert comm._c.pushed_bytes - pushed == rows * 4096
+
+
+@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
+@world(3, timeout=90, expect_exit={2: None})
+def test_a_sender_that_dies_before_writing_into_the_output_fails_its_receivers():
+    """As above with outputs in the landing area: rank 2's heads are out and it
+    dies before ranks 0 and 1 ask it to write its chunks into their outputs;
+    it never writes, they cannot read its memory either, and they raise
+    PeerFailure naming rank 2 within seconds, then go on between themselves."""
+    comm = _init("shm", bound=1 << 20, slots=4, timeout=60, cma="chunks")
+    r, n = comm.rank, comm.world_size
+    rows = 64  # 256 KiB chunks, 768 KiB outputs
+    x = torch.full((rows * n, 1024), float(r))
+    if r == 2:
+        work = A.all_to_all_v(comm, x, [rows] * n, async_op=True)  # heads out, then gone
+        time.sleep(0.2)
+        assert not work.is_completed()
+        os._exit(3)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+        A.all_to_all_v(comm, x, [rows] * n)
     assert time.monotonic() - t0 < 10, "a dead sender took too long to detect"
     other = 1 - r
     comm.send(torch.tensor([r]), dst=other)
@@ -539,8 +607,8 @@ def test_held_chunks_to_several_busy_receivers_let_go_at_the_grace():
 @pytest.mark.skipif(not HELD, reason="no shm transport in this build")
 @world(2, timeout=90)
 def test_large_torch_outputs_come_from_half_the_landing_area():
-    """A torch output over 4 MiB is a block of the landing area (pages kept
-    hot from one call to the next), freed when dropped; outputs kept alive
+    """A torch output from 256 KiB is a block of the landing area (peers write
+    their chunks there; pages kept hot from one call to the next), freed when dropped; outputs kept alive
     take at most half the area, then come from torch, and every result is
     right either way. Only lent blocks count against that half: a received
     message held in the area (or a chunk of the same call landing there

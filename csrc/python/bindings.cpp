@@ -1417,6 +1417,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("device_ordinal", [](Comm& c) { return c.ready().device_ordinal(); })
       .def_property_readonly("forged_headers", [](Comm& c) { return c.engine->forged_headers(); })
       .def_property_readonly("pulled_bytes", [](Comm& c) { return c.engine->pulled_bytes(); })
+      .def_property_readonly("pushed_bytes", [](Comm& c) { return c.engine->pushed_bytes(); })
+      .def("landed_output_min", [](Comm& c, bool torch) { return c.engine->landed_output_min(torch); }, py::arg("torch"))
       .def("peer_error", [](Comm& c, int peer) { return c.engine->peer_error(peer); })
       .def("progress",
            [](Comm& c) {

@@ -168,6 +168,9 @@ class Communicator:
         # (None: CUDA tensors are staged through host memory).
         self._routes: list[str] = self._c.routes
         self._device_routes: list[str | None] = self._c.device_routes
+        # Bytes from which a collective's host output goes in the landing area, [other kinds, torch],
+        # once the transports are connected
+        self._landed_min = (self._c.landed_output_min(False), self._c.landed_output_min(True))
         # The GPU of our GPU transports (device receive slots, local device copies), else None.
         self._cuda_device: int | None = self._c.device_ordinal if self._c.device_ordinal >= 0 else None
         # The device-split all-to-all (collectives/alltoall_device.py), set up on first use.

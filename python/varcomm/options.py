@@ -378,8 +378,9 @@ class Options(_Declared):
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
         "shm: single-copy reads of the sender's memory (CMA, process_vm_readv) for large messages; `auto`: where "
         "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
-        "else messages over the bound stream through the slots and only a collective's chunks from 512 KiB are read "
-        "once (what `chunks` forces: one CMA copy beats two memcpys once the data is out of cache) (1/0 mean on/off)")
+        "else messages over the bound stream through the slots and only a collective's chunks from 128 KiB are copied "
+        "once (what `chunks` forces: by their sender into an output in the landing area, else by CMA, which beats two "
+        "memcpys once the data is out of cache) (1/0 mean on/off)")
     eager_max: int | None = _opt("VARCOMM_EAGER_MAX", _bytes(1, auto=True), None,
                                  "largest message sent eagerly where the pair can copy once (a landing area, or shm "
                                  "with CMA); a larger one goes by rendezvous: the data is copied once, by the sender "

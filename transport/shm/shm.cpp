@@ -35,8 +35,9 @@ class ShmTransport : public Transport {
       if (cma_ == "off" || !cma_refused_.empty())
         return d + "messages over the bound stream through the slots: no single-copy reads (" +
                (cma_refused_.empty() ? why : cma_refused_) + "))";
-      return d + "messages over the bound stream through the slots; a collective's chunks from 512 KiB copied once, "
-                 "straight from the sender's memory (CMA), which beats two memcpys out of cache (" + why + "))";
+      return d + "messages over the bound stream through the slots; a collective's chunks from 128 KiB copied once, "
+                 "by their sender into an output in the landing area, else straight from the sender's memory (CMA), "
+                 "which beats two memcpys out of cache (" + why + "))";
     }
     if (cma_refused_.empty())
       return d + "messages over eager_max copied once, straight from the sender's memory (CMA" +
@@ -143,6 +144,11 @@ class ShmTransport : public Transport {
                          const void* payload, size_t n, uint64_t seq) override {
     write_mapped_message(peers_.at(peer).base + ready_off, hdr, hdr_len, payload, n, seq);
     return 1;
+  }
+
+  bool raw_writes() const override { return true; }
+  void write_into(int peer, size_t off, const void* data, size_t n) override {
+    std::memcpy(peers_.at(peer).base + off, data, n);
   }
 
   void write_u64(int peer, size_t off, uint64_t value) override {

@@ -134,26 +134,21 @@ def _agree(output: Any, inp: Any, differ: bool, otrail: tuple[int, ...], trailin
                               f"shape {trailing}) must agree in dtype and trailing shape")
 
 
-# A torch output over this size comes from the landing area (Communicator.
-# empty): its pages stay mapped and touched from one collective to the next,
-# where torch gives a fresh tensor this large new pages, which the copy into
-# it then faults in and zeroes (8 MiB uniform all-to-all on 4 ranks: 2.2-2.9
-# ms into fresh tensors, 1.7 ms into the area; 16 MiB: 9.2-10 ms against
-# 6.6-7.0; 4 MiB and under, and numpy, whose heap reuses its pages: no gain,
-# or a loss; bench/results/issue11-2026-12-02-s6.md). Such an output is
-# lent only while lent blocks (these outputs and comm.empty buffers) would
-# then hold at most half the area, so outputs kept alive (MoE dispatch
-# outputs saved for backward) leave the rest to point-to-point landings;
-# past that, an ordinary tensor. Only lent blocks count: a chunk of this same
-# call landing in the area meanwhile does not change where its output comes
-# from.
-_LANDED_OUT = 4 << 20
-
-
+# A collective's host output of at least comm._landed_min[torch] bytes (the
+# core says: Engine::landed_output_min; 0: never) is placed in the landing
+# area (Communicator.empty), where a peer writes its chunk itself, one memcpy,
+# and the pages stay mapped and touched from one call to the next. Such an
+# output is lent only while lent blocks (these outputs and comm.empty
+# buffers) would then hold at most half the area, so outputs kept alive (MoE
+# dispatch outputs saved for backward) leave the rest to point-to-point
+# landings; past that, an ordinary array. Only lent blocks count: a chunk of
+# this same call landing in the area meanwhile does not change where its
+# output comes from.
 def _host_out(comm: Communicator, kind: str, word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
     """A collective's host output, and its data pointer."""
     nbytes = dtypes.itemsize(word) * _prod(shape)
-    if kind == "torch" and nbytes > _LANDED_OUT and comm.options.landing:
+    least = comm._landed_min[kind == "torch"]
+    if least and nbytes >= least:
         return comm._landed_empty(kind, word, shape, comm.options.landing // 2)
     return arrays.empty(kind, word, shape)
 

@@ -136,7 +136,8 @@ def _cma() -> str:
         return ("CMA allowed" + (" (no Yama ptrace_scope here)" if not scope else " (Yama ptrace_scope 0)") +
                 ": messages over eager_max copied once with it where that beats two memcpys (option cma=auto "
                 "measures it at init; route_info()['cma_probe'] says what it found), and a collective's chunks "
-                "from 512 KiB wherever it is allowed")
+                "from 128 KiB wherever it is allowed (or written by their sender into an output in the landing "
+                "area)")
     return (f"Yama ptrace_scope {scope}: CMA between sibling ranks is refused, so messages over the bound stream "
             "through the slots (two copies); set /proc/sys/kernel/yama/ptrace_scope to 0 for single-copy reads")
 
