@@ -443,26 +443,31 @@ def test_a_sender_that_gave_up_still_delivers_its_held_chunks():
 
 
 @pytest.mark.skipif(not HELD, reason="no shm transport in this build")
-@world(3, timeout=90, expect_exit={2: None})
-def test_a_sender_that_dies_before_its_held_chunk_is_read_fails_its_receivers():
+@pytest.mark.parametrize("cma,width", [("on", 256), ("chunks", 1024)])  # chunks: 256 KiB, outputs in the landing area
+def test_a_sender_that_dies_before_its_held_chunk_is_read_fails_its_receivers(cma, width):
     """Rank 2's chunks are written as rendezvous heads and it dies before ranks
-    0 and 1 read them: they raise PeerFailure naming rank 2 within seconds."""
-    comm = _init("shm", bound=1 << 20, slots=4, timeout=60, cma="on")
-    r, n = comm.rank, comm.world_size
-    x = torch.full((64 * n, 256), float(r))
-    if r == 2:
-        work = A.all_to_all_v(comm, x, [64] * n, async_op=True)  # heads out, then gone
-        time.sleep(0.2)
-        assert not work.is_completed()
-        os._exit(3)
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    with pytest.raises(varcomm.PeerFailure, match="rank 2"):
-        A.all_to_all_v(comm, x, [64] * n)
-    assert time.monotonic() - t0 < 10, "a dead sender took too long to detect"
-    other = 1 - r
-    comm.send(torch.tensor([r]), dst=other)
-    assert comm.recv(src=other).item() == other
+    0 and 1 read them (or, with outputs in the landing area, ask it to write
+    them there): they raise PeerFailure naming rank 2 within seconds."""
+    @world(3, timeout=90, expect_exit={2: None})
+    def body():
+        comm = _init("shm", bound=1 << 20, slots=4, timeout=60, cma=cma)
+        r, n = comm.rank, comm.world_size
+        x = torch.full((64 * n, width), float(r))
+        if r == 2:
+            work = A.all_to_all_v(comm, x, [64] * n, async_op=True)  # heads out, then gone
+            time.sleep(0.2)
+            assert not work.is_completed()
+            os._exit(3)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+            A.all_to_all_v(comm, x, [64] * n)
+        assert time.monotonic() - t0 < 10, "a dead sender took too long to detect"
+        other = 1 - r
+        comm.send(torch.tensor([r]), dst=other)
+        assert comm.recv(src=other).item() == other
+
+    body()
 
 
 @pytest.mark.skipif(not HELD, reason="no shm transport in this build")
@@ -500,32 +505,6 @@ def test_a_sender_that_does_not_progress_is_read_instead_of_waited_for():
         got, rs = A.all_to_all_v(comm, x, [rows] * n)  # both progressing: written by the sender
         assert torch.equal(got[::rows, 0], torch.arange(n, dtype=torch.float32))
         assert comm._c.pushed_bytes - pushed == rows * 4096
-
-
-@pytest.mark.skipif(not HELD, reason="no shm transport in this build")
-@world(3, timeout=90, expect_exit={2: None})
-def test_a_sender_that_dies_before_writing_into_the_output_fails_its_receivers():
-    """As above with outputs in the landing area: rank 2's heads are out and it
-    dies before ranks 0 and 1 ask it to write its chunks into their outputs;
-    it never writes, they cannot read its memory either, and they raise
-    PeerFailure naming rank 2 within seconds, then go on between themselves."""
-    comm = _init("shm", bound=1 << 20, slots=4, timeout=60, cma="chunks")
-    r, n = comm.rank, comm.world_size
-    rows = 64  # 256 KiB chunks, 768 KiB outputs
-    x = torch.full((rows * n, 1024), float(r))
-    if r == 2:
-        work = A.all_to_all_v(comm, x, [rows] * n, async_op=True)  # heads out, then gone
-        time.sleep(0.2)
-        assert not work.is_completed()
-        os._exit(3)
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    with pytest.raises(varcomm.PeerFailure, match="rank 2"):
-        A.all_to_all_v(comm, x, [rows] * n)
-    assert time.monotonic() - t0 < 10, "a dead sender took too long to detect"
-    other = 1 - r
-    comm.send(torch.tensor([r]), dst=other)
-    assert comm.recv(src=other).item() == other
 
 
 @pytest.mark.skipif(not HELD, reason="no shm transport in this build")
