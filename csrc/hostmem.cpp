@@ -1,5 +1,6 @@
 #include "hostmem.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -25,6 +26,14 @@ std::string proc_state(int pid, unsigned long long* start) {
 }
 
 }  // namespace
+
+void advise_huge_pages(void* p, size_t n) {
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (n < kHugeAdviseMin) return;
+  uintptr_t a = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t e = (reinterpret_cast<uintptr_t>(p) + n) & ~(kHuge - 1);
+  if (e > a) (void)madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
+}
 
 unsigned long long process_start(int pid) {
   unsigned long long start = 0;

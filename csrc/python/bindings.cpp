@@ -17,6 +17,7 @@
 #include "dtypes.h"
 #include "engine.h"
 #include "fallback.h"
+#include "hostmem.h"
 #include "options.h"
 #include "routes.h"
 #ifdef VARCOMM_HAVE_RDMA
@@ -533,6 +534,7 @@ py::object recv_new(Comm& c, int src, int64_t tag, std::optional<double> timeout
     c.engine->unclaim(src, h.seq);
     throw;
   }
+  advise_huge_pages(ptr, h.nbytes);  // a fresh array, not touched yet (hostmem.h)
   c.engine->consume_claimed(src, slot, h, ptr);
   return then ? then(arr) : arr;
 }
@@ -1309,6 +1311,9 @@ PYBIND11_MODULE(_C, m) {
   // A point-to-point tag as every send and receive checks it (batch_isend_irecv validates first).
   m.attr("OUT_EXACT") = kOutExact;
   m.def("check_tag", &tag_of, py::arg("tag"));
+  m.def(
+      "advise_huge_pages", [](uintptr_t ptr, uint64_t nbytes) { advise_huge_pages(reinterpret_cast<void*>(ptr), nbytes); },
+      py::arg("ptr"), py::arg("nbytes"), "a fresh host array from 4 MiB gets transparent huge pages, as numpy's own do");
   m.def("check_timeout", &seconds_of, py::arg("timeout"),
         "seconds, or None for no limit; InvalidArgument for anything else (one rule for every call)");
   // A timeout as every wait checks it: None for none (inf, huge), NaN refused.

@@ -30,6 +30,7 @@ def nvlink_unavailable_reason() -> str: ...
 def dtype_name(word: int) -> str: ...
 OUT_EXACT: int  # a receive's dtype word bit: the message must fill out exactly (protocol.h kOutExact)
 def check_tag(tag: object) -> int: ...  # InvalidArgument unless a valid point-to-point tag
+def advise_huge_pages(ptr: int, nbytes: int) -> None: ...  # from 4 MiB: transparent huge pages (csrc/hostmem.h)
 def check_timeout(timeout: object) -> float | None: ...  # seconds or None (no limit); InvalidArgument otherwise
 
 class Status(tuple[int, int, int, int, tuple[int, ...], bool, bool]):

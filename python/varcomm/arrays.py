@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union, overload
 
 import numpy as np
 
-from . import dtypes
+from . import _C, dtypes
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -261,6 +261,8 @@ def empty(kind: str, dtype_word: int, shape: Sequence[int],
     torch tensor on `device` when given)."""
     if kind == "torch":
         t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word), device=device)
+        if t.is_cpu:  # huge pages from 4 MiB, as numpy's own arrays (csrc/hostmem.h)
+            _C.advise_huge_pages(t.data_ptr(), t.nbytes)
         return t, t.data_ptr()
     a = np.empty(tuple(shape), dtype=dtypes.to_numpy(dtype_word))
     return a, a.ctypes.data
