@@ -1,10 +1,16 @@
 #include "hostmem.h"
 
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <sstream>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace varcomm {
 namespace {
@@ -25,7 +31,98 @@ std::string proc_state(int pid, unsigned long long* start) {
   return state;
 }
 
+uint64_t now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return uint64_t(t.tv_sec) * 1000000000ull + uint64_t(t.tv_nsec);
+}
+
+#if defined(__x86_64__)
+constexpr bool kHaveNonTemporal = true;
+void copy_non_temporal(char* d, const char* s, size_t n) {
+  size_t head = std::min(n, size_t(-reinterpret_cast<uintptr_t>(d) & 15));
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  size_t body = n & ~size_t(63);
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + body, s + body, n - body);
+  _mm_sfence();  // streaming stores are weakly ordered: before the caller's release store
+}
+#else
+constexpr bool kHaveNonTemporal = false;
+void copy_non_temporal(char* d, const char* s, size_t n) { std::memcpy(d, s, n); }
+#endif
+
+// Per process (the spell is the machine's, not a pair's); threads race on it
+// harmlessly: a lost sample only delays a switch. Costs in ns per KiB, the
+// last three samples of each way: the median ignores a copy that was
+// preempted (more ranks than cores).
+struct PeerCopyState {
+  std::atomic<uint32_t> cost[2][3]{};
+  std::atomic<uint32_t> next[2]{};
+  std::atomic<bool> nt{false};
+  std::atomic<uint64_t> tried_other{0};
+  std::atomic<uint64_t> copies[2]{};
+} g_copy;
+constexpr uint64_t kRetryOtherNs = 5000000;  // a stale choice costs at most this long (5 ms)
+
+uint32_t median_cost(int way) {
+  uint32_t a = g_copy.cost[way][0].load(std::memory_order_relaxed), b = g_copy.cost[way][1].load(std::memory_order_relaxed),
+           c = g_copy.cost[way][2].load(std::memory_order_relaxed);
+  return std::max(std::min(a, b), std::min(std::max(a, b), c));
+}
+
 }  // namespace
+
+PeerStores peer_stores(const std::string& option) {
+  return option == "ordinary" ? PeerStores::kOrdinary : option == "streaming" ? PeerStores::kStreaming : PeerStores::kAuto;
+}
+
+void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how) {
+  const char* s = static_cast<const char*>(src);
+  if (n < kPeerCopyAdapt || !kHaveNonTemporal || how == PeerStores::kOrdinary) {
+    std::memcpy(dst, s, n);
+    return;
+  }
+  if (how == PeerStores::kStreaming) {
+    copy_non_temporal(dst, s, n);
+    g_copy.copies[1].fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  uint64_t t0 = now_ns();
+  int way = g_copy.nt.load(std::memory_order_relaxed) ? 1 : 0;
+  // Try the other way now and then, so a spell's end (or start) is seen.
+  uint64_t last = g_copy.tried_other.load(std::memory_order_relaxed);
+  if (t0 - last > kRetryOtherNs && g_copy.tried_other.compare_exchange_strong(last, t0, std::memory_order_relaxed))
+    way ^= 1;
+  if (way)
+    copy_non_temporal(dst, s, n);
+  else
+    std::memcpy(dst, s, n);
+  uint64_t per_kib = (now_ns() - t0) * 1024 / n;
+  uint32_t k = g_copy.next[way].fetch_add(1, std::memory_order_relaxed) % 3;
+  g_copy.cost[way][k].store(uint32_t(std::min<uint64_t>(per_kib, UINT32_MAX)), std::memory_order_relaxed);
+  g_copy.copies[way].fetch_add(1, std::memory_order_relaxed);
+  // Streaming only where ordinary stores are in a slow spell (~10x, so 3x is
+  // far from both): its data is not in cache for the reader (1 MiB read back
+  // in 61 us, not 31), and outside a spell the two ways time within 0.6-1.6x
+  // of each other (both directions at once), which must not flip it.
+  uint32_t o = median_cost(0), t = median_cost(1);
+  g_copy.nt.store(o && t && uint64_t(t) * 3 < uint64_t(o), std::memory_order_relaxed);
+}
+
+PeerCopyStats peer_copy_stats() {
+  return {g_copy.nt.load(), g_copy.copies[0].load(), g_copy.copies[1].load(), median_cost(0), median_cost(1)};
+}
 
 void advise_huge_pages(void* p, size_t n) {
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

@@ -10,12 +10,35 @@
 
 namespace varcomm {
 
+// Copies n bytes into a peer's slot: memory the peer's core read last, which
+// this core's ordinary stores must first take from it. On this project's VMs
+// that costs ~10x in some minutes-long spells ("slow mode": 1 MiB in 360-400
+// us instead of 33; bench/results/shm-cross-write.c), while non-temporal
+// stores, which skip the ownership transfer, stay at 38-52 us. From
+// kPeerCopyAdapt bytes the copy is timed, and whichever way was faster over
+// its last samples is used, the other tried again every few milliseconds
+// (slow mode comes and goes). Ordinary stores win outside slow mode (the
+// reader also finds the data in cache). Fenced before returning: the caller's
+// release store publishes it.
+constexpr size_t kPeerCopyAdapt = size_t(64) << 10;
+enum class PeerStores { kAuto, kOrdinary, kStreaming };  // Options::shm_stores
+PeerStores peer_stores(const std::string& option);
+void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how = PeerStores::kAuto);
+// Which way copy_to_peer copies large writes now ("stores" or "non-temporal"),
+// and its copies each way so far: for tests and describe().
+struct PeerCopyStats {
+  bool non_temporal;
+  uint64_t ordinary, streamed;
+  uint32_t ordinary_ns_per_kib, streamed_ns_per_kib;  // the medians it decides by; 0: no sample yet
+};
+PeerCopyStats peer_copy_stats();
+
 // Header, then payload, then the ready word with a release store: a reader
 // that acquires `seq` sees both.
 inline void write_mapped_message(char* slot, const void* hdr, size_t hdr_len, const void* payload, size_t n,
-                                 uint64_t seq) {
+                                 uint64_t seq, PeerStores how = PeerStores::kAuto) {
   std::memcpy(slot + kHeaderOff, hdr, hdr_len);
-  if (n) std::memcpy(slot + kPayloadOff, payload, n);
+  if (n) copy_to_peer(slot + kPayloadOff, payload, n, how);
   __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
 }
 

@@ -24,6 +24,7 @@ struct Options {
   uint64_t rdma_chunk = 1ull << 20;   // GPU messages over rdma move in chunks of this many bytes (pipelined)
   std::string rdma_hmem = "auto";     // auto | on | off: GPUDirect RDMA (FI_HMEM_CUDA) for GPU messages over rdma
   std::string cma = "auto";           // auto | on | off | chunks: shm single-copy reads (options.py)
+  std::string shm_stores = "auto";    // auto | ordinary | streaming: how shm copies into a peer's slots (hostmem.h)
   std::string liveness_addr;     // IP for the rdma liveness listener when the fabric address is none
   bool debug = false;            // transports print their set-up to stderr
   std::string nvlink = "auto";   // auto | on | off

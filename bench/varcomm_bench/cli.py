@@ -115,6 +115,10 @@ def machine(ctx: Any = None) -> dict[str, Any]:
 
         info["varcomm"] = varcomm.__version__
         info["varcomm_build"] = varcomm.build_info()
+        # How rank 0's large copies into peers' slots went (ordinary or non-temporal stores: csrc/hostmem.h): the
+        # VM's slow spells show here.
+        _, ordinary, streamed, _, _ = varcomm._C.peer_copy_stats()
+        info["slot_copies"] = {"ordinary": ordinary, "streamed": streamed}
     except Exception as e:  # informational only
         info["varcomm_build"] = f"unavailable: {e}"
     fi: dict[str, Any] = {}

@@ -146,7 +146,8 @@ Options options_from_dict(const py::dict& d) {
   static const std::set<std::string> keys = {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
       "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max",
-      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma", "landing"};
+      "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma", "landing",
+      "shm_stores"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -196,6 +197,8 @@ Options options_from_dict(const py::dict& d) {
   one_of("rdma_hmem", o.rdma_hmem, {"auto", "on", "off"});
   get("cma", &o.cma);
   one_of("cma", o.cma, {"auto", "on", "off", "chunks"});
+  get("shm_stores", &o.shm_stores);
+  one_of("shm_stores", o.shm_stores, {"auto", "ordinary", "streaming"});
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
   one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});
@@ -1314,6 +1317,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "advise_huge_pages", [](uintptr_t ptr, uint64_t nbytes) { advise_huge_pages(reinterpret_cast<void*>(ptr), nbytes); },
       py::arg("ptr"), py::arg("nbytes"), "a fresh host array from 4 MiB gets transparent huge pages, as numpy's own do");
+  m.def(
+      "peer_copy_stats",
+      [] {
+        PeerCopyStats s = peer_copy_stats();
+        return py::make_tuple(s.non_temporal, s.ordinary, s.streamed, s.ordinary_ns_per_kib, s.streamed_ns_per_kib);
+      },
+      "(streaming now, large copies into peers' slots with ordinary stores, with non-temporal ones, and the median "
+      "ns per KiB of each way's last three) in this process "
+      "(csrc/hostmem.h copy_to_peer)");
   m.def("check_timeout", &seconds_of, py::arg("timeout"),
         "seconds, or None for no limit; InvalidArgument for anything else (one rule for every call)");
   // A timeout as every wait checks it: None for none (inf, huge), NaN refused.

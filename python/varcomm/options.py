@@ -253,6 +253,7 @@ class CoreOptions(TypedDict):
     rdma_chunk: int
     rdma_hmem: str
     cma: str
+    shm_stores: str
 
 
 class _Declared:
@@ -381,6 +382,12 @@ class Options(_Declared):
         "else messages over the bound stream through the slots and only a collective's chunks from 128 KiB are copied "
         "once (what `chunks` forces: by their sender into an output in the landing area, else by CMA, which beats two "
         "memcpys once the data is out of cache) (1/0 mean on/off)")
+    shm_stores: str = _opt("VARCOMM_SHM_STORES", _choice("auto", "ordinary", "streaming"), "auto",
+                           "shm: how a sender copies a message from 64 KiB into the receiver's slots: ordinary "
+                           "stores (the receiver then reads it from cache) or non-temporal ones, which skip taking "
+                           "the lines from the reader's core (on some VMs, in spells of minutes, ordinary stores "
+                           "there run ~10x slower: bench/results/shm-cross-write.c); `auto`: timed, whichever is "
+                           "faster now")
     eager_max: int | None = _opt("VARCOMM_EAGER_MAX", _bytes(1, auto=True), None,
                                  "largest message sent eagerly where the pair can copy once (a landing area, or shm "
                                  "with CMA); a larger one goes by rendezvous: the data is copied once, by the sender "
@@ -430,6 +437,7 @@ class Options(_Declared):
             "landing": self.landing,
             "max_message": self.max_message, "job_key": self.job_key,
             "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem, "cma": self.cma,
+            "shm_stores": self.shm_stores,
         }
 
 

@@ -21,7 +21,8 @@ namespace {
 
 class ShmTransport : public Transport {
  public:
-  ShmTransport(Region& local, const Layout& layout, const std::string& cma) : local_(local), layout_(layout), cma_(cma) {}
+  ShmTransport(Region& local, const Layout& layout, const std::string& cma, const std::string& stores)
+      : local_(local), layout_(layout), cma_(cma), stores_(peer_stores(stores)), stores_name_(stores) {}
   ~ShmTransport() override {
     for (auto& kv : peers_)
       if (kv.second.base != local_.base()) unmap_region(kv.second.base, kv.second.size);
@@ -47,7 +48,7 @@ class ShmTransport : public Transport {
   std::map<std::string, std::string> properties() const override {
     // on: every message over eager_max; chunks: a collective's large chunks only
     const char* cma = !cma_refused_.empty() || cma_ == "off" ? "off" : use_cma() ? "on" : "chunks";
-    return {{"cma", cma}, {"cma_refused", cma_refused_}, {"cma_probe", probe_}};
+    return {{"cma", cma}, {"cma_refused", cma_refused_}, {"cma_probe", probe_}, {"stores", stores_name_}};
   }
 
   std::string expose(void* base, size_t size) override {
@@ -142,7 +143,7 @@ class ShmTransport : public Transport {
 
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                          const void* payload, size_t n, uint64_t seq) override {
-    write_mapped_message(peers_.at(peer).base + ready_off, hdr, hdr_len, payload, n, seq);
+    write_mapped_message(peers_.at(peer).base + ready_off, hdr, hdr_len, payload, n, seq, stores_);
     return 1;
   }
 
@@ -193,6 +194,8 @@ class ShmTransport : public Transport {
   Layout layout_;
   std::string cma_refused_;  // why single-copy reads are off for some peer; empty: on for all
   std::string cma_;          // option cma: auto | on | off
+  PeerStores stores_;        // option shm_stores (hostmem.h copy_to_peer)
+  std::string stores_name_;
   mutable int probed_ = -1;  // use_cma under auto: -1 not yet, 0 no, 1 yes
   mutable std::string probe_;
 
@@ -249,7 +252,7 @@ TransportRegistrar shm_registrar({
       return "";
     },
     [](const TransportContext& c) -> std::shared_ptr<Transport> {
-      return std::make_shared<ShmTransport>(c.region, c.layout, c.options.cma);
+      return std::make_shared<ShmTransport>(c.region, c.layout, c.options.cma, c.options.shm_stores);
     },
 });
 
