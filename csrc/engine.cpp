@@ -451,7 +451,7 @@ bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem, bool held) const {
 }
 
 bool Engine::streams_in(int peer, const MsgHeader& h) const {
-  return (h.flags & kRendezvous) && !peers_[peer].pulls;
+  return (h.flags & kRendezvous) && !pulls_message(peer, h);
 }
 
 // ---- the landing area -----------------------------------------------------
@@ -807,6 +807,7 @@ bool Engine::try_write(int peer, Request& r) {
     std::copy(r.shape, r.shape + r.ndim, h.shape);
     if (r.rndv) {
       h.flags |= kRendezvous;
+      if (!r.mem.device && p.t->slot_writes_slow()) h.flags |= kSlowSlots;
       h.src = uint64_t(uintptr_t(r.data));
       // Ordered before the head by write_message's release of the ready word.
       // (Whether the receiver can copy from us is its to know, not ours.)
@@ -1251,7 +1252,7 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
     Peer& p = peers_[peer];
     // Whether we read it straight out of the sender (a collective's chunk: pulls_held).
     bool held = id && reqs_[uint32_t(id)].hold;
-    bool pull = held ? pulls_held(peer) : p.pulls;
+    bool pull = held ? pulls_held(peer) : mem.device ? p.pulls : pulls_message(peer, h);
     if (mem.device) {
       // misfit() let it through: within our bound, and we pull. Into the
       // head's own slot, then the device transport takes it from there as

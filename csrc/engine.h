@@ -369,6 +369,14 @@ class Engine {
     const Peer& p = peers_[peer];
     return p.pulls || p.pulls_chunks;
   }
+  // A host rendezvous message's data is read by us out of peer's memory (CMA):
+  // where the pair pulls, or where CMA is allowed and its sender's slot writes
+  // are slow right now (protocol.h kSlowSlots: one CMA read then beats a slow
+  // copy in and a copy out). Else it streams through the slots.
+  bool pulls_message(int peer, const MsgHeader& h) const {
+    const Peer& p = peers_[peer];
+    return p.pulls || (p.pulls_chunks && (h.flags & kSlowSlots));
+  }
   Transport& device_transport(int peer);
   Transport& local_device();
   template <class F>

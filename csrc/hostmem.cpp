@@ -72,6 +72,7 @@ struct PeerCopyState {
   std::atomic<bool> nt{false};
   std::atomic<uint64_t> tried_other{0};
   std::atomic<uint64_t> copies[2]{};
+  std::atomic<uint64_t> last_ns{0};
 } g_copy;
 constexpr uint64_t kRetryOtherNs = 5000000;  // a stale choice costs at most this long (5 ms)
 
@@ -108,7 +109,8 @@ void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how) {
     copy_non_temporal(dst, s, n);
   else
     std::memcpy(dst, s, n);
-  uint64_t per_kib = (now_ns() - t0) * 1024 / n;
+  uint64_t t1 = now_ns(), per_kib = (t1 - t0) * 1024 / n;
+  g_copy.last_ns.store(t1, std::memory_order_relaxed);
   uint32_t k = g_copy.next[way].fetch_add(1, std::memory_order_relaxed) % 3;
   g_copy.cost[way][k].store(uint32_t(std::min<uint64_t>(per_kib, UINT32_MAX)), std::memory_order_relaxed);
   g_copy.copies[way].fetch_add(1, std::memory_order_relaxed);
@@ -118,6 +120,11 @@ void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how) {
   // of each other (both directions at once), which must not flip it.
   uint32_t o = median_cost(0), t = median_cost(1);
   g_copy.nt.store(o && t && uint64_t(t) * 3 < uint64_t(o), std::memory_order_relaxed);
+}
+
+bool peer_stores_slow() {
+  return g_copy.nt.load(std::memory_order_relaxed) &&
+         now_ns() - g_copy.last_ns.load(std::memory_order_relaxed) < 20000000;
 }
 
 PeerCopyStats peer_copy_stats() {

@@ -32,6 +32,10 @@ struct PeerCopyStats {
   uint32_t ordinary_ns_per_kib, streamed_ns_per_kib;  // the medians it decides by; 0: no sample yet
 };
 PeerCopyStats peer_copy_stats();
+// copy_to_peer (auto) streams now, by copies of the last 20 ms: ordinary
+// stores are in a slow spell. Stale (no recent copies to tell) reads false, so
+// a peer that stopped asking for copies soon gets one again and remeasures.
+bool peer_stores_slow();
 
 // Header, then payload, then the ready word with a release store: a reader
 // that acquires `seq` sees both.

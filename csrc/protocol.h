@@ -65,6 +65,11 @@ constexpr uint64_t kChunk = 8;
 // started (a local argument error), so its receivers fail the call at once
 // and stay in step with it (AllToAll::refuse).
 constexpr uint64_t kRefusedCall = 16;
+// With kRendezvous: the sender's copies into the receiver's slots are in a
+// slow spell right now (Transport::slot_writes_slow), so a receiver that may
+// read the sender's memory (CMA) should, even where it would otherwise have
+// the data streamed through the slots. A hint: ignoring it is correct.
+constexpr uint64_t kSlowSlots = 32;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
 // The credit value that asks a rendezvous sender to write the data itself,

@@ -77,6 +77,10 @@ class Transport {
   // empty when this rank can copy straight out of `peer`'s address space, else
   // why not (then rendezvous data streams through the slots).
   virtual std::string read_refused(int /*peer*/) const { return "this transport has no single-copy read"; }
+  // This rank's copies into peers' slots are slow right now (shm: the VM
+  // spell of csrc/hostmem.h copy_to_peer, measured on recent copies): its
+  // rendezvous heads ask for a single-copy read instead (protocol.h kSlowSlots).
+  virtual bool slot_writes_slow() const { return false; }
   // The same for a collective's large chunks (Engine::kChunkPull): empty
   // where single-copy reads of `peer` are allowed at all, even where they
   // lose to two in-cache memcpys (read_refused then says so).

@@ -480,8 +480,9 @@ def test_shm_stores_deliver_exact_bytes_from_any_alignment(stores):
     offsets = [int(x) for x in rng.integers(0, 64, len(sizes))]
     data = rng.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
     large = sum(n >= 64 << 10 for n in sizes)
-    # cma off: every message is copied by its sender (a receiver reading by CMA copies nothing here)
-    with varcomm.init(transport="shm", bound=1 << 20, slots=4, shm_stores=stores, cma="off", timeout=30) as comm:
+    # cma off and no landing area: every message is copied by its sender into a slot
+    with varcomm.init(transport="shm", bound=1 << 20, slots=4, shm_stores=stores, cma="off", landing=0,
+                      timeout=30) as comm:
         assert comm.route_info(1 - comm.rank)["stores"] == stores
         before = varcomm._C.peer_copy_stats()
         if comm.rank == 0:
@@ -506,4 +507,52 @@ def test_shm_stores_deliver_exact_bytes_from_any_alignment(stores):
                 got = comm.recv(src=0, out=out[off:])
                 assert bytes(np.asarray(got)) == bytes(data[off:off + n]) and not out[off + n:].any(), \
                     f"message {i} into out at {off} differs, stores={stores} (seed {seed})"
+        comm.barrier()
+
+
+@pytest.mark.parametrize("stores", ["streaming", "ordinary"])
+@world(2, timeout=90)
+def test_slow_slot_writes_ask_the_receiver_to_read_by_cma(stores):
+    # Under cma=chunks a p2p message over the bound into an ordinary out streams through the slots (two copies).
+    # While the sender's slot writes are slow (shm_stores=streaming says so for good; auto during a VM spell) its
+    # rendezvous heads ask for one CMA read instead (protocol.h kSlowSlots); otherwise they stream as before.
+    seed = seeded()
+    rng = np.random.default_rng(seed)
+    sizes = [int(x) for x in rng.integers(1 << 20, 3 << 20, 6)]
+    data = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    with varcomm.init(transport="shm", bound=1 << 20, slots=4, shm_stores=stores, cma="chunks", timeout=30) as comm:
+        if comm.route_info(1 - comm.rank)["cma_refused"]:
+            pytest.skip("CMA is refused between these processes (ptrace rights)")
+        if comm.rank == 0:
+            for i, n in enumerate(sizes):
+                comm.send(data[:n], dst=1)
+                w = comm.isend(data[i:i + n], dst=1)  # to an irecv posted first
+                w.wait()
+        else:
+            out = np.zeros(3 << 20, dtype=np.uint8)
+            before = comm._c.pulled_bytes
+            for i, n in enumerate(sizes):
+                got = comm.recv(src=0, out=out)
+                assert bytes(np.asarray(got)) == bytes(data[:n]), f"message {i} of {n} bytes differs (seed {seed})"
+                w = comm.irecv(src=0, out=out)
+                got = w.wait()
+                assert bytes(np.asarray(got)) == bytes(data[i:i + n]), f"irecv {i} differs (seed {seed})"
+            pulled = comm._c.pulled_bytes - before
+            want = 2 * sum(sizes) if stores == "streaming" else 0
+            assert pulled == want, (stores, pulled, want)
+        comm.barrier()
+        # A new array's data is written by its sender into the receiver's landing area: never streamed (no spell
+        # has been seen to slow those writes), whatever shm_stores says of the slots.
+        if comm.rank == 0:
+            before = varcomm._C.peer_copy_stats()
+            for n in sizes:
+                comm.send(data[:n], dst=1)
+            after = varcomm._C.peer_copy_stats()
+            assert after[2] == before[2], (stores, before, after)
+        else:
+            before = comm._c.pulled_bytes
+            for i, n in enumerate(sizes):
+                got = comm.recv(src=0)
+                assert bytes(np.asarray(got)) == bytes(data[:n]), f"new array {i} differs (seed {seed})"
+            assert comm._c.pulled_bytes == before, "a new array was read by CMA, not written into the landing area"
         comm.barrier()

@@ -71,6 +71,7 @@ class ShmTransport : public Transport {
     L.bound = bound;
     L.landing = landing;
     p.size = size;
+    p.slots_end = L.total();
     if (p.pid == getpid()) {
       p.base = local_.base();
     } else {
@@ -143,8 +144,18 @@ class ShmTransport : public Transport {
 
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                          const void* payload, size_t n, uint64_t seq) override {
-    write_mapped_message(peers_.at(peer).base + ready_off, hdr, hdr_len, payload, n, seq, stores_);
+    auto& p = peers_.at(peer);
+    // Only the slots are timed (copy_to_peer): a landing block is memory the
+    // peer's core has not been reading, which no spell has been seen to slow,
+    // and its fast copies would hide the slots' slow ones from the estimate.
+    write_mapped_message(p.base + ready_off, hdr, hdr_len, payload, n, seq,
+                         ready_off < p.slots_end ? stores_ : PeerStores::kOrdinary);
     return 1;
+  }
+
+  // (Forced streaming says so for good: the user found ordinary stores slow here.)
+  bool slot_writes_slow() const override {
+    return stores_ == PeerStores::kStreaming || (stores_ == PeerStores::kAuto && peer_stores_slow());
   }
 
   bool raw_writes() const override { return true; }
@@ -189,6 +200,7 @@ class ShmTransport : public Transport {
     int pid = 0;
     unsigned long long start = 0;
     bool cma = false;
+    size_t slots_end = 0;  // where the peer's slot rings end (its landing area follows)
   };
   Region& local_;
   Layout layout_;
