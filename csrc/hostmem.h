@@ -24,8 +24,8 @@ constexpr size_t kPeerCopyAdapt = size_t(64) << 10;
 enum class PeerStores { kAuto, kOrdinary, kStreaming };  // Options::shm_stores
 PeerStores peer_stores(const std::string& option);
 void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how = PeerStores::kAuto);
-// Which way copy_to_peer copies large writes now ("stores" or "non-temporal"),
-// and its copies each way so far: for tests and describe().
+// Whether copy_to_peer (auto) streams large writes now, its copies each way
+// so far, and the costs it decides by: for tests and the benchmarks' header.
 struct PeerCopyStats {
   bool non_temporal;
   uint64_t ordinary, streamed;

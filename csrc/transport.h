@@ -75,16 +75,18 @@ class Transport {
   }
   // Single-copy reads of a peer's memory (rendezvous, protocol.h kRendezvous):
   // empty when this rank can copy straight out of `peer`'s address space, else
-  // why not (then rendezvous data streams through the slots).
+  // why not (then rendezvous data streams through the slots, unless its
+  // head says the sender's slot writes are slow: slot_writes_slow).
   virtual std::string read_refused(int /*peer*/) const { return "this transport has no single-copy read"; }
-  // This rank's copies into peers' slots are slow right now (shm: the VM
-  // spell of csrc/hostmem.h copy_to_peer, measured on recent copies): its
-  // rendezvous heads ask for a single-copy read instead (protocol.h kSlowSlots).
-  virtual bool slot_writes_slow() const { return false; }
   // The same for a collective's large chunks (Engine::kChunkPull): empty
   // where single-copy reads of `peer` are allowed at all, even where they
   // lose to two in-cache memcpys (read_refused then says so).
   virtual std::string chunk_read_refused(int peer) const { return read_refused(peer); }
+  // This rank's copies into peers' slots are slow right now (shm: the VM
+  // spell of csrc/hostmem.h copy_to_peer, measured on recent copies, or
+  // shm_stores=streaming): its rendezvous heads ask for a single-copy read
+  // where chunk_read_refused allows one (protocol.h kSlowSlots).
+  virtual bool slot_writes_slow() const { return false; }
   // Copy n bytes at address `src` of `peer`'s address space into dst; empty
   // when done, else why not (the peer is gone, or the address is not mapped).
   virtual std::string read_peer(int /*peer*/, uint64_t /*src*/, void* /*dst*/, size_t /*n*/) {

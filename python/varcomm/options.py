@@ -379,7 +379,8 @@ class Options(_Declared):
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
         "shm: single-copy reads of the sender's memory (CMA, process_vm_readv) for large messages; `auto`: where "
         "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
-        "else messages over the bound stream through the slots and only a collective's chunks from 128 KiB are copied "
+        "else messages over the bound stream through the slots (unless the sender's slot copies are slow: "
+        "`shm_stores`) and only a collective's chunks from 128 KiB are copied "
         "once (what `chunks` forces: by their sender into an output in the landing area, else by CMA, which beats two "
         "memcpys once the data is out of cache) (1/0 mean on/off)")
     shm_stores: str = _opt("VARCOMM_SHM_STORES", _choice("auto", "ordinary", "streaming"), "auto",
@@ -387,7 +388,9 @@ class Options(_Declared):
                            "stores (the receiver then reads it from cache) or non-temporal ones, which skip taking "
                            "the lines from the reader's core (on some VMs, in spells of minutes, ordinary stores "
                            "there run ~10x slower: bench/results/shm-cross-write.c); `auto`: timed, whichever is "
-                           "faster now")
+                           "faster now. While they are slow (and always under `streaming`) a message over "
+                           "`eager_max` into an ordinary `out` is read once by CMA where `cma` allows chunks, instead "
+                           "of streaming through the slots")
     eager_max: int | None = _opt("VARCOMM_EAGER_MAX", _bytes(1, auto=True), None,
                                  "largest message sent eagerly where the pair can copy once (a landing area, or shm "
                                  "with CMA); a larger one goes by rendezvous: the data is copied once, by the sender "

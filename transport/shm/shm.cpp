@@ -36,7 +36,8 @@ class ShmTransport : public Transport {
       if (cma_ == "off" || !cma_refused_.empty())
         return d + "messages over the bound stream through the slots: no single-copy reads (" +
                (cma_refused_.empty() ? why : cma_refused_) + "))";
-      return d + "messages over the bound stream through the slots; a collective's chunks from 128 KiB copied once, "
+      return d + "messages over the bound stream through the slots (read once by CMA while the sender's copies into "
+                 "slots are slow: shm_stores); a collective's chunks from 128 KiB copied once, "
                  "by their sender into an output in the landing area, else straight from the sender's memory (CMA), "
                  "which beats two memcpys out of cache (" + why + "))";
     }
