@@ -20,7 +20,7 @@ namespace varcomm {
 // (slow mode comes and goes). Ordinary stores win outside slow mode (the
 // reader also finds the data in cache). Fenced before returning: the caller's
 // release store publishes it.
-constexpr size_t kPeerCopyAdapt = size_t(64) << 10;
+constexpr size_t kPeerCopyAdapt = size_t(16) << 10;
 enum class PeerStores { kAuto, kOrdinary, kStreaming };  // Options::shm_stores
 PeerStores peer_stores(const std::string& option);
 void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how = PeerStores::kAuto);

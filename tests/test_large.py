@@ -473,14 +473,14 @@ def test_cma_option_and_the_probe_decide_single_copy_reads(cma):
 @world(2, timeout=90)
 def test_shm_stores_deliver_exact_bytes_from_any_alignment(stores):
     # Large slot writes may go by non-temporal stores (csrc/hostmem.h copy_to_peer): unaligned heads and tails,
-    # and the fence before the ready word, must not cost a byte. Sizes around the 64 KiB switch, sources at
+    # and the fence before the ready word, must not cost a byte. Sizes around the 16 KiB switch, sources at
     # odd offsets, into fresh results and into an ordinary out.
     seed = seeded()
     rng = np.random.default_rng(seed)
-    sizes = [(64 << 10) - 1, 64 << 10, (64 << 10) + 13, 1 << 20] + [int(x) for x in rng.integers(64 << 10, 1 << 20, 20)]
+    sizes = [(16 << 10) - 1, 16 << 10, (16 << 10) + 13, 1 << 20] + [int(x) for x in rng.integers(16 << 10, 1 << 20, 20)]
     offsets = [int(x) for x in rng.integers(0, 64, len(sizes))]
     data = rng.integers(0, 256, (1 << 20) + 64, dtype=np.uint8)
-    large = sum(n >= 64 << 10 for n in sizes)
+    large = sum(n >= 16 << 10 for n in sizes)
     # cma off and no landing area: every message is copied by its sender into a slot
     with varcomm.init(transport="shm", bound=1 << 20, slots=4, shm_stores=stores, cma="off", landing=0,
                       timeout=30) as comm:

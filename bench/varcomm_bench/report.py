@@ -117,7 +117,7 @@ def describe(doc: dict[str, Any]) -> str:
     parts.append(f"varcomm transport {mc.get('transport', '?')}")
     if mc.get("slot_copies"):
         sc = mc["slot_copies"]
-        parts.append(f"rank 0's slot copies from 64 KiB: {sc['ordinary']} ordinary, {sc['streamed']} non-temporal")
+        parts.append(f"rank 0's slot copies from 16 KiB: {sc['ordinary']} ordinary, {sc['streamed']} non-temporal")
     parts.append(f"launcher {doc.get('launcher')}, {doc['elapsed_s']} s")
     return "# " + "; ".join(parts)
 

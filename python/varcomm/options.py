@@ -384,7 +384,7 @@ class Options(_Declared):
         "once (what `chunks` forces: by their sender into an output in the landing area, else by CMA, which beats two "
         "memcpys once the data is out of cache) (1/0 mean on/off)")
     shm_stores: str = _opt("VARCOMM_SHM_STORES", _choice("auto", "ordinary", "streaming"), "auto",
-                           "shm: how a sender copies a message from 64 KiB into the receiver's slots: ordinary "
+                           "shm: how a sender copies a message from 16 KiB into the receiver's slots: ordinary "
                            "stores (the receiver then reads it from cache) or non-temporal ones, which skip taking "
                            "the lines from the reader's core (on some VMs, in spells of minutes, ordinary stores "
                            "there run ~10x slower: bench/results/shm-cross-write.c); `auto`: timed, whichever is "
