@@ -73,12 +73,12 @@ struct PeerCopyState {
   std::atomic<uint64_t> tried_other{0};
   std::atomic<uint64_t> copies[2]{};
   std::atomic<uint64_t> last_ns{0};
-} g_copy;
+} g_copy[2];  // by PeerCopyTarget: the two kinds of memory are slowed by different patterns
 constexpr uint64_t kRetryOtherNs = 5000000;  // a stale choice costs at most this long (5 ms)
 
-uint32_t median_cost(int way) {
-  uint32_t a = g_copy.cost[way][0].load(std::memory_order_relaxed), b = g_copy.cost[way][1].load(std::memory_order_relaxed),
-           c = g_copy.cost[way][2].load(std::memory_order_relaxed);
+uint32_t median_cost(const PeerCopyState& g, int way) {
+  uint32_t a = g.cost[way][0].load(std::memory_order_relaxed), b = g.cost[way][1].load(std::memory_order_relaxed),
+           c = g.cost[way][2].load(std::memory_order_relaxed);
   return std::max(std::min(a, b), std::min(std::max(a, b), c));
 }
 
@@ -88,47 +88,49 @@ PeerStores peer_stores(const std::string& option) {
   return option == "ordinary" ? PeerStores::kOrdinary : option == "streaming" ? PeerStores::kStreaming : PeerStores::kAuto;
 }
 
-void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how) {
+void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how, PeerCopyTarget target) {
   const char* s = static_cast<const char*>(src);
+  PeerCopyState& g = g_copy[int(target)];
   if (n < kPeerCopyAdapt || !kHaveNonTemporal || how == PeerStores::kOrdinary) {
     std::memcpy(dst, s, n);
     return;
   }
   if (how == PeerStores::kStreaming) {
     copy_non_temporal(dst, s, n);
-    g_copy.copies[1].fetch_add(1, std::memory_order_relaxed);
+    g.copies[1].fetch_add(1, std::memory_order_relaxed);
     return;
   }
   uint64_t t0 = now_ns();
-  int way = g_copy.nt.load(std::memory_order_relaxed) ? 1 : 0;
+  int way = g.nt.load(std::memory_order_relaxed) ? 1 : 0;
   // Try the other way now and then, so a spell's end (or start) is seen.
-  uint64_t last = g_copy.tried_other.load(std::memory_order_relaxed);
-  if (t0 - last > kRetryOtherNs && g_copy.tried_other.compare_exchange_strong(last, t0, std::memory_order_relaxed))
+  uint64_t last = g.tried_other.load(std::memory_order_relaxed);
+  if (t0 - last > kRetryOtherNs && g.tried_other.compare_exchange_strong(last, t0, std::memory_order_relaxed))
     way ^= 1;
   if (way)
     copy_non_temporal(dst, s, n);
   else
     std::memcpy(dst, s, n);
   uint64_t t1 = now_ns(), per_kib = (t1 - t0) * 1024 / n;
-  g_copy.last_ns.store(t1, std::memory_order_relaxed);
-  uint32_t k = g_copy.next[way].fetch_add(1, std::memory_order_relaxed) % 3;
-  g_copy.cost[way][k].store(uint32_t(std::min<uint64_t>(per_kib, UINT32_MAX)), std::memory_order_relaxed);
-  g_copy.copies[way].fetch_add(1, std::memory_order_relaxed);
+  g.last_ns.store(t1, std::memory_order_relaxed);
+  uint32_t k = g.next[way].fetch_add(1, std::memory_order_relaxed) % 3;
+  g.cost[way][k].store(uint32_t(std::min<uint64_t>(per_kib, UINT32_MAX)), std::memory_order_relaxed);
+  g.copies[way].fetch_add(1, std::memory_order_relaxed);
   // Streaming only where ordinary stores are in a slow spell (~10x, so 3x is
   // far from both): its data is not in cache for the reader (1 MiB read back
   // in 61 us, not 31), and outside a spell the two ways time within 0.6-1.6x
   // of each other (both directions at once), which must not flip it.
-  uint32_t o = median_cost(0), t = median_cost(1);
-  g_copy.nt.store(o && t && uint64_t(t) * 3 < uint64_t(o), std::memory_order_relaxed);
+  uint32_t o = median_cost(g, 0), t = median_cost(g, 1);
+  g.nt.store(o && t && uint64_t(t) * 3 < uint64_t(o), std::memory_order_relaxed);
 }
 
 bool peer_stores_slow() {
-  return g_copy.nt.load(std::memory_order_relaxed) &&
-         now_ns() - g_copy.last_ns.load(std::memory_order_relaxed) < 20000000;
+  const PeerCopyState& g = g_copy[int(PeerCopyTarget::kSlots)];
+  return g.nt.load(std::memory_order_relaxed) && now_ns() - g.last_ns.load(std::memory_order_relaxed) < 20000000;
 }
 
-PeerCopyStats peer_copy_stats() {
-  return {g_copy.nt.load(), g_copy.copies[0].load(), g_copy.copies[1].load(), median_cost(0), median_cost(1)};
+PeerCopyStats peer_copy_stats(PeerCopyTarget target) {
+  const PeerCopyState& g = g_copy[int(target)];
+  return {g.nt.load(), g.copies[0].load(), g.copies[1].load(), median_cost(g, 0), median_cost(g, 1)};
 }
 
 void advise_huge_pages(void* p, size_t n) {

@@ -23,7 +23,13 @@ namespace varcomm {
 constexpr size_t kPeerCopyAdapt = size_t(16) << 10;
 enum class PeerStores { kAuto, kOrdinary, kStreaming };  // Options::shm_stores
 PeerStores peer_stores(const std::string& option);
-void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how = PeerStores::kAuto);
+// Each timed apart: a slot is read by the peer's core between writes (the
+// spells slow every such copy), a landing block only where the peer reads
+// its result before it is written again (ping-pong, not a one-way stream),
+// and a fast landing copy must not hide a slow slot one.
+enum class PeerCopyTarget { kSlots = 0, kLanding = 1 };
+void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how = PeerStores::kAuto,
+                  PeerCopyTarget target = PeerCopyTarget::kSlots);
 // Whether copy_to_peer (auto) streams large writes now, its copies each way
 // so far, and the costs it decides by: for tests and the benchmarks' header.
 struct PeerCopyStats {
@@ -31,8 +37,8 @@ struct PeerCopyStats {
   uint64_t ordinary, streamed;
   uint32_t ordinary_ns_per_kib, streamed_ns_per_kib;  // the medians it decides by; 0: no sample yet
 };
-PeerCopyStats peer_copy_stats();
-// copy_to_peer (auto) streams now, by copies of the last 20 ms: ordinary
+PeerCopyStats peer_copy_stats(PeerCopyTarget target);
+// copy_to_peer (auto) streams into slots now, by copies of the last 20 ms: ordinary
 // stores are in a slow spell. Stale (no recent copies to tell) reads false, so
 // a peer that stopped asking for copies soon gets one again and remeasures.
 bool peer_stores_slow();
@@ -40,9 +46,10 @@ bool peer_stores_slow();
 // Header, then payload, then the ready word with a release store: a reader
 // that acquires `seq` sees both.
 inline void write_mapped_message(char* slot, const void* hdr, size_t hdr_len, const void* payload, size_t n,
-                                 uint64_t seq, PeerStores how = PeerStores::kAuto) {
+                                 uint64_t seq, PeerStores how = PeerStores::kAuto,
+                                 PeerCopyTarget target = PeerCopyTarget::kSlots) {
   std::memcpy(slot + kHeaderOff, hdr, hdr_len);
-  if (n) copy_to_peer(slot + kPayloadOff, payload, n, how);
+  if (n) copy_to_peer(slot + kPayloadOff, payload, n, how, target);
   __atomic_store_n(reinterpret_cast<uint64_t*>(slot), seq, __ATOMIC_RELEASE);
 }
 

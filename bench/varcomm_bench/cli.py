@@ -118,7 +118,9 @@ def machine(ctx: Any = None) -> dict[str, Any]:
         # How rank 0's large copies into peers' slots went (ordinary or non-temporal stores: csrc/hostmem.h): the
         # VM's slow spells show here.
         _, ordinary, streamed, _, _ = varcomm._C.peer_copy_stats()
-        info["slot_copies"] = {"ordinary": ordinary, "streamed": streamed}
+        _, l_ordinary, l_streamed, _, _ = varcomm._C.peer_copy_stats(landing=True)
+        info["slot_copies"] = {"ordinary": ordinary, "streamed": streamed,
+                               "landing_ordinary": l_ordinary, "landing_streamed": l_streamed}
     except Exception as e:  # informational only
         info["varcomm_build"] = f"unavailable: {e}"
     fi: dict[str, Any] = {}

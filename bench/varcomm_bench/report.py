@@ -117,7 +117,8 @@ def describe(doc: dict[str, Any]) -> str:
     parts.append(f"varcomm transport {mc.get('transport', '?')}")
     if mc.get("slot_copies"):
         sc = mc["slot_copies"]
-        parts.append(f"rank 0's slot copies from 16 KiB: {sc['ordinary']} ordinary, {sc['streamed']} non-temporal")
+        parts.append(f"rank 0's slot copies from 16 KiB: {sc['ordinary']} ordinary, {sc['streamed']} non-temporal "
+                     f"(landing area: {sc.get('landing_ordinary', '?')}, {sc.get('landing_streamed', '?')})")
     parts.append(f"launcher {doc.get('launcher')}, {doc['elapsed_s']} s")
     return "# " + "; ".join(parts)
 

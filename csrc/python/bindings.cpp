@@ -1319,13 +1319,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("ptr"), py::arg("nbytes"), "a fresh host array from 4 MiB gets transparent huge pages, as numpy's own do");
   m.def(
       "peer_copy_stats",
-      [] {
-        PeerCopyStats s = peer_copy_stats();
+      [](bool landing) {
+        PeerCopyStats s = peer_copy_stats(landing ? PeerCopyTarget::kLanding : PeerCopyTarget::kSlots);
         return py::make_tuple(s.non_temporal, s.ordinary, s.streamed, s.ordinary_ns_per_kib, s.streamed_ns_per_kib);
       },
       "(streaming now, large copies into peers' slots with ordinary stores, with non-temporal ones, and the median "
-      "ns per KiB of each way's last three) in this process "
-      "(csrc/hostmem.h copy_to_peer)");
+      "ns per KiB of each way's last three) in this process, into peers' slots or (landing) their landing areas "
+      "(csrc/hostmem.h copy_to_peer)",
+      py::arg("landing") = false);
   m.def("check_timeout", &seconds_of, py::arg("timeout"),
         "seconds, or None for no limit; InvalidArgument for anything else (one rule for every call)");
   // A timeout as every wait checks it: None for none (inf, huge), NaN refused.

@@ -31,8 +31,8 @@ def dtype_name(word: int) -> str: ...
 OUT_EXACT: int  # a receive's dtype word bit: the message must fill out exactly (protocol.h kOutExact)
 def check_tag(tag: object) -> int: ...  # InvalidArgument unless a valid point-to-point tag
 def advise_huge_pages(ptr: int, nbytes: int) -> None: ...  # from 4 MiB: transparent huge pages (csrc/hostmem.h)
-# (streaming now, ordinary copies, streamed copies, each way's median ns/KiB) into peers' slots (csrc/hostmem.h)
-def peer_copy_stats() -> tuple[bool, int, int, int, int]: ...
+# (streaming now, ordinary copies, streamed copies, each way's median ns/KiB) into peers' slots, or landing areas
+def peer_copy_stats(landing: bool = False) -> tuple[bool, int, int, int, int]: ...
 def check_timeout(timeout: object) -> float | None: ...  # seconds or None (no limit); InvalidArgument otherwise
 
 class Status(tuple[int, int, int, int, tuple[int, ...], bool, bool]):

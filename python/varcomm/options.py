@@ -384,13 +384,13 @@ class Options(_Declared):
         "once (what `chunks` forces: by their sender into an output in the landing area, else by CMA, which beats two "
         "memcpys once the data is out of cache) (1/0 mean on/off)")
     shm_stores: str = _opt("VARCOMM_SHM_STORES", _choice("auto", "ordinary", "streaming"), "auto",
-                           "shm: how a sender copies a message from 16 KiB into the receiver's slots: ordinary "
-                           "stores (the receiver then reads it from cache) or non-temporal ones, which skip taking "
-                           "the lines from the reader's core (on some VMs, in spells of minutes, ordinary stores "
-                           "there run ~10x slower: bench/results/shm-cross-write.c); `auto`: timed, whichever is "
-                           "faster now. While they are slow (and always under `streaming`) a message over "
-                           "`eager_max` into an ordinary `out` is read once by CMA where `cma` allows chunks, instead "
-                           "of streaming through the slots")
+                           "shm: how a sender copies a message from 16 KiB into the receiver's slots or landing "
+                           "area: ordinary stores (the receiver then reads it from cache) or non-temporal ones, "
+                           "which skip taking the lines from the reader's core (on some VMs, in spells of minutes, "
+                           "ordinary stores there run ~10x slower: bench/results/shm-cross-write.c); `auto`: timed "
+                           "(slots and landing area apart), whichever is faster now. While slot copies are slow "
+                           "(and always under `streaming`) a message over `eager_max` into an ordinary `out` is read "
+                           "once by CMA where `cma` allows chunks, instead of streaming through the slots")
     eager_max: int | None = _opt("VARCOMM_EAGER_MAX", _bytes(1, auto=True), None,
                                  "largest message sent eagerly where the pair can copy once (a landing area, or shm "
                                  "with CMA); a larger one goes by rendezvous: the data is copied once, by the sender "

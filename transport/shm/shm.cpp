@@ -146,11 +146,9 @@ class ShmTransport : public Transport {
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len,
                          const void* payload, size_t n, uint64_t seq) override {
     auto& p = peers_.at(peer);
-    // Only the slots are timed (copy_to_peer): a landing block is memory the
-    // peer's core has not been reading, which no spell has been seen to slow,
-    // and its fast copies would hide the slots' slow ones from the estimate.
-    write_mapped_message(p.base + ready_off, hdr, hdr_len, payload, n, seq,
-                         ready_off < p.slots_end ? stores_ : PeerStores::kOrdinary);
+    // Slots and landing blocks are timed apart (hostmem.h PeerCopyTarget).
+    write_mapped_message(p.base + ready_off, hdr, hdr_len, payload, n, seq, stores_,
+                         ready_off < p.slots_end ? PeerCopyTarget::kSlots : PeerCopyTarget::kLanding);
     return 1;
   }
 
