@@ -1079,8 +1079,11 @@ void Engine::drop_raw(int peer, uint64_t seq, Peer::Stream& st) {
   bool revoked = v != push_word(seq, kPushing) && v != push_word(seq, kPushed) &&
                  __atomic_compare_exchange_n(w, &v, push_word(seq, kPushRevoked), false, __ATOMIC_ACQ_REL,
                                              __ATOMIC_ACQUIRE);
-  // A sender still writing (or one that began just now) keeps the block referenced: never reused under it.
-  if (revoked || v == push_word(seq, kPushed)) raw_settled(st.raw);
+  // A sender still writing (or one that began just now) keeps the block referenced: never reused under it,
+  // unless its process is gone (then nothing writes there any more; a pair failed for another reason, its
+  // process alive, keeps it).
+  bool gone = v == push_word(seq, kPushing) && p.t && !p.t->peer_error(peer).empty();
+  if (revoked || v == push_word(seq, kPushed) || gone) raw_settled(st.raw);
   // Revoked: its send fails (nothing will read it); written: its slot is free.
   if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, st.slot), revoked ? seq | kFailCredit : seq);
 }
