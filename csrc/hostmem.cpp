@@ -62,27 +62,47 @@ constexpr bool kHaveNonTemporal = false;
 void copy_non_temporal(char* d, const char* s, size_t n) { std::memcpy(d, s, n); }
 #endif
 
-// Per process (the spell is the machine's, not a pair's); threads race on it
-// harmlessly: a lost sample only delays a switch. Costs in ns per KiB, the
-// last three samples of each way: the median ignores a copy that was
-// preempted (more ranks than cores).
-struct PeerCopyState {
-  std::atomic<uint32_t> cost[2][3]{};
-  std::atomic<uint32_t> next[2]{};
-  std::atomic<bool> nt{false};
-  std::atomic<uint64_t> tried_other{0};
-  std::atomic<uint64_t> copies[2]{};
-  std::atomic<uint64_t> last_ns{0};
-} g_copy[2];  // by PeerCopyTarget: the two kinds of memory are slowed by different patterns
-constexpr uint64_t kRetryOtherNs = 5000000;  // a stale choice costs at most this long (5 ms)
+// Per process (the spell is the machine's, not a pair's).
+StoreChooser g_copy[2];  // by PeerCopyTarget: the two kinds of memory are slowed by different patterns
 
-uint32_t median_cost(const PeerCopyState& g, int way) {
-  uint32_t a = g.cost[way][0].load(std::memory_order_relaxed), b = g.cost[way][1].load(std::memory_order_relaxed),
-           c = g.cost[way][2].load(std::memory_order_relaxed);
+}  // namespace
+
+uint32_t StoreChooser::median(int way) const {
+  uint32_t a = cost_[way][0].load(std::memory_order_relaxed), b = cost_[way][1].load(std::memory_order_relaxed),
+           c = cost_[way][2].load(std::memory_order_relaxed);
   return std::max(std::min(a, b), std::min(std::max(a, b), c));
 }
 
-}  // namespace
+int StoreChooser::pick(uint64_t now) {
+  int way = nt_.load(std::memory_order_relaxed) ? 1 : 0;
+  // Try the other way now and then, so a spell's end (or start) is seen.
+  uint64_t last = tried_other_.load(std::memory_order_relaxed);
+  if (now - last > kRetryOtherNs && tried_other_.compare_exchange_strong(last, now, std::memory_order_relaxed))
+    way ^= 1;
+  return way;
+}
+
+void StoreChooser::record(int way, uint64_t ns, size_t n, uint64_t end) {
+  uint64_t per_kib = ns * 1024 / (n ? n : 1);
+  last_ns_.store(end, std::memory_order_relaxed);
+  uint32_t k = next_[way].fetch_add(1, std::memory_order_relaxed) % 3;
+  cost_[way][k].store(uint32_t(std::min<uint64_t>(per_kib, UINT32_MAX)), std::memory_order_relaxed);
+  copies_[way].fetch_add(1, std::memory_order_relaxed);
+  // Streaming only where ordinary stores are in a slow spell (~10x, so 3x is
+  // far from both): its data is not in cache for the reader (1 MiB read back
+  // in 61 us, not 31), and outside a spell the two ways time within 0.6-1.6x
+  // of each other (both directions at once), which must not flip it.
+  uint32_t o = median(0), t = median(1);
+  nt_.store(o && t && uint64_t(t) * 3 < uint64_t(o), std::memory_order_relaxed);
+}
+
+bool StoreChooser::slow(uint64_t now) const {
+  return nt_.load(std::memory_order_relaxed) && now - last_ns_.load(std::memory_order_relaxed) < kFreshNs;
+}
+
+PeerCopyStats StoreChooser::stats() const {
+  return {nt_.load(), copies_[0].load(), copies_[1].load(), median(0), median(1)};
+}
 
 PeerStores peer_stores(const std::string& option) {
   return option == "ordinary" ? PeerStores::kOrdinary : option == "streaming" ? PeerStores::kStreaming : PeerStores::kAuto;
@@ -90,48 +110,29 @@ PeerStores peer_stores(const std::string& option) {
 
 void copy_to_peer(char* dst, const void* src, size_t n, PeerStores how, PeerCopyTarget target) {
   const char* s = static_cast<const char*>(src);
-  PeerCopyState& g = g_copy[int(target)];
+  StoreChooser& g = g_copy[int(target)];
   if (n < kPeerCopyAdapt || !kHaveNonTemporal || how == PeerStores::kOrdinary) {
     std::memcpy(dst, s, n);
     return;
   }
   if (how == PeerStores::kStreaming) {
     copy_non_temporal(dst, s, n);
-    g.copies[1].fetch_add(1, std::memory_order_relaxed);
+    g.count_streamed();
     return;
   }
   uint64_t t0 = now_ns();
-  int way = g.nt.load(std::memory_order_relaxed) ? 1 : 0;
-  // Try the other way now and then, so a spell's end (or start) is seen.
-  uint64_t last = g.tried_other.load(std::memory_order_relaxed);
-  if (t0 - last > kRetryOtherNs && g.tried_other.compare_exchange_strong(last, t0, std::memory_order_relaxed))
-    way ^= 1;
+  int way = g.pick(t0);
   if (way)
     copy_non_temporal(dst, s, n);
   else
     std::memcpy(dst, s, n);
-  uint64_t t1 = now_ns(), per_kib = (t1 - t0) * 1024 / n;
-  g.last_ns.store(t1, std::memory_order_relaxed);
-  uint32_t k = g.next[way].fetch_add(1, std::memory_order_relaxed) % 3;
-  g.cost[way][k].store(uint32_t(std::min<uint64_t>(per_kib, UINT32_MAX)), std::memory_order_relaxed);
-  g.copies[way].fetch_add(1, std::memory_order_relaxed);
-  // Streaming only where ordinary stores are in a slow spell (~10x, so 3x is
-  // far from both): its data is not in cache for the reader (1 MiB read back
-  // in 61 us, not 31), and outside a spell the two ways time within 0.6-1.6x
-  // of each other (both directions at once), which must not flip it.
-  uint32_t o = median_cost(g, 0), t = median_cost(g, 1);
-  g.nt.store(o && t && uint64_t(t) * 3 < uint64_t(o), std::memory_order_relaxed);
+  uint64_t t1 = now_ns();
+  g.record(way, t1 - t0, n, t1);
 }
 
-bool peer_stores_slow() {
-  const PeerCopyState& g = g_copy[int(PeerCopyTarget::kSlots)];
-  return g.nt.load(std::memory_order_relaxed) && now_ns() - g.last_ns.load(std::memory_order_relaxed) < 20000000;
-}
+bool peer_stores_slow() { return g_copy[int(PeerCopyTarget::kSlots)].slow(now_ns()); }
 
-PeerCopyStats peer_copy_stats(PeerCopyTarget target) {
-  const PeerCopyState& g = g_copy[int(target)];
-  return {g.nt.load(), g.copies[0].load(), g.copies[1].load(), median_cost(g, 0), median_cost(g, 1)};
-}
+PeerCopyStats peer_copy_stats(PeerCopyTarget target) { return g_copy[int(target)].stats(); }
 
 void advise_huge_pages(void* p, size_t n) {
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

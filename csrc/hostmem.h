@@ -2,6 +2,7 @@
 // mapping (shm; nvlink's host part): the one-sided message write into mapped
 // memory, and whether the peer process still exists.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -38,6 +39,33 @@ struct PeerCopyStats {
   uint32_t ordinary_ns_per_kib, streamed_ns_per_kib;  // the medians it decides by; 0: no sample yet
 };
 PeerCopyStats peer_copy_stats(PeerCopyTarget target);
+// copy_to_peer's choice, apart from the clock and the copy (tests drive it
+// with made-up times: _C._store_chooser_trace). Costs in ns per KiB, the last
+// three of each way: the median ignores a copy that was preempted (more ranks
+// than cores). Threads race on it harmlessly: a lost sample only delays a
+// switch.
+class StoreChooser {
+ public:
+  static constexpr uint64_t kRetryOtherNs = 5000000;  // a stale choice costs at most this long (5 ms)
+  static constexpr uint64_t kFreshNs = 20000000;      // slow() needs a copy this recent (20 ms)
+  // The way for a copy starting at `now` (ns): 0 ordinary stores, 1 non-temporal.
+  int pick(uint64_t now);
+  // That copy took `ns` for n bytes and ended at `end`.
+  void record(int way, uint64_t ns, size_t n, uint64_t end);
+  // Streaming, by a copy of the last kFreshNs.
+  bool slow(uint64_t now) const;
+  void count_streamed() { copies_[1].fetch_add(1, std::memory_order_relaxed); }
+  PeerCopyStats stats() const;
+
+ private:
+  uint32_t median(int way) const;
+  std::atomic<uint32_t> cost_[2][3]{};
+  std::atomic<uint32_t> next_[2]{};
+  std::atomic<bool> nt_{false};
+  std::atomic<uint64_t> tried_other_{0};
+  std::atomic<uint64_t> copies_[2]{};
+  std::atomic<uint64_t> last_ns_{0};
+};
 // copy_to_peer (auto) streams into slots now, by copies of the last 20 ms: ordinary
 // stores are in a slow spell. Stale (no recent copies to tell) reads false, so
 // a peer that stopped asking for copies soon gets one again and remeasures.

@@ -561,3 +561,33 @@ def test_slow_slot_writes_ask_the_receiver_to_read_by_cma(stores):
                 assert bytes(np.asarray(got)) == bytes(data[:n]), f"new array {i} differs (seed {seed})"
             assert comm._c.pulled_bytes == before, "a new array was read by CMA, not written into the landing area"
         comm.barrier()
+
+
+def test_store_chooser_follows_a_spell_and_ignores_noise():
+    # csrc/hostmem.h StoreChooser, with made-up times: 1 MiB copies every ms; ordinary 33 ns/KiB and
+    # non-temporal 50 outside a spell, ordinary 380 in one (this VM's numbers).
+    trace = varcomm._C._store_chooser_trace
+    normal = [(t, 33, 50) for t in range(0, 100_000, 1000)]
+    out = trace(normal)
+    assert not any(s for _, s, _ in out), "streamed outside a spell"
+    assert 0 < sum(w == 1 for w, _, _ in out) <= 21, "the other way is tried every 5 ms, no more"
+    # One preempted copy (10x) and a 1.6x-slower stretch are no spell.
+    assert not any(s for _, s, _ in trace(normal[:50] + [(50_000, 400, 50)] + normal[51:]))
+    assert not any(s for _, s, _ in trace([(t, 80, 50) for t in range(0, 100_000, 1000)]))
+    # A spell: streaming within a few retries, and slow() while copies keep coming.
+    spell = [(t, 380, 40) for t in range(100_000, 200_000, 1000)]
+    out = trace(normal + spell)
+    at = next(i for i, (_, s, _) in enumerate(out) if s)
+    assert 100 <= at <= 100 + 16, f"switched at event {at}"
+    assert all(s and slow for _, s, slow in out[at + 1:]), "left streaming mid-spell"
+    assert sum(w == 1 for w, _, _ in out[at + 1:]) >= len(out) - at - 1 - 21
+    # No copies for 25 ms: not slow any more (a stale verdict), though the choice stands.
+    last = out[-1]
+    stale = trace(normal + spell + [(225_000, 0, 0)])[-1]
+    assert last[1] and last[2] and stale == (-1, True, False), (last, stale)
+    # The spell ends: back to ordinary stores within a few retries.
+    after = [(t, 33, 40) for t in range(200_000, 300_000, 1000)]
+    out = trace(normal + spell + after)
+    back = next(i for i, (_, s, _) in enumerate(out) if i >= 200 and not s)
+    assert back <= 200 + 16, f"switched back at event {back}"
+    assert not any(s for _, s, _ in out[back:])

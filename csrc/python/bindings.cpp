@@ -1327,6 +1327,25 @@ PYBIND11_MODULE(_C, m) {
       "ns per KiB of each way's last three) in this process, into peers' slots or (landing) their landing areas "
       "(csrc/hostmem.h copy_to_peer)",
       py::arg("landing") = false);
+  m.def(
+      "_store_chooser_trace",
+      [](const std::vector<std::tuple<uint64_t, uint32_t, uint32_t>>& events) {
+        // A fresh chooser fed 1 MiB copies at made-up times (us) that cost what each event says per KiB for
+        // the way it picks (both 0: no copy, only ask); per event (way or -1, streaming, slow).
+        StoreChooser c;
+        std::vector<std::tuple<int, bool, bool>> out;
+        for (auto& [us, ordinary, streamed] : events) {
+          uint64_t now = us * 1000;
+          int way = -1;
+          if (ordinary || streamed) {
+            way = c.pick(now);
+            c.record(way, uint64_t(way ? streamed : ordinary) * 1024, size_t(1) << 20, now);
+          }
+          out.emplace_back(way, c.stats().non_temporal, c.slow(now));
+        }
+        return out;
+      },
+      py::arg("events"), "tests: csrc/hostmem.h StoreChooser's choices for made-up copy times");
   m.def("check_timeout", &seconds_of, py::arg("timeout"),
         "seconds, or None for no limit; InvalidArgument for anything else (one rule for every call)");
   // A timeout as every wait checks it: None for none (inf, huge), NaN refused.

@@ -33,6 +33,8 @@ def check_tag(tag: object) -> int: ...  # InvalidArgument unless a valid point-t
 def advise_huge_pages(ptr: int, nbytes: int) -> None: ...  # from 4 MiB: transparent huge pages (csrc/hostmem.h)
 # (streaming now, ordinary copies, streamed copies, each way's median ns/KiB) into peers' slots, or landing areas
 def peer_copy_stats(landing: bool = False) -> tuple[bool, int, int, int, int]: ...
+# tests: (way or -1, streaming, slow) per (time us, ordinary ns/KiB, non-temporal ns/KiB) (csrc/hostmem.h StoreChooser)
+def _store_chooser_trace(events: list[tuple[int, int, int]]) -> list[tuple[int, bool, bool]]: ...
 def check_timeout(timeout: object) -> float | None: ...  # seconds or None (no limit); InvalidArgument otherwise
 
 class Status(tuple[int, int, int, int, tuple[int, ...], bool, bool]):
