@@ -134,7 +134,8 @@ class NvlinkTransport : public Transport {
   // largest message sent with the copy-and-flag kernel instead of
   // cuMemcpyAsync + cuStreamWriteValue64; 0 keeps the copy engine for every size).
   NvlinkTransport(const cu::Driver& d, Region& local, const Layout& L, int device, const Options& o)
-      : d_(d), local_(local), layout_(L), mode_(flag_mode(o.nvlink_flags)), kernel_max_(o.nvlink_kernel_max) {
+      : d_(d), local_(local), layout_(L), mode_(flag_mode(o.nvlink_flags)), kernel_max_(o.nvlink_kernel_max),
+        stores_(peer_stores(o.shm_stores)) {
     if (local.size() != L.region_bytes()) throw Error(ErrorKind::Invalid, "nvlink: region size does not match its layout");
     rings_off_ = L.rings_off();
     dev_bytes_ = L.total() - rings_off_;
@@ -259,7 +260,7 @@ class NvlinkTransport : public Transport {
   // Host payloads (unused by the engine, which sends host memory over shm).
   uint64_t write_message(int peer, size_t ready_off, const void* hdr, size_t hdr_len, const void* payload, size_t n,
                          uint64_t seq) override {
-    write_mapped_message(peers_.at(peer).host + ready_off, hdr, hdr_len, payload, n, seq);
+    write_mapped_message(peers_.at(peer).host + ready_off, hdr, hdr_len, payload, n, seq, stores_);
     return 1;
   }
 
@@ -518,6 +519,7 @@ class NvlinkTransport : public Transport {
   CUdeviceptr alloc_ = 0, dev_base_ = 0, own_flags_dev_ = 0;
   CUipcMemHandle ipc_{};
   size_t kernel_max_ = 0;  // option nvlink_kernel_max; 0: copy engine for every size
+  PeerStores stores_;       // option shm_stores, for the host payloads (hostmem.h copy_to_peer)
   CUmodule module_ = nullptr;
   std::atomic<CUfunction> copy_signal_{nullptr};  // null: kernel not loaded, or turned off
   mutable std::mutex kernel_mu_;
