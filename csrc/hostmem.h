@@ -11,7 +11,7 @@
 
 namespace varcomm {
 
-// Copies n bytes into a peer's slot: memory the peer's core read last, which
+// Copies n bytes into a peer's slot or landing block: memory the peer's core may have read last, which
 // this core's ordinary stores must first take from it. On this project's VMs
 // that costs ~10x in some minutes-long spells ("slow mode": 1 MiB in 360-400
 // us instead of 33; bench/results/shm-cross-write.c), while non-temporal

@@ -115,14 +115,15 @@ def machine(ctx: Any = None) -> dict[str, Any]:
 
         info["varcomm"] = varcomm.__version__
         info["varcomm_build"] = varcomm.build_info()
-        # How rank 0's large copies into peers' slots went (ordinary or non-temporal stores: csrc/hostmem.h): the
+    except Exception as e:  # informational only
+        info["varcomm_build"] = f"unavailable: {e}"
+    else:
+        # How rank 0's large copies into peers' memory went (ordinary or non-temporal stores: csrc/hostmem.h): the
         # VM's slow spells show here.
         _, ordinary, streamed, _, _ = varcomm._C.peer_copy_stats()
         _, l_ordinary, l_streamed, _, _ = varcomm._C.peer_copy_stats(landing=True)
         info["slot_copies"] = {"ordinary": ordinary, "streamed": streamed,
                                "landing_ordinary": l_ordinary, "landing_streamed": l_streamed}
-    except Exception as e:  # informational only
-        info["varcomm_build"] = f"unavailable: {e}"
     fi: dict[str, Any] = {}
     v = _cmd_out(["pkg-config", "--modversion", "libfabric"])
     if v:

@@ -1323,8 +1323,8 @@ PYBIND11_MODULE(_C, m) {
         PeerCopyStats s = peer_copy_stats(landing ? PeerCopyTarget::kLanding : PeerCopyTarget::kSlots);
         return py::make_tuple(s.non_temporal, s.ordinary, s.streamed, s.ordinary_ns_per_kib, s.streamed_ns_per_kib);
       },
-      "(streaming now, large copies into peers' slots with ordinary stores, with non-temporal ones, and the median "
-      "ns per KiB of each way's last three) in this process, into peers' slots or (landing) their landing areas "
+      "(streaming now, large copies with ordinary stores, with non-temporal ones, and the median ns per KiB of each "
+      "way's last three) in this process, into peers' slots or (landing) their landing areas "
       "(csrc/hostmem.h copy_to_peer)",
       py::arg("landing") = false);
   m.def(
