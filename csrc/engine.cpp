@@ -579,6 +579,7 @@ bool Engine::check_landings(int peer) {
       }
       raw_settled(st.raw);
       if (!err.empty()) {
+        st.raw = 0;  // settled: fail_peer's fail_streams must not settle (and unref) its block again
         fail_claim(peer, st.slot, s->first);
         fail_peer(peer, "its message of " + std::to_string(st.total) + " bytes could not be copied: " + err);
         return false;
@@ -601,6 +602,7 @@ bool Engine::check_landings(int peer) {
       // word is in our region; its slot is not reused before it wrote).
       if (rv_word_at(peer, st.slot, kRvStateOff) &&
           load_acquire(base + layout_.slot_off(peer, st.slot) + kRvStateOff) == rv_word(s->first, kRvWithdrawn)) {
+        drop_landing(st);  // nothing will be written there
         fail_peer(peer, "its message of " + std::to_string(st.total) + " bytes could not be copied: " + kWithdrawn);
         return false;
       }
@@ -1531,10 +1533,22 @@ void Engine::fail_request(uint64_t id, ErrorKind kind, const std::string& why) {
   r.error = why;
 }
 
+void Engine::drop_landing(Peer::Stream& st) {
+  if (!st.landing) return;
+  land_used_.at(st.landing).pending = false;
+  land_unref(st.landing);
+  st.landing = 0;
+}
+
 void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
   Peer& p = peers_[peer];
+  // A landing block peer was asked to write keeps its reference (never
+  // reused under a late write) unless nothing of peer's writes any more:
+  // its process is gone. Then a comm.empty out is usable again at once.
+  const bool gone = p.t && !p.t->peer_error(peer).empty();
   for (auto& kv : p.streams) {
     if (kv.second.raw) drop_raw(peer, kv.first, kv.second);
+    else if (gone) drop_landing(kv.second);
     if (kv.second.id)
       fail_request(kv.second.id, kind, why + " (" + std::to_string(kv.second.got) + " of " +
                                            std::to_string(kv.second.total) + " bytes had arrived)");

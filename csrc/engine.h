@@ -432,6 +432,9 @@ class Engine {
   bool push_settled(int peer, uint64_t seq, Peer::Stream& st, std::string* failed);
   // Receiver: a pending raw push given up on with its pair (close, failure).
   void drop_raw(int peer, uint64_t seq, Peer::Stream& st);
+  // Receiver: a landing (kPushCredit) whose sender will not write: its block's
+  // pending mark and the stream's reference go.
+  void drop_landing(Peer::Stream& st);
 
   int rank_, world_;
   Options opt_;

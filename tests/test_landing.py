@@ -272,3 +272,71 @@ def test_queued_send_moves_while_its_sender_keeps_receiving(form):
             # (~150 here with the fix, all 1500 without: a margin for a loaded machine)
             assert told_after < count * 3 // 4, f"rank 0 had rank 1's message only after {told_after} of {count}"
         comm.barrier()
+
+
+@world(3, timeout=120, expect_exit={1: None})
+def test_a_dead_senders_landing_frees_the_comm_empty_buffer():
+    """The sender of a message promised a landing into a comm.empty buffer
+    dies before writing it: the receive fails (PeerFailure), and the buffer
+    takes the next message from a live peer at once (it stayed marked as still
+    to be written, so that receive timed out, and its block was never freed)."""
+    import os
+    import signal
+
+    with varcomm.init(transport="shm", timeout=30, array="numpy", peer_timeout=2) as comm:
+        n = 1 << 20
+        if comm.rank == 1:
+            comm.isend(_data(n, 1), 0)
+            time.sleep(1.0)  # computing: nothing writes the landing rank 0 asks for
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif comm.rank == 2:
+            assert comm.recv(0, tag=7)[0] == 1
+            comm.send(_data(n, 2), 0)
+        else:
+            buf = comm.empty(n, "uint8")
+            with pytest.raises(varcomm.PeerFailure):
+                comm.recv(1, out=buf)
+            comm.send(np.array([1], np.uint8), 2, tag=7)
+            got = comm.recv(2, out=buf, timeout=10)
+            assert got.ctypes.data == buf.ctypes.data and np.array_equal(got, _data(n, 2))
+            del got, buf
+            assert _drained(comm) == 0, "the dead sender's landing kept its block"
+
+
+@world(2, timeout=120, expect_exit={1: None})
+def test_a_failed_chunk_read_keeps_the_output_block_once():
+    """A collective's chunk sender posts its chunk and then neither writes it
+    into the receiver's comm.empty output (kRawCredit) nor keeps it readable
+    (its memory is unmapped): the receiver revokes, its own CMA read fails,
+    and the call fails. The output's block was released twice (the read's
+    failure, then the pair's), so a new comm.empty came back at the same
+    address as the live output, and writes into one changed the other."""
+    import ctypes
+    import mmap
+    import os
+
+    with varcomm.init(transport="shm", timeout=20, array="numpy", cma="on") as comm:
+        n = 1 << 16  # 256 KiB chunks of float32: held rendezvous, pushed
+        x = np.full(2 * n, comm.rank + 1, dtype=np.float32)
+        comm.all_to_all_v(x, [n, n], out=np.empty(2 * n, np.float32))  # warm: the next call is quick
+        if comm.rank == 1:
+            m = mmap.mmap(-1, x.nbytes)
+            src = np.frombuffer(m, np.float32)
+            src[:] = 2
+            _work = comm.all_to_all_v(src, [n, n], out=np.empty(2 * n, np.float32), async_op=True)  # posted
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            assert libc.munmap(src.ctypes.data, x.nbytes) == 0  # no read of it can succeed now
+            comm.send(np.zeros(1, np.float32), 0)
+            time.sleep(5)  # computing: nothing writes the chunk
+            os._exit(0)
+        buf = comm.empty(2 * n, "float32")
+        comm.recv(1)
+        with pytest.raises(varcomm.PeerFailure, match="could not be copied"):
+            comm.all_to_all_v(x, [n, n], out=buf)
+        other = comm.empty(2 * n, "float32")
+        assert other.ctypes.data != buf.ctypes.data
+        buf[:] = 7
+        other[:] = 9
+        assert buf[0] == 7
+        assert comm._c.landing_stats()[2] >= 2 * x.nbytes, comm._c.landing_stats()  # both still lent
