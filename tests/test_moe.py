@@ -142,3 +142,35 @@ def test_bf16_tokens_and_argument_errors():
             dispatch(comm, tokens, ids, w, 3)
         with pytest.raises(varcomm.InvalidArgument, match=r"\[0, 4\)"):
             dispatch(comm, tokens, ids + 4, w, 4)
+
+
+@world(2, timeout=60)
+def test_a_call_one_rank_refuses_is_refused_to_its_peer_and_the_next_pairs_up():
+    """One rank's dispatch (bad topk_ids) or combine (wrong row count) fails
+    its argument check before any all-to-all: the peer fails that same call
+    (MessageMismatch naming the rank) instead of pairing it with the refusing
+    rank's next call and taking its data (silently wrong tokens)."""
+    with varcomm.init(timeout=30) as comm:
+        r, E, T = comm.rank, 4, 3
+        for step in range(3):
+            tokens = torch.full((T, 4), float(100 * step + r))
+            ids = torch.full((T, 1), E - 1 if r == 0 else 0)  # each rank's tokens go to the other's expert
+            if r == 1 and step == 0:
+                with pytest.raises(varcomm.InvalidArgument, match=r"\[0, 4\)"):
+                    dispatch(comm, tokens, ids + E, torch.ones(T, 1), E)
+                continue
+            if r == 0 and step == 0:
+                with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
+                    dispatch(comm, tokens, ids, torch.ones(T, 1), E)
+                continue
+            et, _, h = dispatch(comm, tokens, ids, torch.ones(T, 1), E)
+            assert set(et[:, 0].tolist()) == {float(100 * step + 1 - r)}, (step, et)
+            if step == 1 and r == 1:
+                with pytest.raises(varcomm.InvalidArgument, match="rows"):
+                    combine(comm, et[:-1], h)
+                continue
+            if step == 1 and r == 0:
+                with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
+                    combine(comm, et, h)
+                continue
+            assert torch.equal(combine(comm, et, h), tokens)

@@ -161,21 +161,35 @@ def _in_step(fn: _F) -> _F:
     collective's number (an argument error: splits that do not add up, a bad
     out) refuses it to every peer too (the core's AllToAll::refuse): they fail
     that same call at once, naming this rank, where they would otherwise pair
-    their next call with this rank's next, and take each other's data."""
+    their next call with this rank's next, and take each other's data.
+    Nested entry points (moe.dispatch around all_to_all_v) refuse once."""
     @functools.wraps(fn)
     def call(comm: Communicator, *args: Any, **kw: Any) -> Any:
         before = comm._c.collectives
         try:
             return fn(comm, *args, **kw)
-        except InvalidArgument:
-            # (CUDA send_splits: the device-split form, its own protocol)
-            v = fn.__name__ == "all_to_all_v"
-            splits = kw.get("send_splits", args[1] if len(args) > 1 else None) if v else None
-            if comm._c.collectives == before and not alltoall_device.is_device_splits(splits):
+        except InvalidArgument as e:
+            if comm._c.collectives == before and not getattr(e, "_refused_to_peers", False) \
+                    and not _device_protocol(fn.__name__, args, kw):
                 tag = kw.get("tag")
                 _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0)
+                e._refused_to_peers = True  # type: ignore[attr-defined]
             raise
     return cast(_F, call)
+
+
+def _device_protocol(name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
+    """Whether the call was the device-split form, whose refusals are its own
+    protocol's (CUDA send_splits; moe with CUDA topk_ids, or its handle)."""
+    if name == "all_to_all_v":
+        return alltoall_device.is_device_splits(kw.get("send_splits", args[1] if len(args) > 1 else None))
+    if name == "dispatch":
+        ids = kw.get("topk_ids", args[1] if len(args) > 1 else None)
+        return bool(getattr(ids, "is_cuda", False))
+    if name == "combine":
+        h = kw.get("handle", args[1] if len(args) > 1 else None)
+        return type(h).__name__ == "DeviceMoEHandle"
+    return False
 
 
 def _check_timeout(timeout: float | None) -> None:

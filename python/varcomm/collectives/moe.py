@@ -146,6 +146,7 @@ def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@alltoall._in_step
 def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle | DeviceMoEHandle]:
     """Send each (token, k) to the rank owning expert ``topk_ids[token, k]``.
@@ -181,6 +182,7 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     return expert_tokens, tokens_per_expert, handle
 
 
+@alltoall._in_step
 def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle | DeviceMoEHandle) -> torch.Tensor:
     """Return every expert output to its token's rank and reduce it:
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``, tokens in their
