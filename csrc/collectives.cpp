@@ -494,7 +494,9 @@ std::optional<Error> AllToAll::error() const {
                       "'s receive bound of " + std::to_string(e_.layout().bound) + " bytes, and " + rank_str(s) +
                       " raised MessageTooLarge";
     if (over.size() > 1) msg += " (so did ranks " + list_str(std::vector<int>(over.begin() + 1, over.end())) + ")";
-    return Error(ErrorKind::Refused, msg + "; the communicator stays usable", s);
+    // MessageTooLarge here too (naming the sender): one except clause
+    // catches an over-bound call on every rank.
+    return Error(ErrorKind::TooLarge, msg + "; the communicator stays usable", s);
   }
   if (overflow_) {
     int64_t total = 0;

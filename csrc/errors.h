@@ -6,8 +6,7 @@
 
 namespace varcomm {
 
-enum class ErrorKind : int { None = 0, Invalid, TooLarge, Mismatch, Timeout, PeerFailure, Closed,
-                             Refused /* a peer could not send to us and raised */ };
+enum class ErrorKind : int { None = 0, Invalid, TooLarge, Mismatch, Timeout, PeerFailure, Closed };
 
 class Error : public std::runtime_error {
  public:

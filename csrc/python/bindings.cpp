@@ -41,7 +41,6 @@ const char* error_class(ErrorKind k) {
     case ErrorKind::Timeout: return "TimeoutError";
     case ErrorKind::PeerFailure: return "PeerFailure";
     case ErrorKind::Closed: return "ClosedError";
-    case ErrorKind::Refused: return "VarcommError";
     default: return "InvalidArgument";
   }
 }

@@ -234,8 +234,8 @@ struct DeviceA2A::Impl {
                                               std::to_string(r.d) + " bytes" + call +
                                               ": nothing of it was sent; raise the bound (VARCOMM_BOUND)",
                      int(r.a));
-      case a2a::kErrPeerTooLarge:
-        return Error(ErrorKind::Refused, rk(r.a) + "'s chunk for " + me + " had " + std::to_string(r.b) + " rows (" +
+      case a2a::kErrPeerTooLarge:  // on every rank, as on the host path
+        return Error(ErrorKind::TooLarge, rk(r.a) + "'s chunk for " + me + " had " + std::to_string(r.b) + " rows (" +
                                              std::to_string(r.c) + " bytes), over the device slot capacity of " +
                                              std::to_string(r.d) + " bytes" + call + ": it received 0 rows from it",
                      int(r.a));
@@ -258,13 +258,13 @@ struct DeviceA2A::Impl {
                                              std::to_string(r.d) + " rows" + call +
                                              ": negative, or past the input; nothing sent to it");
       case a2a::kErrPeerCounts:
-        return Error(ErrorKind::Refused, rk(r.a) + "'s chunk for " + me + " says " + std::to_string(r.b) +
+        return Error(ErrorKind::Mismatch, rk(r.a) + "'s chunk for " + me + " says " + std::to_string(r.b) +
                                              " rows but its per-expert counts add up to " + std::to_string(r.c) +
                                              call + ": it received 0 rows from it (a peer of another build, or "
                                              "memory corrupted on the way)",
                      int(r.a));
-      case a2a::kErrPeerSplits:
-        return Error(ErrorKind::Refused, rk(r.a) + " passed send_splits outside its input" + call +
+      case a2a::kErrPeerSplits:  // a call the peer refused (the host path's MessageMismatch too)
+        return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input" + call +
                                              ": 0 rows from it", int(r.a));
       case a2a::kErrTimeout:
         return Error(ErrorKind::Timeout, me + "'s device all-to-all kernel timed out waiting for " + rk(r.a) +

@@ -26,12 +26,12 @@ and in call order (each names its call; calls enqueued before the host
 looked keep theirs):
 
 * a chunk over its receiver's slot (the bound): nothing of it is sent, the
-  receiver gets 0 rows from that source; MessageTooLarge on the sender,
-  VarcommError (refused) on the receiver;
+  receiver gets 0 rows from that source; MessageTooLarge on both;
 * rows of another dtype or row size than the receiver's: MessageMismatch
   naming the source, 0 rows from it;
 * rows that do not fit ``out``: MessageTooLarge, 0 rows from that source;
-* splits outside ``x`` (negative, or summing past its rows): InvalidArgument;
+* splits outside ``x`` (negative, or summing past its rows): InvalidArgument
+  (MessageMismatch naming that rank on its receivers);
 * a peer that does not answer within ``timeout`` (the kernels' own limit):
   TimeoutError; a dead peer (noticed within seconds by a watcher
   thread, whoever waits on the stream) or a close:
