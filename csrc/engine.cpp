@@ -640,6 +640,8 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
                          Mem mem, int* claim) {
   Peer& p = peers_[peer];
   const char* base = region_->base();
+  for (auto& x : p.returned)
+    if (x.hdr.tag == tag) return -1;  // a given-back message may come first: the irecv path orders them
   for (auto a = p.ready.begin(); a != p.ready.end(); ++a) {
     if (a->claimed) continue;
     const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a->slot) + kHeaderOff);
@@ -1392,6 +1394,15 @@ void Engine::progress_recvs(int peer) {
         break;
       }
     }
+    if (!p.returned.empty()) {
+      auto ret = std::find_if(p.returned.begin(), p.returned.end(),
+                              [&](const Peer::Returned& x) { return x.hdr.tag == r.tag; });
+      if (ret != p.returned.end() && (m == p.ready.end() || ret->hdr.seq < m->seq)) {
+        take_returned(peer, *it, ret);
+        it = p.posted.erase(it);
+        continue;
+      }
+    }
     if (m == p.ready.end()) {
       ++it;
       continue;
@@ -1538,6 +1549,35 @@ void Engine::drop_landing(Peer::Stream& st) {
   land_used_.at(st.landing).pending = false;
   land_unref(st.landing);
   st.landing = 0;
+}
+
+void Engine::take_returned(int peer, uint64_t id, std::deque<Peer::Returned>::iterator ret) {
+  Peer& p = peers_[peer];
+  Request& r = reqs_[uint32_t(id)];
+  r.hdr = ret->hdr;
+  if (!r.out) {  // the block is the result, as when it landed
+    r.land = ret->land;
+    r.slot = -1;
+    r.state = ReqState::Matched;
+    p.returned.erase(ret);
+    if (r.detached) release_locked(id);
+    return;
+  }
+  // Refused without consuming, as any message: it stays for the next receive.
+  r.error = misfit(peer, r.hdr, r.out_cap, r.out_dtype, &r.err, r.mem.device);
+  if (r.error.empty()) {
+    const char* src = region_->base() + ret->land + kPayloadOff;
+    if (r.mem.device) {
+      Transport& t = local_device();
+      t.copy_done(t.copy_async(r.out, src, r.hdr.nbytes, r.mem.stream, true), true);
+    } else {
+      std::memcpy(r.out, src, r.hdr.nbytes);
+    }
+    land_unref(ret->land);
+    p.returned.erase(ret);
+  }
+  r.state = r.error.empty() ? ReqState::Done : ReqState::Failed;
+  if (r.detached) recycle(id);
 }
 
 void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
@@ -1907,7 +1947,12 @@ Engine::Cancelled Engine::cancel(uint64_t id, bool report) {
     // taken early into memory of its own cannot go back, and is dropped).
     for (auto& a : p.ready)
       if (a.seq == r.hdr.seq) a.claimed = false;
-    if (r.land) land_unref(r.land);
+    if (r.land) {  // landed: its block waits in p.returned
+      auto at = std::find_if(p.returned.begin(), p.returned.end(),
+                             [&](const Peer::Returned& x) { return x.hdr.seq > r.hdr.seq; });
+      p.returned.insert(at, {r.hdr, r.land});
+      r.land = 0;
+    }
   } else if (r.state == ReqState::Streaming) {
     // Part of its data is in the caller's buffer: the rest is dropped as it
     // arrives (never written there), and the pair goes on.

@@ -423,6 +423,16 @@ class Engine {
       std::chrono::steady_clock::time_point asked{};
     };
     std::map<uint64_t, Stream> streams;
+    // Landed messages a receive matched and then gave back (cancel: its
+    // caller refused it, e.g. an array kind that cannot hold the dtype), in
+    // seq order: a landed message has no slot to go back to, so the next
+    // receive with its tag takes it from here (take_returned), in turn with
+    // the arrivals.
+    struct Returned {
+      MsgHeader hdr;
+      size_t land;
+    };
+    std::deque<Returned> returned;
     bool pulls = false;  // this rank can copy straight out of peer's memory (Transport::read_refused)
     bool pulls_chunks = false;  // the same for a collective's chunks (chunk_read_refused)
     uint64_t lands = 0;  // Transport::landing_write_max: the largest message written into a landing area
@@ -435,6 +445,8 @@ class Engine {
   // Receiver: a landing (kPushCredit) whose sender will not write: its block's
   // pending mark and the stream's reference go.
   void drop_landing(Peer::Stream& st);
+  // Posted receive `id` takes a given-back landed message (Peer::returned).
+  void take_returned(int peer, uint64_t id, std::deque<Peer::Returned>::iterator ret);
 
   int rank_, world_;
   Options opt_;

@@ -445,3 +445,40 @@ def test_dropped_works_when_the_peer_dies(transport):
     comm.send(torch.arange(3), dst=0)  # self-sends still work
     assert comm.recv(src=0).tolist() == [0, 1, 2]
     comm.close()
+
+
+@pytest.mark.parametrize("form", ["new", "out", "irecv"])
+@pytest.mark.parametrize("copy", [True, False])
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "fallback"])
+@world(2, timeout=90)
+def test_a_landed_message_refused_by_its_array_kind_is_kept(transport, copy, form):
+    """A large message (a rendezvous its sender wrote into the receiver's
+    landing area) that the receive refuses after it landed (array="numpy" and
+    bfloat16): kept however often, and the next receive gets it before the
+    sender's later message, whole, in a new tensor or in out=. It had been
+    dropped with its block (the receiver then waited for a message that was
+    gone, and the sender's order broke)."""
+    n = 3 << 19  # 3 MiB of bfloat16: over eager_max (rdma: 2 MiB), lands
+    with varcomm.init(transport=transport, timeout=30, array="numpy") as comm:
+        if comm.rank == 0:
+            comm.send(torch.arange(n, dtype=torch.bfloat16), dst=1)
+            comm.send(torch.arange(3, dtype=torch.int32), dst=1)
+        else:
+            for _ in range(2):
+                with pytest.raises(varcomm.InvalidArgument, match="no numpy equivalent"):
+                    comm.recv(src=0, copy=copy)
+            want = torch.arange(n, dtype=torch.bfloat16)
+            if form == "out":
+                out = torch.zeros(n + 8, dtype=torch.bfloat16)
+                assert torch.equal(comm.recv(src=0, out=out), want)
+            elif form == "irecv":
+                assert torch.equal(comm.irecv(src=0, array="torch", copy=copy).wait(), want)
+            else:
+                assert torch.equal(comm.recv(src=0, array="torch", copy=copy), want)
+            assert comm.recv(src=0).tolist() == [0, 1, 2]
+            gc.collect()
+            deadline = time.time() + 10
+            while comm._c.landing_stats()[1] and time.time() < deadline:
+                time.sleep(0.05)
+            assert comm._c.landing_stats()[1] == 0, "a landing block was kept"
+        comm.barrier()

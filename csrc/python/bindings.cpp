@@ -1533,7 +1533,22 @@ PYBIND11_MODULE(_C, m) {
              MsgHeader h;
              int src;
              int slot;
-             if (landed_only && !c.engine->landed(id)) return py::none();
+             const bool landed = c.engine->landed(id);
+             if (landed_only && !landed) return py::none();
+             if (landed) {
+               // A landed message cannot go back once taken (its head's slot
+               // is free again), so make's refusals (a kind that cannot hold
+               // the dtype) are asked first, with no Loan: refused, it is kept.
+               MsgInfo m = c.engine->info(id);
+               py::tuple shape(m.shape.size());
+               for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = py::int_(m.shape[i]);
+               try {
+                 make(py::none(), m.dtype, shape, unsigned((m.flags & kArrayMask) >> kArrayShift));
+               } catch (...) {
+                 c.engine->cancel(id);  // back for the next recv (Engine::Peer::returned)
+                 throw;
+               }
+             }
              try {
                slot = c.engine->take_claim(id, &h, &src);
              } catch (const Error&) {

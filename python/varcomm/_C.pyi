@@ -60,8 +60,9 @@ class Status(tuple[int, int, int, int, tuple[int, ...], bool, bool]):
 _T = TypeVar("_T")
 # -> the array (a buffer), or (array, data pointer[, then])
 Alloc = Callable[[int, tuple[int, ...]], Any]
-# (Loan, dtype word, shape, sender's array kind) -> the array recv(copy=False) returns
-Lend = Callable[[Loan, int, tuple[int, ...], int], Array]
+# (Loan, dtype word, shape, sender's array kind) -> the array recv(copy=False) returns;
+# with None for the Loan only checks the kind can hold the dtype (raises, else None)
+Lend = Callable[[Loan | None, int, tuple[int, ...], int], Array | None]
 
 class Loan(Buffer):
     """A received message's bytes in its receive slot (copy=False); the slot returns when it is freed."""

@@ -343,19 +343,22 @@ def receive_kind(array: str, sent: int) -> str:
     return default_kind()
 
 
-def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array]:
+def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array | None]:
     """copy=False's maker: (Loan, dtype word, shape, sender's kind) -> a
     zero-copy array of the kind `array` asks for ("auto": the sender's) over a
     receive slot's bytes (a `_C.Loan`, a buffer). The array holds the Loan, and
     the slot goes back to its sender when the Loan is freed: when the array and
     every view of it are gone. A kind that cannot hold the dtype raises before
-    anything holds the Loan, and the core keeps the message for the next recv."""
+    anything holds the Loan, and the core keeps the message for the next recv.
+    With loan None it only checks (returns None, or raises what it would)."""
 
-    def lend(loan: Any, dtype_word: int, shape: tuple[int, ...], sent: int) -> Array:
+    def lend(loan: Any, dtype_word: int, shape: tuple[int, ...], sent: int) -> Array | None:
         kind = receive_kind(array, sent)
         # frombuffer makes the 1-d array; any other shape is one reshape more.
         if kind == "torch":
             dt = dtypes.to_torch(dtype_word)
+            if loan is None:
+                return None
             if 0 in shape:
                 return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
             t = torch.frombuffer(loan, dtype=dt)
@@ -363,7 +366,10 @@ def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array]:
         if kind == "cupy":
             raise InvalidArgument("copy=False lends a host receive slot; a cupy array lives on the GPU: receive "
                                   "with copy=True, or as numpy")
-        a: np.ndarray[Any, Any] = np.frombuffer(loan, dtype=dtypes.to_numpy(dtype_word))
+        ndt = dtypes.to_numpy(dtype_word)
+        if loan is None:
+            return None
+        a: np.ndarray[Any, Any] = np.frombuffer(loan, dtype=ndt)
         return a if len(shape) == 1 else a.reshape(shape)
 
     return lend
