@@ -15,6 +15,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -555,4 +556,48 @@ def test_fake_host_rendezvous_into_device_memory(fake_cuda):
             host = np.zeros(2 * BOUND, dtype=np.uint8)
             got = comm.recv(0, out=host)
             assert got.nbytes == 2 * BOUND and host.tobytes() == _payload(2, 2 * BOUND)
+        comm.barrier()
+
+
+@pytest.mark.parametrize("n", [1000, 5000])  # eager; by rendezvous (CMA) into the head's slot
+@world(2, timeout=120)
+def test_fake_host_message_into_device_memory_does_not_wait_for_the_stream(fake_cuda, nvlink_flags, n):
+    """A host message received into device memory on a held stream (earlier
+    GPU work still running): the receive returns at once (it had waited for
+    the stream under the engine's lock, stalling the rank's every thread),
+    the data is there once the stream ran, and the slot comes back from the
+    stream (slots=1: the next message arrives)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=1, eager_max=4096, cma="on")
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    with comm:
+        if r == 0:
+            for i in range(2):
+                comm.send(np.frombuffer(_payload(i, n), dtype=np.uint8).copy(), 1)
+        else:
+            if n > 4096 and comm.route_info(0)["cma"] != "on":
+                pytest.skip("no CMA here: a host rendezvous cannot land in device memory")
+            word = gpu.alloc(8)
+            ctypes.c_uint64.from_address(word).value = 0
+            assert gpu.lib.cuStreamWaitValue64_v2(ctypes.c_void_p(s), ctypes.c_ulonglong(word),
+                                                  ctypes.c_ulonglong(1), ctypes.c_uint(0)) == 0
+            fired = []
+
+            def release(by_timer: bool = False) -> None:
+                fired.append(by_timer)
+                ctypes.c_uint64.from_address(word).value = 1
+
+            timer = threading.Timer(20, release, (True,))  # so that an unfixed wait ends
+            timer.start()
+            dev = gpu.alloc(BOUND)
+            h = c.recv_into(0, 0, dev, BOUND, U8, 30.0, s)
+            assert not fired, "the receive waited for the held stream"
+            assert h.nbytes == n
+            timer.cancel()
+            release()
+            gpu.sync(s)
+            assert gpu.get(dev, n) == _payload(0, n)
+            h = c.recv_into(0, 0, dev, BOUND, U8, 30.0, s)
+            gpu.sync(s)
+            assert gpu.get(dev, n) == _payload(1, n)
         comm.barrier()

@@ -397,18 +397,22 @@ class _NoHostWait(FakeDevice):
         pass
 
 
+@pytest.mark.parametrize("host_flags", [1, 0])
 @world(2, timeout=120)
-def test_fake_staged_landing_does_not_block_the_host(fake_cuda):
-    """Rank 1 keeps its data flags in host memory, so its pair with rank 0 has
-    no device route: rank 0's chunk lands in rank 1's device out from a host
-    slot, by a copy on rank 1's stream. With that stream held (earlier GPU
+def test_fake_staged_landing_does_not_block_the_host(fake_cuda, host_flags):
+    """One rank keeps its data flags in host memory, so the pair has no
+    device route: rank 0's chunk lands in rank 1's device out from a host
+    slot, by a copy on rank 1's stream (from memory registered with the
+    driver: the fake, like the driver, makes a copy from pageable memory wait
+    for the stream first, on the caller's thread; rank 1 with device flags
+    had registered only its region's control words). With that stream held (earlier GPU
     work still running), rank 1's all_to_all_v returns at once (the engine
     waited for the stream with its lock held, stalling the rank's every
     thread), and the slot stays rank 1's until the copy ran: rank 0's next
     message (slots=1) does not arrive before, and the rows that land are
     rank 0's chunk, not that message."""
     r0 = varcomm.testing.rank()
-    os.environ["VARCOMM_NVLINK_FLAGS"] = "host" if r0 == 1 else "device"
+    os.environ["VARCOMM_NVLINK_FLAGS"] = "host" if r0 == host_flags else "device"
     gpu = FakeGpu(fake_cuda)
     dev = _NoHostWait(gpu)
     arrays.set_device_memory(dev)

@@ -710,6 +710,43 @@ def test_fake_graph_replayed_on_another_stream_is_an_error(fake_cuda):
         comm.barrier()
 
 
+@world(2, timeout=120)
+def test_fake_progress_on_another_thread_leaves_a_capture_intact(fake_cuda):
+    """PyTorch captures a graph in GLOBAL mode by default, where the driver
+    refuses any thread's event query, stream query or free while it lasts
+    (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates the capture.
+    varcomm's progress on another thread (here synchronize: a stream query,
+    event queries, deferred frees) runs in THREAD_LOCAL mode: the capture
+    ends intact, and the other thread's call succeeds (it had failed with
+    that error, and an output freed on such an answer was freed while in use)."""
+    import threading
+
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    s, t = gpu.stream(), gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (4, 4), "float32", t)
+        sp = FakeArray(gpu, (2,), "int64", t)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (64, 4), "float32", t)
+        D.all_to_all_vdev(comm, x, sp, out=out)
+        errors: list[BaseException] = []
+
+        def progress() -> None:
+            try:
+                D.synchronize(comm, t)
+                D.synchronize(comm)
+            except BaseException as e:  # (reported below)
+                errors.append(e)
+
+        _begin(gpu, s)
+        th = threading.Thread(target=progress)
+        th.start()
+        th.join(60)
+        _end(gpu, s)  # asserts the capture was not invalidated
+        assert not errors, errors
+        comm.barrier()
+
+
 def _begin(gpu, s):
     assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 0) == 0
 

@@ -51,22 +51,7 @@ bool unhex(const std::string& s, void* out, size_t n) {
   return true;
 }
 
-class Ctx {
- public:
-  Ctx(const Driver& d, CUcontext c) : d_(d) {
-    CUcontext cur = nullptr;
-    d_.CtxGetCurrent(&cur);
-    if (cur != c) pushed_ = d_.CtxPushCurrent(c) == CUDA_SUCCESS;
-  }
-  ~Ctx() {
-    CUcontext old;
-    if (pushed_) d_.CtxPopCurrent(&old);
-  }
-
- private:
-  const Driver& d_;
-  bool pushed_ = false;
-};
+using Ctx = cu::CtxScope;
 
 }  // namespace
 
@@ -149,12 +134,14 @@ struct DeviceA2A::Impl {
 
   // Frees what free() deferred, where its event completed (a stream that was
   // capturing at free() gets its event once it is not: querying a capturing
-  // stream would invalidate the capture).
+  // stream would invalidate the capture). Not called while the caller's
+  // stream captures: the driver refuses a query or free on that thread then
+  // (and the capture with it).
   void sweep(bool all = false) {
     for (size_t i = 0; i < pending.size();) {
       Pending& q = pending[i];
       if (!q.ev && !all) q.ev = event_on(q.stream);
-      if (all || (q.ev && d.EventQuery(q.ev) != CUDA_ERROR_NOT_READY)) {
+      if (all || (q.ev && event_done(d.EventQuery(q.ev)))) {
         d.MemFree(CUdeviceptr(q.p));
         if (q.ev) d.EventDestroy(q.ev);
         pending[i] = pending.back();
@@ -337,7 +324,7 @@ struct DeviceA2A::Impl {
       const auto deadline = Clock::now() + std::chrono::seconds(10);
       for (bool busy = true; busy && err;) {
         busy = false;
-        for (auto& kv : ran) busy |= d.EventQuery(kv.second) == CUDA_ERROR_NOT_READY;
+        for (auto& kv : ran) busy |= !event_done(d.EventQuery(kv.second));
         bool dead = false;
         for (int q = 0; q < world && busy; ++q) dead |= q != rank && !e.peer_error(q).empty();
         if (busy && (dead || Clock::now() > deadline)) break;
@@ -548,13 +535,13 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
   a.ne = 1;
   a.peer = unsigned(peer);
   Ctx scope(m.d, m.ctx);
-  if (!m.pending.empty()) m.sweep();
+  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+  m.check(m.d.StreamIsCapturing(reinterpret_cast<CUstream>(c.stream), &cs), "cuStreamIsCapturing");
+  if (!m.pending.empty() && cs == CU_STREAM_CAPTURE_STATUS_NONE) m.sweep();
   void* params[] = {&a};
   m.check(m.d.LaunchKernel(send ? m.p2p_send : m.p2p_recv, 1, 1, 1, a2a::kThreads, 1, 1, 0,
                            reinterpret_cast<CUstream>(c.stream), params, nullptr),
           send ? "cuLaunchKernel(p2p send)" : "cuLaunchKernel(p2p recv)");
-  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-  m.check(m.d.StreamIsCapturing(reinterpret_cast<CUstream>(c.stream), &cs), "cuStreamIsCapturing");
   if (cs == CU_STREAM_CAPTURE_STATUS_NONE) m.ran_on(c.stream);
 }
 
@@ -570,7 +557,6 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
     throw Error(ErrorKind::Invalid, "device all-to-all: splits must be int32 or int64");
   a2a::Args a = args_of(c, m.rank, m.world, cap_, m.ws, m.peer_ws, m.err_dev);
   Ctx scope(m.d, m.ctx);
-  if (!m.pending.empty()) m.sweep();
   CUstream s = reinterpret_cast<CUstream>(c.stream);
   // A call reads its number from the epoch the last call's receive kernel
   // advances, so it must not start before that kernel ended: the stream
@@ -584,6 +570,7 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   CUstreamCaptureStatus sn = CU_STREAM_CAPTURE_STATUS_NONE;
   m.check(m.d.StreamIsCapturing(s, &sn), "cuStreamIsCapturing");
   const bool capturing = sn != CU_STREAM_CAPTURE_STATUS_NONE;
+  if (!m.pending.empty() && !capturing) m.sweep();
   if (m.last && !m.last_captured && !capturing) {
     auto it = m.ran.find(*m.last);
     if (it != m.ran.end()) m.check(m.d.StreamWaitEvent(s, it->second, 0), "cuStreamWaitEvent");
@@ -651,7 +638,15 @@ uintptr_t DeviceA2A::alloc(uint64_t nbytes) {
   if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
   Ctx scope(m.d, m.ctx);
   CUdeviceptr p = 0;
-  CUresult r = m.d.MemAlloc(&p, nbytes ? nbytes : 1);
+  // An output allocated while the caller captures (the call being captured):
+  // as PyTorch's allocator does then, in RELAXED mode, which lets it through;
+  // the graph keeps using that address, and free() does not free it while
+  // its stream captures.
+  CUresult r;
+  {
+    CaptureModeScope relaxed(m.d, CU_STREAM_CAPTURE_MODE_RELAXED);
+    r = m.d.MemAlloc(&p, nbytes ? nbytes : 1);
+  }
   if (r != CUDA_SUCCESS)
     throw Error(ErrorKind::Invalid, "device all-to-all: cannot allocate " + std::to_string(nbytes) +
                                         " bytes of GPU memory for an output: " + cu::error_string(m.d, r, "cuMemAlloc"));
@@ -664,7 +659,7 @@ void DeviceA2A::free(uintptr_t p, uintptr_t stream) {
   if (!m.retained) return;  // closed: the driver frees it with the process
   Ctx scope(m.d, m.ctx);
   m.pending.push_back({p, stream, m.event_on(stream)});
-  m.sweep();
+  if (m.pending.back().ev) m.sweep();  // (no event: its stream captures, see sweep)
 }
 
 std::string DeviceA2A::describe() const {

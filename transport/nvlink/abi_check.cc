@@ -21,6 +21,7 @@ using CUevent = ::CUevent;
 using CUdevice_attribute = ::CUdevice_attribute;
 using CUpointer_attribute = ::CUpointer_attribute;
 using CUstreamCaptureStatus = ::CUstreamCaptureStatus;
+using CUstreamCaptureMode = ::CUstreamCaptureMode;
 using CUipcMemHandle = ::CUipcMemHandle;
 using cuuint64_t = ::cuuint64_t;
 #define VARCOMM_CU_REAL(member, ret, params, ...) using member = ret(*) params;
@@ -69,6 +70,7 @@ CHECK_FN(StreamSynchronize, cuStreamSynchronize)
 CHECK_FN(StreamQuery, cuStreamQuery)
 CHECK_FN(StreamGetCtx, cuStreamGetCtx)
 CHECK_FN(StreamIsCapturing, cuStreamIsCapturing)
+CHECK_FN(ThreadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode)
 CHECK_FN(StreamWriteValue64, cuStreamWriteValue64_v2)
 CHECK_FN(StreamWaitValue64, cuStreamWaitValue64_v2)
 CHECK_FN(ModuleLoadData, cuModuleLoadData)
@@ -90,6 +92,7 @@ static_assert(sizeof(mine::CUresult) == sizeof(::CUresult), "CUresult size");
 static_assert(sizeof(mine::CUdevice_attribute) == sizeof(::CUdevice_attribute), "CUdevice_attribute size");
 static_assert(sizeof(mine::CUpointer_attribute) == sizeof(::CUpointer_attribute), "CUpointer_attribute size");
 static_assert(sizeof(mine::CUstreamCaptureStatus) == sizeof(::CUstreamCaptureStatus), "capture status size");
+static_assert(sizeof(mine::CUstreamCaptureMode) == sizeof(::CUstreamCaptureMode), "capture mode size");
 static_assert(sizeof(mine::CUipcMemHandle) == sizeof(::CUipcMemHandle), "CUipcMemHandle size");
 static_assert(alignof(mine::CUipcMemHandle) == alignof(::CUipcMemHandle), "CUipcMemHandle alignment");
 
@@ -105,6 +108,10 @@ CHECK_EQ(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
 CHECK_EQ(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
 CHECK_EQ(CU_MEMORYTYPE_HOST)
 CHECK_EQ(CU_STREAM_CAPTURE_STATUS_NONE)
+CHECK_EQ(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+CHECK_EQ(CU_STREAM_CAPTURE_MODE_RELAXED)
+static_assert(mine::kCaptureErrorFirst == CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED &&
+                  mine::kCaptureErrorLast == CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD, "capture errors");
 CHECK_EQ(CU_STREAM_NON_BLOCKING)
 CHECK_EQ(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
 static_assert(mine::kHostRegisterPortable == CU_MEMHOSTREGISTER_PORTABLE, "portable");

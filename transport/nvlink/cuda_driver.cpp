@@ -177,7 +177,7 @@ bool copied(const Driver& d, CUcontext ctx, CUevent ev, bool wait) {
   if (!ev) return true;
   CtxScope scope(d, ctx);
   CUresult r = wait ? d.EventSynchronize(ev) : d.EventQuery(ev);
-  if (r == CUDA_ERROR_NOT_READY) return false;
+  if (!event_done(r)) return false;
   d.EventDestroy(ev);
   return true;
 }

@@ -30,6 +30,7 @@ using CUevent = ::CUevent_st*;
 using CUdevice_attribute = int;
 using CUpointer_attribute = int;
 using CUstreamCaptureStatus = int;
+using CUstreamCaptureMode = int;
 using cuuint64_t = std::uint64_t;
 struct CUipcMemHandle {
   char reserved[64];
@@ -45,6 +46,11 @@ constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS =
 constexpr CUpointer_attribute CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2;
 constexpr unsigned int CU_MEMORYTYPE_HOST = 1;
 constexpr CUstreamCaptureStatus CU_STREAM_CAPTURE_STATUS_NONE = 0;
+constexpr CUstreamCaptureMode CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1;
+constexpr CUstreamCaptureMode CU_STREAM_CAPTURE_MODE_RELAXED = 2;
+// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED .. _WRONG_THREAD: a call refused
+// because of a graph capture, not a failure of the work it asks about.
+constexpr CUresult kCaptureErrorFirst = 900, kCaptureErrorLast = 908;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
 constexpr unsigned int CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1;
 // CU_MEMHOSTREGISTER_* are macros in <cuda.h>: other names here.
@@ -103,6 +109,7 @@ constexpr int CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER = 100;
   X(StreamQuery, CUresult, (CUstream stream), "cuStreamQuery")                                                    \
   X(StreamGetCtx, CUresult, (CUstream stream, CUcontext * pctx), "cuStreamGetCtx")                                \
   X(StreamIsCapturing, CUresult, (CUstream stream, CUstreamCaptureStatus * status), "cuStreamIsCapturing")        \
+  X(ThreadExchangeStreamCaptureMode, CUresult, (CUstreamCaptureMode * mode), "cuThreadExchangeStreamCaptureMode") \
   /* Events: "the work enqueued so far on a stream ran", without keeping the */                                   \
   /* stream (its owner may destroy it) nor waiting for its later work. */                                         \
   X(EventCreate, CUresult, (CUevent * event, unsigned int flags), "cuEventCreate")                                \
@@ -171,11 +178,38 @@ CUevent copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who,
 // Transport::copy_done: whether the copy `ev` marks ran (`wait`: blocks until
 // it has); once true (also on a driver error: nothing more runs), `ev` is destroyed.
 bool copied(const Driver& d, CUcontext ctx, CUevent ev, bool wait);
+// What a cuEventQuery / cuEventSynchronize answer says of the work before the
+// event: it ran (CUDA_SUCCESS), or never will (a sticky error). Not ready, or
+// refused because of a graph capture, is not done: memory the work uses is
+// not freed on that answer.
+inline bool event_done(CUresult r) {
+  return r != CUDA_ERROR_NOT_READY && (r < kCaptureErrorFirst || r > kCaptureErrorLast);
+}
 
-// Makes `ctx` current for the scope when another (or none) is, and restores it.
+// This thread's graph-capture mode for the scope (cuThreadExchangeStreamCaptureMode).
+class CaptureModeScope {
+ public:
+  CaptureModeScope(const Driver& d, CUstreamCaptureMode mode) : d_(d), mode_(mode) {
+    d_.ThreadExchangeStreamCaptureMode(&mode_);
+  }
+  ~CaptureModeScope() { d_.ThreadExchangeStreamCaptureMode(&mode_); }
+  CaptureModeScope(const CaptureModeScope&) = delete;
+  CaptureModeScope& operator=(const CaptureModeScope&) = delete;
+
+ private:
+  const Driver& d_;
+  CUstreamCaptureMode mode_;
+};
+
+// Makes `ctx` current for the scope when another (or none) is, and restores
+// it. Within it this thread's capture mode is THREAD_LOCAL: its event
+// queries, synchronizations and frees (progress on behalf of any caller) do
+// not invalidate a graph another thread captures in GLOBAL mode (PyTorch's
+// default), as PyTorch's own NCCL watchdog does; a capture on this very
+// thread still refuses them, so callers check their stream first.
 class CtxScope {
  public:
-  CtxScope(const Driver& d, CUcontext ctx) : d_(d) {
+  CtxScope(const Driver& d, CUcontext ctx) : d_(d), mode_(d, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
     CUcontext cur = nullptr;
     d_.CtxGetCurrent(&cur);
     if (cur != ctx) pushed_ = d_.CtxPushCurrent(ctx) == CUDA_SUCCESS;
@@ -191,6 +225,7 @@ class CtxScope {
 
  private:
   const Driver& d_;
+  CaptureModeScope mode_;
   bool pushed_ = false;
 };
 

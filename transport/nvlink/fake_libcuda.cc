@@ -70,6 +70,11 @@ struct Stream {
   // Between cuStreamBeginCapture and cuStreamEndCapture: operations are
   // recorded here instead of run (a graph), and cuGraphLaunch runs them again.
   std::vector<std::function<void()>>* capture = nullptr;
+  // Who captures, how (CUstreamCaptureMode), and whether a prohibited call
+  // invalidated it: guarded by g_capture_mu.
+  int capture_mode = 0;
+  std::thread::id capture_thread;
+  bool invalidated = false;
   Stream() {
     worker = std::thread([this] {
       std::unique_lock<std::mutex> g(mu);
@@ -126,6 +131,33 @@ std::map<uintptr_t, Alloc> g_allocs;  // base -> allocation (device, opened, or 
 Stream* g_legacy = nullptr;
 thread_local Ctx* t_ctx = nullptr;
 thread_local std::deque<Ctx*> t_stack;
+
+// Graph captures under way (cuStreamBeginCapture .. cuStreamEndCapture) and
+// this thread's capture mode (cuThreadExchangeStreamCaptureMode; 0 GLOBAL, 1
+// THREAD_LOCAL, 2 RELAXED), for the driver's rule on "potentially unsafe"
+// calls (cuMemAlloc, cuMemFree, cuEventQuery, synchronizations): unless its
+// mode is RELAXED, a thread that captures (a capture not begun RELAXED), or
+// a thread in GLOBAL mode while another captures in GLOBAL mode, gets
+// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture is invalidated
+// (cuStreamEndCapture fails). PyTorch captures in GLOBAL mode by default, so
+// a library thread polling an event during a user's capture breaks it
+// unless it switches its own mode.
+std::mutex g_capture_mu;
+std::set<Stream*> g_captures;
+thread_local int t_capture_mode = 0;
+CUresult unsafe_call() {
+  std::lock_guard<std::mutex> g(g_capture_mu);
+  CUresult r = 0;
+  if (t_capture_mode == 2) return 0;
+  for (Stream* x : g_captures) {
+    const bool own = x->capture_thread == std::this_thread::get_id();
+    if ((own && x->capture_mode != 2) || (!own && x->capture_mode == 0 && t_capture_mode == 0)) {
+      x->invalidated = true;
+      r = 900;
+    }
+  }
+  return r;
+}
 
 // Destroyed streams: every later use of the handle fails with
 // CUDA_ERROR_INVALID_HANDLE (as the real driver mostly reports it; a use
@@ -214,6 +246,7 @@ static CUresult need_ctx() { return t_ctx == &g_ctx ? 0 : 201; }  // CUDA_ERROR_
 
 API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
   if (CUresult r = need_ctx()) return r;
+  if (CUresult r = unsafe_call()) return r;
   int fd = memfd_create("fake-cuda", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, off_t(n)) != 0) return 2;
   void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -225,6 +258,7 @@ API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
   return 0;
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (CUresult r = unsafe_call()) return r;
   Alloc a;
   {
     std::lock_guard<std::mutex> g(g_mu);
@@ -246,16 +280,34 @@ API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void* s) 
 API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
   if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
+  if (n && (!find(dst, nullptr) || !find(src, nullptr))) {
+    // Pageable host memory (neither allocated nor registered): the driver
+    // first waits for the stream's earlier work, on the calling thread, and
+    // copies before it returns (a D2H one completes; an H2D one is staged).
+    Stream* x = stream_of(s);
+    {
+      std::lock_guard<std::mutex> g(g_capture_mu);
+      if (g_captures.count(x)) {
+        x->invalidated = true;
+        return 900;
+      }
+    }
+    x->sync();
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n);
+    return 0;
+  }
   stream_of(s)->push([=] { std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), n); });
   return 0;
 }
 API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int) {
+  if (CUresult r = unsafe_call()) return r;
   std::lock_guard<std::mutex> g(g_mu);
   if (g_allocs.count(uintptr_t(p))) return 712;  // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
   g_allocs[uintptr_t(p)] = {n, -1, false};
   return 0;
 }
 API CUresult cuMemHostUnregister(void* p) {
+  if (CUresult r = unsafe_call()) return r;
   std::lock_guard<std::mutex> g(g_mu);
   return g_allocs.erase(uintptr_t(p)) ? 0 : 713;
 }
@@ -323,6 +375,10 @@ API CUresult cuStreamCreate(void** s, unsigned int) {
 // As the real driver: work already enqueued still runs (the worker drains its queue).
 API CUresult cuStreamDestroy_v2(void* s) {
   if (!s || dead(s)) return kInvalidHandle;
+  {
+    std::lock_guard<std::mutex> c(g_capture_mu);
+    g_captures.erase(static_cast<Stream*>(s));
+  }
   delete static_cast<Stream*>(s);
   std::lock_guard<std::mutex> g(g_mu);
   g_dead.insert(s);
@@ -330,11 +386,13 @@ API CUresult cuStreamDestroy_v2(void* s) {
 }
 API CUresult cuStreamSynchronize(void* s) {
   if (dead(s)) return kInvalidHandle;
+  if (CUresult r = unsafe_call()) return r;
   stream_of(s)->sync();
   return 0;
 }
 API CUresult cuStreamQuery(void* s) {
   if (dead(s)) return kInvalidHandle;
+  if (CUresult r = unsafe_call()) return r;
   return stream_of(s)->idle() ? 0 : 600;  // CUDA_ERROR_NOT_READY
 }
 API CUresult cuStreamGetCtx(void* s, Ctx** c) {
@@ -365,8 +423,12 @@ API CUresult cuEventRecord(Event* e, void* s) {
   });
   return 0;
 }
-API CUresult cuEventQuery(Event* e) { return e->completed.load() >= e->recorded.load() ? 0 : 600; }
+API CUresult cuEventQuery(Event* e) {
+  if (CUresult r = unsafe_call()) return r;
+  return e->completed.load() >= e->recorded.load() ? 0 : 600;
+}
 API CUresult cuEventSynchronize(Event* e) {
+  if (CUresult r = unsafe_call()) return r;
   const uint64_t want = e->recorded.load();
   for (int i = 0; e->completed.load() < want; ++i) i < 100 ? (void)sched_yield() : (void)usleep(20);
   return 0;
@@ -379,7 +441,6 @@ API CUresult cuStreamWaitEvent(void* s, Event* e, unsigned int) {
   });
   return 0;
 }
-static std::mutex g_capture_mu;
 static std::set<void*> g_capturing;  // streams fake_cuda_set_capturing marked
 API CUresult cuStreamIsCapturing(void* s, int* st) {
   if (dead(s)) return kInvalidHandle;
@@ -400,13 +461,22 @@ API void fake_cuda_set_capturing(void* s, int on) {
 struct Graph {
   std::vector<std::function<void()>> ops;
 };
-API CUresult cuStreamBeginCapture_v2(void* s, int) {
+API CUresult cuStreamBeginCapture_v2(void* s, int mode) {
   if (dead(s)) return kInvalidHandle;
   if (!s) return 1;  // the legacy stream cannot capture
   Stream* x = stream_of(s);
   std::lock_guard<std::mutex> g(x->mu);
   if (x->capture) return 900;  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
   x->capture = &(new Graph())->ops;
+  std::lock_guard<std::mutex> c(g_capture_mu);
+  x->capture_mode = mode;
+  x->capture_thread = std::this_thread::get_id();
+  x->invalidated = false;
+  g_captures.insert(x);
+  return 0;
+}
+API CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+  std::swap(*mode, t_capture_mode);
   return 0;
 }
 API CUresult cuStreamEndCapture(void* s, Graph** graph) {
@@ -414,8 +484,15 @@ API CUresult cuStreamEndCapture(void* s, Graph** graph) {
   Stream* x = stream_of(s);
   std::lock_guard<std::mutex> g(x->mu);
   if (!x->capture) return 901;  // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-  *graph = reinterpret_cast<Graph*>(reinterpret_cast<char*>(x->capture) - offsetof(Graph, ops));
+  Graph* made = reinterpret_cast<Graph*>(reinterpret_cast<char*>(x->capture) - offsetof(Graph, ops));
   x->capture = nullptr;
+  std::lock_guard<std::mutex> c(g_capture_mu);
+  g_captures.erase(x);
+  if (x->invalidated) {
+    delete made;
+    return 901;
+  }
+  *graph = made;
   return 0;
 }
 API CUresult cuGraphInstantiateWithFlags(Graph** exec, Graph* graph, unsigned long long) {

@@ -171,7 +171,11 @@ class NvlinkTransport : public Transport {
       check(d_.StreamSynchronize(priv_), "cuStreamSynchronize");
       dev_base_ = alloc_ - rings_off_;  // same offsets as the host region; never dereferenced below rings_off
       check(d_.IpcGetMemHandle(&ipc_, alloc_), "cuIpcGetMemHandle");
-      if (mode_ == FlagMem::Host) own_flags_dev_ = host_devptr(local_.base(), local_.size());
+      // The whole region, pinned: copies between its slots and device memory
+      // are then asynchronous (from pageable memory the driver first waits
+      // for the stream, on the calling thread: under the engine's lock).
+      CUdeviceptr whole = host_devptr(local_.base(), local_.size());
+      if (mode_ == FlagMem::Host) own_flags_dev_ = whole;
     } catch (...) {
       release();
       throw;
@@ -306,16 +310,16 @@ class NvlinkTransport : public Transport {
     const auto* h = reinterpret_cast<const MsgHeader*>(local_.base() + ready_off + kHeaderOff);
     CUstream s = reinterpret_cast<CUstream>(stream);
     if (!(h->flags & kDevicePayload)) {
-      // A host-memory message received into device memory (slow path): the
-      // payload sits in our host slot; copy it, wait, free the slot.
-      if (n) {
-        check_stream(s, "recv");
-        check(d_.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(local_.base() + payload_off),
-                             n, s),
-              "cuMemcpyAsync (recv: host slot to GPU)");
-        check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv: host slot to GPU)");
-      }
-      write_u64(peer, credit_off, seq);
+      // A host-memory message received into device memory: the payload sits
+      // in our host slot (registered: the copy does not wait for the stream
+      // on this thread); the slot is freed from the stream once it ran.
+      if (!n) return write_u64(peer, credit_off, seq);
+      check_stream(s, "recv");
+      check(d_.MemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(local_.base() + payload_off),
+                           n, s),
+            "cuMemcpyAsync (recv: host slot to GPU)");
+      check(d_.StreamWriteValue64(s, p.host_dev + credit_off, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+            "cuStreamWriteValue64 (recv: credit)");
       return;
     }
     // Nothing to copy (an empty message, or one dropped unread): free the

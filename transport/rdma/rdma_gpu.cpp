@@ -127,6 +127,10 @@ class RdmaGpuTransport final : public Transport {
     retained_ = true;
     ordered_ = port_->provider().find("ofi_rxm") != std::string::npos;
     try {
+      int v = 1;  // (the flags and credits are cuStreamWaitValue64 / cuStreamWriteValue64)
+      if (d_.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev_) == CUDA_SUCCESS && !v)
+        throw Error(ErrorKind::Invalid, "rdma-gpu: CUDA device " + std::to_string(device) +
+                                            " does not support 64-bit stream memory operations (cuStreamWaitValue64)");
       choose_gpudirect(o.rdma_hmem);  // (may refuse: inside, so the context is released)
       // The NIC registers the stand-in's "GPU memory" as the host memory it is.
       iface_ = d_.stand_in ? -1 : ordinal_;
