@@ -1698,7 +1698,11 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
   std::string msg = op + peer_str(r.peer) + " (tag " + std::to_string(r.tag) + ") timed out after " + secs + " s";
   if (r.kind == ReqKind::Send && r.rndv && r.state == ReqState::InFlight && !r.streaming)
     msg += "; the receiver has not received it (a message of " + std::to_string(r.nbytes) +
-           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?)";
+           " bytes goes by rendezvous: the send completes when the receiver has copied it; is it receiving?" +
+           (r.peer == rank_ ? " This rank sent it to itself: post the irecv first, or isend, unless another thread "
+                              "receives it)"
+                            : " Two ranks that each send such a message to the other before receiving wait for "
+                              "each other: isend, or post the irecv first)");
   else if (r.kind == ReqKind::Send)
     msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
   else if (r.state == ReqState::Streaming) {

@@ -641,3 +641,27 @@ def test_a_call_one_rank_refuses_fails_on_every_rank_and_the_next_is_right(trans
             got, rs = A.all_to_all_v(comm, y, [2] * n)
             assert rs == [2] * n
             assert got[::2, 0].tolist() == [100.0 + 10 * it + s for s in range(n)], "the next call was paired wrongly"
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(2, timeout=120)
+def test_a_dropped_async_call_does_not_block_the_line_that_dropped_it(transport):
+    """Rank 1 starts an all-to-all with async_op, drops the Work, then sends
+    rank 0 what rank 0 waits for before it joins the call: the drop returns at
+    once (it waited for every peer to join, to the timeout, and rank 0's recv
+    timed out meanwhile), the dropped call still completes with the right
+    data, and the next call pairs up."""
+    with _init(transport, timeout=20) as comm:
+        r = comm.rank
+        x = torch.arange(4, dtype=torch.float32) + 10 * r
+        if r == 1:
+            t0 = time.monotonic()
+            A.all_to_all_v(comm, x, [2, 2], async_op=True)  # dropped at once
+            assert time.monotonic() - t0 < 5
+            comm.send(torch.tensor([1]), 0, tag=3)
+        else:
+            assert comm.recv(1, tag=3, timeout=10).item() == 1
+            got, rs = A.all_to_all_v(comm, x, [2, 2])
+            assert rs == [2, 2] and got.tolist() == [0, 1, 10, 11]
+        got, rs = A.all_to_all_v(comm, x + 100, [2, 2])
+        assert got.tolist() == [100 + r * 2, 101 + r * 2, 110 + r * 2, 111 + r * 2], got

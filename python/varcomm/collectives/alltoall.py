@@ -29,6 +29,7 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
 
@@ -307,12 +308,24 @@ class AllToAllWork:
         return self.wait()
 
     def __del__(self) -> None:
-        # Dropped without wait(): finish anyway so every pair's message is consumed.
-        if self._finish is not None:
-            try:
-                self.wait()
-            except Exception:
-                pass
+        # Dropped without wait(): every pair's message must still be consumed,
+        # so it finishes anyway, on a thread of its own. Here it would block
+        # whatever line dropped it until every peer joined the call: a
+        # deadlock (to the timeout) where this rank's next step is what a peer
+        # waits for before it joins.
+        f = self._finish
+        if f is not None:
+            self._finish = None
+            threading.Thread(target=_finish_dropped, args=(f, self._keep), daemon=True,
+                             name="varcomm-dropped-all-to-all").start()
+
+
+def _finish_dropped(finish: Callable[[float | None], Any], keep: Any) -> None:
+    try:
+        finish(None)
+    except Exception:
+        pass  # nobody holds the work to be told; the pairs' messages are consumed either way
+    del keep
 
 
 def _done(finish: Callable[[float | None], R], async_op: bool, timeout: float | None, keep: object,
