@@ -1351,7 +1351,14 @@ void Engine::free_slot(int peer, int slot, uint64_t seq) {
   Peer& p = peers_[peer];
   // The slot is in our region; the credit that frees it lives in the sender's
   // (gone once closed: a message received after close() frees nothing).
-  if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, slot), seq);
+  if (!p.dead.empty() || !p.t) return;
+  p.t->write_u64(peer, p.layout.credit_off(rank_, slot), seq);
+  // At least half of peer's ring still holds messages: peer is sending ahead
+  // of us and may be out of slots, so the credit goes now, not with our next
+  // call (rdma holds it to ride along with a reply, which a receiver that now
+  // computes for seconds does not send: the sender would wait that long).
+  // Ping-pong keeps one message in flight and its credits ride along.
+  if (2 * (p.ready.size() + p.early.size() + 1) >= size_t(layout_.nslots)) p.t->send_credits_now(peer);
 }
 
 void Engine::progress_recvs(int peer) {

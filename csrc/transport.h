@@ -49,6 +49,10 @@ class Transport {
   virtual bool flushed(int /*peer*/) { return true; }
   // One-sided store of an 8-byte value into the peer's region (credits).
   virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
+  // Puts the credits write_u64 holds for `peer` on the wire now (a transport
+  // that holds them until its next call, rdma, for them to ride along with a
+  // reply): the engine asks when the peer may be out of slots.
+  virtual void send_credits_now(int /*peer*/) {}
   // A large message that streams through the slots (protocol.h kRendezvous)
   // moves best as a pipeline of chunks of this many bytes: the receiver
   // copies one out of its slot while the next is on the wire (or, on shm,

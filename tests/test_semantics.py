@@ -469,3 +469,27 @@ def test_every_route_returns_varcomm_works(transport):
         assert rw.synchronize().tolist() == [peer] and sw.synchronize() is None
         assert ow.result().tolist() == [5, 6] and sw2.wait() is None
         assert all(w.is_completed() for w in (rw, sw, ow, sw2))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60)
+def test_a_receiver_that_computes_has_freed_its_slots_for_the_sender(transport):
+    """slots=2: the receiver takes two messages and then computes for 3 s
+    without calling varcomm; the sender's next two sends need exactly the two
+    slots it freed, and go at once (rdma held the last credit until the
+    receiver's next call, to ride along with a reply: the sender waited out
+    the whole compute)."""
+    with varcomm.init(transport=transport, slots=2, timeout=30, array="numpy") as comm:
+        comm.barrier()
+        if comm.rank == 0:
+            took = []
+            for i in range(4):
+                t0 = time.monotonic()
+                comm.send(np.full(10, i), 1)
+                took.append(time.monotonic() - t0)
+            assert max(took) < 1.5, took
+        else:
+            got = [comm.recv(0)[0] for _ in range(2)]
+            time.sleep(3)
+            got += [comm.recv(0)[0] for _ in range(2)]
+            assert got == [0, 1, 2, 3]

@@ -378,7 +378,8 @@ class Options(_Declared):
     cma: str = _opt("VARCOMM_CMA", _choice("auto", "on", "off", "chunks", aliases=(
         ("1", "on"), ("true", "on"), ("yes", "on"), ("0", "off"), ("false", "off"), ("no", "off"))), "auto",
         "shm: single-copy reads of the sender's memory (CMA, process_vm_readv) for large messages; `auto`: where "
-        "allowed and where one such copy beats two memcpys (measured once at set-up: `route_info()[\"cma_probe\"]`), "
+        "allowed and where one such copy beats two memcpys (measured once at set-up: "
+        "`route_info(peer)[\"cma_probe\"]`), "
         "else messages over the bound stream through the slots (unless the sender's slot copies are slow: "
         "`shm_stores`) and only a collective's chunks from 128 KiB are copied "
         "once (what `chunks` forces: by their sender into an output in the landing area, else by CMA, which beats two "

@@ -135,7 +135,7 @@ def _cma() -> str:
     if scope in ("", "0"):
         return ("CMA allowed" + (" (no Yama ptrace_scope here)" if not scope else " (Yama ptrace_scope 0)") +
                 ": messages over eager_max copied once with it where that beats two memcpys (option cma=auto "
-                "measures it at init; route_info()['cma_probe'] says what it found), and a collective's chunks "
+                "measures it at init; route_info(peer)['cma_probe'] says what it found), and a collective's chunks "
                 "from 128 KiB wherever it is allowed (or written by their sender into an output in the landing "
                 "area)")
     return (f"Yama ptrace_scope {scope}: CMA between sibling ranks is refused, so messages over the bound stream "
