@@ -432,9 +432,21 @@ void AllToAll::timeout(double seconds) {
   uint64_t late = 0;
   if (!headers_) late = recv_[(rank_ - next_ + world_) % world_];  // the one wait_headers waits for
   for (int s = 0; s < world_ && !late; ++s) late = payload_[s];
+  const bool receiving = late != 0;
   for (size_t i = 0; i < sends_.size() && !late; ++i) late = sends_[i];
   int peer = -1;
-  std::string msg = late ? e_.timeout_message(late, seconds, &peer) : std::string(op_name(plan_.op)) + " timed out";
+  char secs[32];
+  snprintf(secs, sizeof secs, "%.3g", seconds);
+  std::string msg = std::string(op_name(plan_.op)) + " on " + rank_str(rank_) + " timed out after " + secs + " s";
+  if (late) {
+    // The point-to-point text names the collective's internal tag and asks
+    // about it: said here in the call's terms, with its detail after.
+    std::string p2p = e_.timeout_message(late, seconds, &peer);
+    size_t cut = p2p.find("; ");
+    msg += ": " + rank_str(peer) + (receiving ? " has not sent its part of this call" : " has not taken its part") +
+           " (is every rank making the same collective calls, in the same order?)" +
+           (cut == std::string::npos || receiving ? "" : "; " + p2p.substr(cut + 2));
+  }
   cleanup();  // `late` with the rest: an in-flight send is reported
   throw Error(ErrorKind::Timeout, msg, peer);
 }
@@ -452,6 +464,7 @@ std::optional<Error> AllToAll::error() const {
     return Error(ErrorKind::TooLarge, msg + "; the other ranks were told, and the communicator stays usable", d);
   }
   std::vector<std::string> problems;
+  bool shape_rule = false;  // said once, after every chunk it applies to
   int first = -1;
   for (int s = 0; s < world_; ++s) {
     const A2AChunk& h = got_[s];
@@ -474,8 +487,8 @@ std::optional<Error> AllToAll::error() const {
       else
         p = "the chunk from " + rank_str(s) + " is " + dtype_name(h.dtype) + " of shape " +
             tuple_str(h.shape, h.ndim) + ", but " + me + (plan_.op == A2AOp::V ? "'s x is " : "'s input is ") +
-            dtype_name(plan_.dtype) + " with rows of shape " + tuple_str(t.data(), t.size()) +
-            "; every rank must pass the same dtype and trailing shape";
+            dtype_name(plan_.dtype) + " with rows of shape " + tuple_str(t.data(), t.size());
+      shape_rule = true;
     }
     if (first < 0) first = s;
     problems.push_back(p);
@@ -483,6 +496,7 @@ std::optional<Error> AllToAll::error() const {
   if (!problems.empty()) {
     std::string msg = op + " on " + me + ": ";
     for (size_t i = 0; i < problems.size(); ++i) msg += (i ? "; " : "") + problems[i];
+    if (shape_rule) msg += "; every rank must pass the same dtype and trailing shape";
     return Error(ErrorKind::Mismatch, msg, first);
   }
   std::vector<int> over;

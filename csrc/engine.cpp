@@ -1729,8 +1729,24 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
                " bytes had arrived; that message is dropped, the rest of it as it arrives, and its send completes "
                "(the channel stays usable)";
   } else
-    msg += "; nothing arrived (is the peer sending with this tag?)";
+    msg += nothing_arrived_locked(r.peer);
   return msg;
+}
+
+std::string Engine::nothing_arrived(int peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  return nothing_arrived_locked(peer);
+}
+
+std::string Engine::nothing_arrived_locked(int peer) {
+  std::string msg = "; nothing arrived (is the peer sending with this tag?";
+  size_t held = 0;
+  for (auto& a : peers_[peer].ready) held += a.claimed;
+  if (held)
+    msg += " This rank holds " + std::to_string(held) + " of the " + std::to_string(layout_.nslots) + " slots " +
+           peer_str(peer) + " writes into, in copy=False views or matched receives not yet waited for: it cannot "
+           "send more until they are dropped";
+  return msg + ")";
 }
 
 // ---- waiting --------------------------------------------------------------

@@ -187,6 +187,9 @@ class Engine {
   std::string peer_error(int peer);
   // A recv matched without an output buffer: its header, then copy or view.
   MsgInfo info(uint64_t id);
+  // A receive's timeout text when nothing came: "; nothing arrived (...)",
+  // naming the slots of peer's this rank still holds.
+  std::string nothing_arrived(int peer);
   // Copies the payload and frees the slot: true. False when the message is a
   // rendezvous whose data streams in (protocol.h kChunk): wait(id) then.
   bool copy_out(uint64_t id, void* dst, Mem mem = {});
@@ -445,6 +448,7 @@ class Engine {
   // Receiver: a landing (kPushCredit) whose sender will not write: its block's
   // pending mark and the stream's reference go.
   void drop_landing(Peer::Stream& st);
+  std::string nothing_arrived_locked(int peer);
   // Posted receive `id` takes a given-back landed message (Peer::returned).
   void take_returned(int peer, uint64_t id, std::deque<Peer::Returned>::iterator ret);
 

@@ -268,6 +268,10 @@ def test_argument_errors():
             A.all_to_all_v(comm, x, [4])
         with pytest.raises(varcomm.InvalidArgument, match="negative"):
             A.all_to_all_v(comm, x, [5, -1])
+        for bad in ([2.5, 1.5], ["2", "2"], [True, 3], torch.tensor([2.0, 2.0])):  # not rounded or parsed
+            with pytest.raises(varcomm.InvalidArgument, match="must hold ints"):
+                A.all_to_all_v(comm, x, bad)
+        assert A.all_to_all_v(comm, x, [np.int64(2), 2])[1] == [2, 2]  # numpy integers are ints
         with pytest.raises(varcomm.InvalidArgument, match="dimension"):
             A.all_to_all_v(comm, torch.tensor(1.0), [1, 0])
         with pytest.raises(varcomm.InvalidArgument, match="dtype"):
@@ -295,7 +299,8 @@ def test_timeout_names_the_late_peer_and_leaves_the_communicator_usable(transpor
         comm.barrier()  # ranks 0 and 2 start together: only rank 1 is late
         if r != 1:
             t0 = time.monotonic()
-            with pytest.raises(varcomm.TimeoutError, match="rank 1"):
+            with pytest.raises(varcomm.TimeoutError,
+                               match="all_to_all_v on rank [02] timed out after 2 s: rank 1 has not sent its part"):
                 A.all_to_all_v(comm, x, [1] * n, timeout=2.0)
             assert time.monotonic() - t0 < 15
             comm.barrier()

@@ -477,7 +477,7 @@ bool recv_blocking(Comm& c, int src, int64_t tag, void* out, uint64_t cap, uint3
       snprintf(secs, sizeof secs, "%.3g", *timeout);
       throw Error(ErrorKind::Timeout,
                   "recv from rank " + std::to_string(src) + " (tag " + std::to_string(tag) + ") timed out after " +
-                      secs + " s; nothing arrived (is the peer sending with this tag?)",
+                      secs + " s" + c.engine->nothing_arrived(src),
                   src);
     }
   }

@@ -117,9 +117,15 @@ def _splits(splits: Any, n: int, total: int | None, what: str) -> list[int]:
     elif isinstance(splits, np.ndarray):
         splits = splits.tolist()
     try:
-        out = [int(s) for s in splits]
+        items = list(splits)
     except TypeError as e:
         raise InvalidArgument(f"{what} must be a sequence of {n} ints") from e
+    # Ints only (numpy integers too), as for ranks and tags: 2.5 rows, "4" or
+    # True is a caller's bug, not a count to round.
+    bad = [v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+    if bad:
+        raise InvalidArgument(f"{what} must hold ints (row counts), not {bad[0]!r} ({type(bad[0]).__name__})")
+    out = [int(v) for v in items]
     if len(out) != n:
         raise InvalidArgument(f"{what} has {len(out)} entries; the world has {n} ranks")
     if any(s < 0 for s in out):
