@@ -112,13 +112,14 @@ def test_option_ring_of_three(rdma_option):
 
 @pytest.mark.parametrize("eager", [False, True])
 @world(2, timeout=60)
-def test_eager_credits_go_out_at_once(eager):
+def test_a_freed_slots_credit_reaches_a_sender_out_of_slots(eager):
     """slots=1: the receiver takes a message, then sleeps 0.6 s without calling
-    varcomm. By default the freed slot's credit is held until the receiver's
-    next call, so the sender's next send waits out the sleep; with
-    VARCOMM_RDMA_EAGER_CREDITS=1 it is posted at once and the send returns at
-    once. Catches the option being ignored (or credits no longer held by
-    default, which the design relies on for riding along with replies)."""
+    varcomm. The freed slot's credit reaches the sender at once: with
+    VARCOMM_RDMA_EAGER_CREDITS=1 it is posted at once; by default it is held
+    to ride along with a reply, but not while the ring is half full or more
+    (here: the sender has no other slot), nor for more than a few ms (the
+    transport's credit thread; test_semantics has slots=2). It was held until
+    the receiver's next call, so the sender's next send waited out the sleep."""
     if eager:
         os.environ["VARCOMM_RDMA_EAGER_CREDITS"] = "1"
     with varcomm.init(transport="rdma", bound=4096, slots=1, timeout=30) as comm:
@@ -135,7 +136,4 @@ def test_eager_credits_go_out_at_once(eager):
                 assert comm.recv(src=0).tolist() == [2.0] * 10
             comm.barrier()
         if comm.rank == 0:
-            if eager:
-                assert min(waits) < 0.3, waits  # min: a scheduling hiccup on a loaded machine is not the option
-            else:
-                assert min(waits) > 0.45, waits
+            assert min(waits) < 0.3, waits  # min: a scheduling hiccup on a loaded machine is not a held credit

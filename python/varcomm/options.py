@@ -348,7 +348,8 @@ class Options(_Declared):
     rdma_strict: bool = _opt("VARCOMM_RDMA_STRICT", _BOOL, False,
                              "rdma: register local buffers as verbs/efa require, on any provider (tests)", "`0`")
     rdma_eager_credits: bool = _opt("VARCOMM_RDMA_EAGER_CREDITS", _BOOL, False,
-                                    "rdma: post each credit at once instead of with the next write", "`0`")
+                                    "rdma: post each credit at once instead of with the next write "
+                                    "(or within ~5 ms)", "`0`")
     rdma_chunk: int = _opt("VARCOMM_RDMA_CHUNK", _bytes(4096), 1 * MiB,
                            "rdma: GPU messages move in chunks of this size, so the device-to-host copy, the wire "
                            "and the host-to-device copy overlap; host messages over twice it go by rendezvous in "
