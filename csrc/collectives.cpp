@@ -439,13 +439,11 @@ void AllToAll::timeout(double seconds) {
   snprintf(secs, sizeof secs, "%.3g", seconds);
   std::string msg = std::string(op_name(plan_.op)) + " on " + rank_str(rank_) + " timed out after " + secs + " s";
   if (late) {
-    // The point-to-point text names the collective's internal tag and asks
-    // about it: said here in the call's terms, with its detail after.
-    std::string p2p = e_.timeout_message(late, seconds, &peer);
-    size_t cut = p2p.find("; ");
+    // Said in the call's terms (the point-to-point text names the internal
+    // tag and gives point-to-point advice).
+    e_.timeout_message(late, seconds, &peer);
     msg += ": " + rank_str(peer) + (receiving ? " has not sent its part of this call" : " has not taken its part") +
-           " (is every rank making the same collective calls, in the same order?)" +
-           (cut == std::string::npos || receiving ? "" : "; " + p2p.substr(cut + 2));
+           " (is every rank making the same collective calls, in the same order?)";
   }
   cleanup();  // `late` with the rest: an in-flight send is reported
   throw Error(ErrorKind::Timeout, msg, peer);

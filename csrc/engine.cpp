@@ -1086,7 +1086,7 @@ void Engine::drop_raw(int peer, uint64_t seq, Peer::Stream& st) {
   // A sender still writing (or one that began just now) keeps the block referenced: never reused under it,
   // unless its process is gone (then nothing writes there any more; a pair failed for another reason, its
   // process alive, keeps it).
-  bool gone = v == push_word(seq, kPushing) && p.t && !p.t->peer_error(peer).empty();
+  bool gone = v == push_word(seq, kPushing) && p.t && p.t->peer_exited(peer);
   if (revoked || v == push_word(seq, kPushed) || gone) raw_settled(st.raw);
   // Revoked: its send fails (nothing will read it); written: its slot is free.
   if (p.dead.empty() && p.t) p.t->write_u64(peer, p.layout.credit_off(rank_, st.slot), revoked ? seq | kFailCredit : seq);
@@ -1591,8 +1591,9 @@ void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
   Peer& p = peers_[peer];
   // A landing block peer was asked to write keeps its reference (never
   // reused under a late write) unless nothing of peer's writes any more:
-  // its process is gone. Then a comm.empty out is usable again at once.
-  const bool gone = p.t && !p.t->peer_error(peer).empty();
+  // its process is gone (shm knows; rdma's failures may leave it writing).
+  // Then a comm.empty out is usable again at once.
+  const bool gone = p.t && p.t->peer_exited(peer);
   for (auto& kv : p.streams) {
     if (kv.second.raw) drop_raw(peer, kv.first, kv.second);
     else if (gone) drop_landing(kv.second);
@@ -1744,8 +1745,8 @@ std::string Engine::nothing_arrived_locked(int peer) {
   for (auto& a : peers_[peer].ready) held += a.claimed;
   if (held)
     msg += " This rank holds " + std::to_string(held) + " of the " + std::to_string(layout_.nslots) + " slots " +
-           peer_str(peer) + " writes into, in copy=False views or matched receives not yet waited for: it cannot "
-           "send more until they are dropped";
+           peer_str(peer) + " writes into, in copy=False views or matched receives not yet waited for" +
+           (held >= size_t(layout_.nslots) ? ": it cannot send more until they are dropped" : "");
   return msg + ")";
 }
 

@@ -105,6 +105,10 @@ class Transport {
   virtual void progress() {}
   // Empty when the peer is reachable; otherwise why not (process gone, link down).
   virtual std::string peer_error(int peer) = 0;
+  // Whether the peer's process has exited, so nothing of its can write into
+  // our memory any more (peer_error also covers a link down, a failed write:
+  // a live peer may still write). False where that cannot be known.
+  virtual bool peer_exited(int /*peer*/) { return false; }
 
   // ---- device memory (GPU transports; see transport/nvlink) ----------------
   // A device transport keeps slot payloads in device memory at the same

@@ -482,3 +482,24 @@ def test_a_landed_message_refused_by_its_array_kind_is_kept(transport, copy, for
                 time.sleep(0.05)
             assert comm._c.landing_stats()[1] == 0, "a landing block was kept"
         comm.barrier()
+
+
+@world(2, timeout=60)
+def test_a_landed_message_asked_for_as_cupy_gets_the_cupy_error_and_is_kept():
+    """copy=True with array="cupy" on a message that landed: the copy path's
+    own answer (here: cupy is missing), never copy=False's "lends a host
+    receive slot" (the landed block was offered as a loan first); kept."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed: it would take the message")
+    with varcomm.init(transport="shm", timeout=30, array="numpy") as comm:
+        n = 3 << 20
+        if comm.rank == 0:
+            comm.send(np.arange(n, dtype=np.uint8), 1)
+        else:
+            for _ in range(2):
+                with pytest.raises(varcomm.InvalidArgument, match="needs cupy"):
+                    comm.recv(0, array="cupy")
+            assert np.array_equal(comm.recv(0), np.arange(n, dtype=np.uint8))
+        comm.barrier()

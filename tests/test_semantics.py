@@ -493,3 +493,31 @@ def test_a_receiver_that_computes_has_freed_its_slots_for_the_sender(transport):
             time.sleep(3)
             got += [comm.recv(0)[0] for _ in range(2)]
             assert got == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60)
+def test_a_paced_senders_last_credit_is_not_held_through_the_receivers_compute(transport):
+    """slots=8, the sender paced so the receiver's ring never fills (its
+    credits are held to ride along with a reply, on rdma): the receiver takes
+    8 messages and computes for 3 s; the sender's next 8 sends need the 8
+    freed slots, the last one's credit included, and go at once (it waited
+    out the compute until the credit held after the last receive went on its
+    own)."""
+    with varcomm.init(transport=transport, slots=8, timeout=30, array="numpy") as comm:
+        comm.barrier()
+        if comm.rank == 0:
+            for i in range(8):
+                comm.send(np.full(10, i), 1)
+                time.sleep(0.02)
+            took = []
+            for i in range(8, 16):
+                t0 = time.monotonic()
+                comm.send(np.full(10, i), 1)
+                took.append(time.monotonic() - t0)
+            assert max(took) < 1.5, took
+        else:
+            got = [comm.recv(0)[0] for _ in range(8)]
+            time.sleep(3)
+            got += [comm.recv(0)[0] for _ in range(8)]
+            assert got == list(range(16))

@@ -497,11 +497,12 @@ class Communicator:
             # copy=False refuses (kind, dtype) with the message kept for the next recv; a
             # rendezvous message has no slot to lend (None): it is copied out once instead.
             # One that landed (written by its sender into our landing area) is the result
-            # as it is, for either copy: nothing else will ever write its block.
-            if (lent := c.loan(rid, lend, copy)) is not None:
+            # as it is, for either copy: nothing else will ever write its block (cupy with
+            # copy: no host block can be one, so it is copied out like any other).
+            kind = arrays.receive_kind(asked, st.array)
+            if not (copy and kind == "cupy") and (lent := c.loan(rid, lend, copy)) is not None:
                 return lent
             word, shape = st.dtype, st.shape
-            kind = arrays.receive_kind(asked, st.array)
             try:  # everything that can refuse the message, before it is consumed
                 if kind == "cupy":
                     arrays.to_cupy(None)  # cupy is there

@@ -658,8 +658,9 @@ void DeviceA2A::free(uintptr_t p, uintptr_t stream) {
   std::lock_guard<std::mutex> g(m.mu);
   if (!m.retained) return;  // closed: the driver frees it with the process
   Ctx scope(m.d, m.ctx);
+  // Freed at a later launch or synchronize (sweep): this thread may be
+  // capturing another stream, where a query or free would break the capture.
   m.pending.push_back({p, stream, m.event_on(stream)});
-  if (m.pending.back().ev) m.sweep();  // (no event: its stream captures, see sweep)
 }
 
 std::string DeviceA2A::describe() const {

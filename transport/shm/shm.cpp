@@ -170,6 +170,7 @@ class ShmTransport : public Transport {
     auto& p = peers_.at(peer);
     return p.pid == getpid() ? "" : process_exit_error(peer, p.pid, p.start);
   }
+  bool peer_exited(int peer) override { return !peer_error(peer).empty(); }  // (its only failure)
 
  private:
   // process_vm_readv until all n bytes are in (it may stop early); empty or why not.

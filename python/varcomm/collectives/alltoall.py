@@ -320,10 +320,20 @@ class AllToAllWork:
         # deadlock (to the timeout) where this rank's next step is what a peer
         # waits for before it joins.
         f = self._finish
-        if f is not None:
-            self._finish = None
-            threading.Thread(target=_finish_dropped, args=(f, self._keep), daemon=True,
-                             name="varcomm-dropped-all-to-all").start()
+        if f is None:
+            return
+        if self._dev is None:  # (device memory: its copies are ordered on the caller's stream, so here)
+            try:
+                threading.Thread(target=_finish_dropped, args=(f, self._keep), daemon=True,
+                                 name="varcomm-dropped-all-to-all").start()
+                self._finish = None
+                return
+            except RuntimeError:
+                pass  # no new threads (the interpreter is exiting)
+        try:
+            self.wait()
+        except Exception:
+            pass
 
 
 def _finish_dropped(finish: Callable[[float | None], Any], keep: Any) -> None:
