@@ -521,3 +521,29 @@ def test_a_paced_senders_last_credit_is_not_held_through_the_receivers_compute(t
             time.sleep(3)
             got += [comm.recv(0)[0] for _ in range(8)]
             assert got == list(range(16))
+
+
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "fallback"])
+@world(2, timeout=60)
+def test_a_forked_child_leaves_its_parents_communicator_alone(transport):
+    """Rank 0 forks a child that closes the communicator (as a normal exit's
+    finalizers do) and exits: the parent's peers are not told it left (the
+    child had closed the shared transports: rank 1 then failed with "rank 0
+    closed its communicator"), and the pair goes on."""
+    with varcomm.init(transport=transport, timeout=20, array="numpy") as comm:
+        peer = 1 - comm.rank
+        comm.send(np.array([comm.rank]), peer)
+        assert comm.recv(peer)[0] == peer
+        if comm.rank == 0:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    comm.close()
+                    comm._c.close()  # the core's own close, as its destructor at exit would
+                finally:
+                    os._exit(0)
+            assert os.waitpid(pid, 0)[1] == 0
+        comm.barrier()
+        for i in range(3):
+            comm.send(np.array([10 * comm.rank + i]), peer)
+            assert comm.recv(peer)[0] == 10 * peer + i

@@ -280,6 +280,16 @@ struct Comm {
   std::vector<uint64_t> recycled;  // take_recycled's scratch
   std::unique_ptr<Engine> engine;
   std::unique_ptr<Setup> setup;
+  // The process that set it up. A child forked after that (os.fork, then a
+  // normal exit whose finalizers destroy this) must not close it: the
+  // transports' sockets and mappings are the parent's too, and closing would
+  // tell every peer that the parent left. It lets them go untouched instead.
+  const pid_t owner = getpid();
+  ~Comm() {
+    if (getpid() == owner) return;
+    (void)engine.release();
+    (void)setup.release();
+  }
 
   // Lets go of the buffers the engine is done with. Empty `kept` (no dropped
   // request in flight): one size check, no lock.
@@ -307,6 +317,7 @@ struct Comm {
   // could not join (a hung peer) may still be sending from a kept buffer, and
   // such a thread keeps this Comm alive (fallback_mover's keep_alive).
   void close() {
+    if (getpid() != owner) return;
     py::gil_scoped_release nogil;
     engine->close();
   }

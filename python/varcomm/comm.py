@@ -4,6 +4,7 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, cast, overload
@@ -157,6 +158,7 @@ class Communicator:
         self._alloc = arrays.allocators(options.array)  # recv's new arrays, by the sender's array kind
         self._store = store
         self._owner = owner
+        self._pid = os.getpid()
         self._closed = False
         self._routes_ready = False
         self._fallback: Any = None
@@ -665,6 +667,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:  # a forked child: the communicator is its parent's (the core lets it be)
+            return
         for dev in (self._device_p2p, self._device_a2a):  # kernels' waits end, streams drain, before the engine goes
             if dev is not None:
                 dev.close()
