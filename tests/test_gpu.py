@@ -94,6 +94,30 @@ class FakeGpu:
         assert self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_ulonglong(ptr), ctypes.c_size_t(n)) == 0
         return buf.raw[:n]
 
+    def hold(self, s: int, seconds: float = 20) -> HeldStream:
+        """Stream s waits (earlier GPU work still running) until release(), or
+        `seconds` (so that a host wait on it, the bug under test, still ends)."""
+        return HeldStream(self, s, seconds)
+
+
+class HeldStream:
+    def __init__(self, gpu: FakeGpu, s: int, seconds: float):
+        self.word = gpu.alloc(8)
+        ctypes.c_uint64.from_address(self.word).value = 0
+        assert gpu.lib.cuStreamWaitValue64_v2(ctypes.c_void_p(s), ctypes.c_ulonglong(self.word),
+                                              ctypes.c_ulonglong(1), ctypes.c_uint(0)) == 0
+        self.timed_out = False
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.start()
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        ctypes.c_uint64.from_address(self.word).value = 1
+
+    def release(self) -> None:
+        self.timer.cancel()
+        ctypes.c_uint64.from_address(self.word).value = 1
+
 
 def _payload(i: int, n: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
@@ -577,24 +601,12 @@ def test_fake_host_message_into_device_memory_does_not_wait_for_the_stream(fake_
         else:
             if n > 4096 and comm.route_info(0)["cma"] != "on":
                 pytest.skip("no CMA here: a host rendezvous cannot land in device memory")
-            word = gpu.alloc(8)
-            ctypes.c_uint64.from_address(word).value = 0
-            assert gpu.lib.cuStreamWaitValue64_v2(ctypes.c_void_p(s), ctypes.c_ulonglong(word),
-                                                  ctypes.c_ulonglong(1), ctypes.c_uint(0)) == 0
-            fired = []
-
-            def release(by_timer: bool = False) -> None:
-                fired.append(by_timer)
-                ctypes.c_uint64.from_address(word).value = 1
-
-            timer = threading.Timer(20, release, (True,))  # so that an unfixed wait ends
-            timer.start()
             dev = gpu.alloc(BOUND)
+            held = gpu.hold(s)
             h = c.recv_into(0, 0, dev, BOUND, U8, 30.0, s)
-            assert not fired, "the receive waited for the held stream"
+            assert not held.timed_out, "the receive waited for the held stream"
             assert h.nbytes == n
-            timer.cancel()
-            release()
+            held.release()
             gpu.sync(s)
             assert gpu.get(dev, n) == _payload(0, n)
             h = c.recv_into(0, 0, dev, BOUND, U8, 30.0, s)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
 
 import numpy as np
@@ -427,25 +426,13 @@ def test_fake_staged_landing_does_not_block_the_host(fake_cuda, host_flags):
         out = dev.empty((16, 2), torch.float32, FAKE)
         out.fill_(-1)
         if r == 1:
-            word = gpu.alloc(8)
-            ctypes.c_uint64.from_address(word).value = 0
-            assert gpu.lib.cuStreamWaitValue64_v2(ctypes.c_void_p(dev.current), ctypes.c_ulonglong(word),
-                                                  ctypes.c_ulonglong(1), ctypes.c_uint(0)) == 0
-            fired = []
-
-            def release(by_net: bool = False) -> None:
-                fired.append(by_net)
-                ctypes.c_uint64.from_address(word).value = 1
-
-            net = threading.Timer(20, release, (True,))  # so that the unfixed wait ends
-            net.start()
+            held = gpu.hold(dev.current)
             _, rs = A.all_to_all_v(comm, x, splits[r], out=out)
-            assert not fired, "all_to_all_v waited for the held stream"
+            assert not held.timed_out, "all_to_all_v waited for the held stream"
             assert rs == [4, 5]
             with pytest.raises(varcomm.TimeoutError):  # its slot is not free before the copy ran
                 comm.recv(0, timeout=1.0)
-            net.cancel()
-            release()
+            held.release()
             gpu.sync(dev.current)
             assert out[:9].tolist() == torch.cat([xs[0][2:], xs[1][1:]]).tolist()
             assert comm.recv(0).tolist() == [7, 7, 7]

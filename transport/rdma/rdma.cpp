@@ -539,9 +539,9 @@ void RdmaTransport::flush_held_credits() {
     if (!queued_credits_) {
       // While credits keep coming (a ping-pong holds one per message) it
       // looks every 5 ms, so holding one costs no wake-up (128 B ping-pong
-      // on tcp;ofi_rxm: 7.0-7.7 us with it, 7.0-9.2 without, alternating
-      // runs; a look every 200 us cost 2 us); after 10 ms without, it
-      // sleeps until one is held.
+      // on tcp;ofi_rxm, alternating builds: unchanged to +0.3 us; a look
+      // every 200 us cost 2 us; bench/results/issue11-2026-12-06-s11.md);
+      // after 10 ms without, it sleeps until one is held.
       if (Clock::now() - held_since_ > std::chrono::milliseconds(10)) {
         credit_idle_ = true;
         credit_cv_.wait(g);

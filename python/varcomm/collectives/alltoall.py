@@ -195,7 +195,9 @@ def _device_protocol(name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> bo
         return bool(getattr(ids, "is_cuda", False))
     if name == "combine":
         h = kw.get("handle", args[1] if len(args) > 1 else None)
-        return type(h).__name__ == "DeviceMoEHandle"
+        from .moe_device import DeviceMoEHandle  # (combine takes torch: loaded already)
+
+        return isinstance(h, DeviceMoEHandle)
     return False
 
 
