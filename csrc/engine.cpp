@@ -112,6 +112,18 @@ void Engine::close() {
   for (int q = 0; q < world_; ++q)
     fail_streams(q, ErrorKind::Closed, "communicator closed while this message was streaming in");
   sending_ = 0;
+  // Device messages already on streams: their copies and flags run before
+  // this process may exit (bounded; a peer that exited lets its go).
+  const auto until = Clock::now() + std::chrono::seconds(10);
+  std::vector<Transport*> settled;
+  auto settle = [&](const std::shared_ptr<Transport>& t) {
+    if (!t || std::find(settled.begin(), settled.end(), t.get()) != settled.end()) return;
+    settled.push_back(t.get());
+    t->settle(until);
+  };
+  for (auto& t : transports_) settle(t);
+  settle(local_dev_);
+  for (auto& p : peers_) settle(p.tdev);
   transports_.clear();
   local_dev_.reset();
   for (auto& p : peers_) {

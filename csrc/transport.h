@@ -1,6 +1,7 @@
 // What a transport must provide; everything else (slots, headers, sequence
 // numbers, credits, ordering, errors) lives in the Engine above it.
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -47,6 +48,11 @@ class Transport {
   // (a device transport whose sends complete at enqueue, stream-ordered, may
   // still hold their data: close() keeps flushing until this is true).
   virtual bool flushed(int /*peer*/) { return true; }
+  // close(): lets the work this transport put on callers' streams for
+  // messages already sent or received (copies into a peer's memory, flags,
+  // credits) run before the communicator goes, until `deadline`; the caller
+  // may exit right after, and a dead process's stream work never runs.
+  virtual void settle(std::chrono::steady_clock::time_point /*deadline*/) {}
   // One-sided store of an 8-byte value into the peer's region (credits).
   virtual void write_u64(int peer, size_t off, uint64_t value) = 0;
   // Puts the credits write_u64 holds for `peer` on the wire now (a transport

@@ -279,6 +279,72 @@ def test_fake_close_waits_for_the_private_stream(fake_cuda, nvlink_flags):
         comm.barrier()
 
 
+@world(2, timeout=120, expect_exit={0: None})
+def test_fake_a_dead_senders_receive_does_not_hang_the_stream(fake_cuda, nvlink_flags):
+    """Rank 0's send waits behind earlier work on its stream (as a pipeline
+    stage's send waits behind its forward pass) when rank 0 dies: its copy
+    and data flag never run (a dead process's stream work is dropped). Rank
+    1's receive, matched from the header and enqueued on its stream, waited
+    for that flag forever: torch.cuda.synchronize would hang. Now its flag
+    is let go within seconds of the death (the received bytes are then
+    whatever the slot held) and rank 1's next call raises PeerFailure."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    if r == 0:
+        gpu.hold(s, 60)  # never released: the process dies first
+        c.send(1, 0, gpu.alloc(4096), 4096, U8, (4096,), 30.0, s)
+        comm.recv(1)  # rank 1 has enqueued its receive
+        os._exit(3)
+    out = gpu.alloc(4096)
+    assert c.recv_into(0, 0, out, 4096, U8, 30.0, s).nbytes == 4096
+    comm.send(np.zeros(1), 0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (gpu.sync(s), done.set()), daemon=True).start()
+    t0 = time.monotonic()
+    assert done.wait(20), "rank 1's stream still waits for the dead sender's data flag"
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(varcomm.PeerFailure, match="rank 0"):
+        c.recv_into(0, 0, out, 4096, U8, 10.0, s)
+    t0 = time.monotonic()
+    comm.close()
+    assert time.monotonic() - t0 < 5  # close did not wait out a deadline either
+
+
+@world(2, timeout=120)
+def test_fake_close_finishes_the_messages_on_callers_streams(fake_cuda, nvlink_flags):
+    """Both ranks close while their streams still hold a message's work: the
+    sender's copy into the receiver's GPU slot and data flag, the receiver's
+    wait, copy out and credit into the sender's host region. close used to
+    unmap those at once (a crash when the stream ran: the fake driver's
+    stream thread faults, a real GPU's context dies); now it lets them run
+    first, and the message arrives whole."""
+    os.environ["FAKE_CUDA_DELAY_US"] = "2000"
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    n = 40000
+    if r == 0:
+        p = gpu.alloc(n)
+        gpu.put(p, _payload(5, n))
+        held = gpu.hold(s)
+        c.send(1, 0, p, n, U8, (n,), 30.0, s)
+        comm.barrier()
+        threading.Timer(0.5, held.release).start()
+        comm.close()  # the copy and flag have not run yet
+        assert not held.timed_out
+    else:
+        out = gpu.alloc(n)
+        held = gpu.hold(s)
+        assert c.recv_into(0, 0, out, n, U8, 30.0, s).nbytes == n
+        comm.barrier()
+        threading.Timer(1.0, held.release).start()
+        comm.close()  # the wait, copy and credit have not run yet
+        assert not held.timed_out
+        gpu.sync(s)
+        assert gpu.get(out, n) == _payload(5, n)
+
+
 @world(2, timeout=60)
 def test_fake_flags_must_agree(fake_cuda):
     """VARCOMM_NVLINK_FLAGS set differently on the two ranks: no nvlink route

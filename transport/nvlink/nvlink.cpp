@@ -21,8 +21,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,7 +32,9 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "cuda_driver.h"
 #include "errors.h"
@@ -158,6 +162,8 @@ class NvlinkTransport : public Transport {
       if (d_.DeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev_) == CUDA_SUCCESS && !v)
         throw Error(ErrorKind::Invalid, "nvlink: " + device_label(d_, dev_) + " has no unified addressing");
       check(d_.StreamCreate(&priv_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      check(d_.StreamCreate(&unstick_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+      reap_at_ = std::max<size_t>(64, 4 * size_t(L.world) * size_t(L.nslots));
       if (kernel_max_) load_kernel();
       CUresult r = d_.MemAlloc(&alloc_, dev_bytes_);
       if (r != CUDA_SUCCESS)
@@ -294,6 +300,7 @@ class NvlinkTransport : public Transport {
       check(d_.StreamWriteValue64(s, flag_of(p, ready_off), seq, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue64 (send: data flag)");
     }
+    track(s, peer, ready_off, seq, false);
     // The header travels on the host path at once: the receiver can match,
     // allocate and enqueue its wait before the data has landed.
     char* slot = p.host + ready_off;
@@ -320,6 +327,7 @@ class NvlinkTransport : public Transport {
             "cuMemcpyAsync (recv: host slot to GPU)");
       check(d_.StreamWriteValue64(s, p.host_dev + credit_off, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue64 (recv: credit)");
+      track(s, peer, ready_off, seq, false);
       return;
     }
     // Nothing to copy (an empty message, or one dropped unread): free the
@@ -337,6 +345,7 @@ class NvlinkTransport : public Transport {
     // Fenced after the copy: the sender reuses the slot only once we read it.
     check(d_.StreamWriteValue64(s, p.host_dev + credit_off, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
           "cuStreamWriteValue64 (recv: credit)");
+    track(s, peer, ready_off, seq, true);
     if (host_dst) check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv into host memory)");
   }
 
@@ -458,34 +467,146 @@ class NvlinkTransport : public Transport {
     return dp;
   }
 
-  // Our private stream may still hold waits for data flags (of empty or
-  // dropped messages) and the credit writes behind them, which touch our slots
-  // and the peers' regions: they must finish before those go away. True once
-  // it is idle; false when a peer has exited (its flag may never come) or
-  // after 10 s: then the caller leaks rather than frees memory still in use.
-  bool drain_private_stream() {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  // Work this transport put on a stream (a caller's, or priv_) for one
+  // message: an event after it, the peer, the slot, and whether it waits for
+  // the peer's data flag.
+  struct Pending {
+    CUevent ev;
+    int peer;
+    size_t ready_off;
+    uint64_t seq;
+    bool waits;
+    bool let_go = false;  // its flag was written from unstick_
+  };
+
+  // Called after a message's operations are enqueued on s. Without the event
+  // close could not tell when they ran; if it cannot be recorded (a broken
+  // context, whose work never runs) the message goes untracked.
+  void track(CUstream s, int peer, size_t ready_off, uint64_t seq, bool waits) {
+    std::lock_guard<std::mutex> g(pend_mu_);
+    if (pending_.size() >= reap_at_) reap_locked();
+    CUevent ev = nullptr;
+    if (!spare_events_.empty()) {
+      ev = spare_events_.back();
+      spare_events_.pop_back();
+    } else if (d_.EventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+      return;
+    }
+    if (d_.EventRecord(ev, s) != CUDA_SUCCESS) {
+      spare_events_.push_back(ev);
+      return;
+    }
+    pending_.push_back({ev, peer, ready_off, seq, waits});
+    if (waits) {
+      if (!watcher_.joinable())
+        watcher_ = std::thread([this] { watch(); });
+      else if (watch_idle_)
+        watch_cv_.notify_all();
+    }
+  }
+
+  // Drops what ran (or never will: a sticky error). pend_mu_ held.
+  void reap_locked() {
+    auto done = [this](const Pending& x) {
+      if (!cu::event_done(d_.EventQuery(x.ev))) return false;
+      spare_events_.push_back(x.ev);
+      return true;
+    };
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(), done), pending_.end());
+  }
+
+  // A peer that exited before its stream wrote a data flag never will (a dead
+  // process's stream work is dropped), and a stream waiting for that flag
+  // would wait forever: torch.cuda.synchronize, or any later work on it,
+  // would hang. Its flag is written from here instead; the receive then
+  // copies whatever the slot held, and varcomm's next call on this rank
+  // raises PeerFailure for that peer. pend_mu_ held.
+  void let_go_locked() {
+    std::map<int, bool> exited;
+    for (Pending& x : pending_) {
+      if (!x.waits || x.let_go) continue;
+      auto it = exited.find(x.peer);
+      if (it == exited.end()) it = exited.emplace(x.peer, !peer_error(x.peer).empty()).first;
+      if (!it->second) continue;
+      // Its own sequence number: waits compare cyclically ((int64)(flag - seq) >= 0).
+      x.let_go = d_.StreamWriteValue64(unstick_, own_flag(x.ready_off), x.seq, CU_STREAM_WRITE_VALUE_DEFAULT) ==
+                 CUDA_SUCCESS;
+    }
+  }
+
+  // While a stream waits for a peer's flag, notices (every 100 ms) that the
+  // peer exited, without anyone calling varcomm: the caller may wait on the
+  // stream alone.
+  void watch() {
+    CtxScope scope(d_, ctx_);
+    std::unique_lock<std::mutex> g(pend_mu_);
+    while (!watch_stop_) {
+      const bool waiting = std::any_of(pending_.begin(), pending_.end(),
+                                       [](const Pending& x) { return x.waits && !x.let_go; });
+      if (waiting) {
+        watch_cv_.wait_for(g, std::chrono::milliseconds(100));
+      } else {
+        watch_idle_ = true;
+        watch_cv_.wait(g);
+        watch_idle_ = false;
+      }
+      if (watch_stop_) break;
+      reap_locked();
+      let_go_locked();
+    }
+  }
+
+  void settle(std::chrono::steady_clock::time_point deadline) override {
+    CtxScope scope(d_, ctx_);
+    ran(deadline);
+  }
+
+  // True once the work tracked above, and what priv_ and unstick_ hold, ran;
+  // false at `deadline` (a stream held by other work).
+  bool ran(std::chrono::steady_clock::time_point deadline) {
     for (int i = 0;; ++i) {
-      if (d_.StreamQuery(priv_) != CUDA_ERROR_NOT_READY) return true;  // idle (or broken: nothing more runs)
+      {
+        std::lock_guard<std::mutex> g(pend_mu_);
+        reap_locked();
+        if (i % 64 == 0) let_go_locked();
+        if (pending_.empty() && d_.StreamQuery(priv_) != CUDA_ERROR_NOT_READY &&
+            d_.StreamQuery(unstick_) != CUDA_ERROR_NOT_READY)
+          return true;
+      }
       if (std::chrono::steady_clock::now() > deadline) return false;
-      if (i % 64 == 63)
-        for (auto& kv : peers_)
-          if (!peer_error(kv.first).empty()) return false;
       usleep(100);
     }
+  }
+
+  // Before the slots, mappings and registrations go: that work touches them
+  // (a copy into a peer's GPU slot, a credit written into its region, a wait
+  // on our own flags). After 10 s the caller leaks rather than frees memory
+  // still in use.
+  bool drain() {
+    if (watcher_.joinable()) {
+      {
+        std::lock_guard<std::mutex> g(pend_mu_);
+        watch_stop_ = true;
+      }
+      watch_cv_.notify_all();
+      watcher_.join();
+    }
+    return ran(std::chrono::steady_clock::now() + std::chrono::seconds(10));
   }
 
   void release() {
     if (!retained_) return;
     {
       CtxScope scope(d_, ctx_);
-      if (priv_ && !drain_private_stream()) {
-        // Leak the slots, mappings and stream: a late flag or credit write
-        // then lands in memory that still exists.
+      if (priv_ && unstick_ && !drain()) {
+        // Leak the slots, mappings, streams and events: a late copy, flag or
+        // credit write then lands in memory that still exists.
         copy_signal_.store(nullptr);
         retained_ = false;  // and keep the context retained
         return;
       }
+      for (CUevent ev : spare_events_) d_.EventDestroy(ev);
+      spare_events_.clear();
       for (auto& kv : peers_)
         if (kv.second.opened) d_.IpcCloseMemHandle(kv.second.opened);
       for (auto& kv : regs_) cu::host_unregister(d_, kv.first);
@@ -500,6 +621,8 @@ class NvlinkTransport : public Transport {
       module_ = nullptr;
       if (priv_) d_.StreamDestroy(priv_);
       priv_ = nullptr;
+      if (unstick_) d_.StreamDestroy(unstick_);
+      unstick_ = nullptr;
     }
     d_.DevicePrimaryCtxRelease(dev_);
     retained_ = false;
@@ -519,6 +642,14 @@ class NvlinkTransport : public Transport {
   CUcontext ctx_ = nullptr;
   bool retained_ = false;
   CUstream priv_ = nullptr;  // device -> host receives
+  CUstream unstick_ = nullptr;  // writes the data flags of peers that exited (let_go_locked)
+  std::mutex pend_mu_;          // the members below
+  std::vector<Pending> pending_;
+  std::vector<CUevent> spare_events_;
+  size_t reap_at_ = 64;  // an enqueue reaps from this many: more than credits let run at once
+  std::thread watcher_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false, watch_idle_ = false;
   size_t rings_off_ = 0, dev_bytes_ = 0;
   CUdeviceptr alloc_ = 0, dev_base_ = 0, own_flags_dev_ = 0;
   CUipcMemHandle ipc_{};
