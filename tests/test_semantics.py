@@ -199,6 +199,27 @@ def test_a_barrier_fails_when_a_peer_died(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90, expect_exit={0: None})
+def test_a_barrier_whose_store_host_died_raises_peer_failure(transport):
+    """Rank 0 hosts the rendezvous store and dies: rank 1's barrier fails
+    with PeerFailure saying the store stopped answering (it raised torch's
+    DistNetworkError, "Broken pipe", which names no rank and is no varcomm
+    error), and the communicator still closes."""
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30)
+    comm.barrier()
+    if comm.rank == 0:
+        comm.recv(1)
+        os._exit(0)
+    comm.send(np.zeros(1), 0)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="store stopped answering"):
+        comm.barrier()
+    assert time.monotonic() - t0 < 10
+    comm.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=90)
 def test_views_and_byte_orders_are_sent_as_their_values(transport):
     z = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, cast, over
 import numpy as np
 
 from . import arrays, bootstrap, dtypes
-from .errors import InvalidArgument, MessageTooLarge, VarcommError
+from .errors import InvalidArgument, MessageTooLarge, PeerFailure, VarcommError
 from .errors import TimeoutError as _Timeout
 from .options import Options
 from .work import Work
@@ -215,8 +215,6 @@ class Communicator:
                                 return  # it arrived before it died: the barrier is complete
                             if self._store.check([f"{key}/{r}"]):
                                 continue  # it arrived, then died: the others may still come
-                            from .errors import PeerFailure
-
                             raise PeerFailure(f"{key.split('/')[0]}: {got} of {n} ranks arrived, and rank {r} "
                                               f"failed: {why}")
             if time.monotonic() > deadline:
@@ -647,9 +645,21 @@ class Communicator:
             limit = 1e9  # inf: no limit
         n = getattr(self, "_barriers", 0) + 1
         self._barriers = n
-        self._store.set(f"barrier/{n}/{self.rank}", "1")  # who arrived: a rank that died after it is not blamed
-        self._store.add(f"barrier/{n}", 1)
-        self._wait_count(f"barrier/{n}", self.world_size, limit)
+        try:
+            self._store.set(f"barrier/{n}/{self.rank}", "1")  # who arrived: a rank that died after it is not blamed
+            self._store.add(f"barrier/{n}", 1)
+            self._wait_count(f"barrier/{n}", self.world_size, limit)
+        except VarcommError:
+            raise
+        except (RuntimeError, OSError) as e:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
+            raise self._store_lost("barrier", e) from None
+
+    def _store_lost(self, what: str, e: Exception) -> PeerFailure:
+        """The store stopped answering: its host (rank 0 under varcomm-run,
+        the agent under torchrun) exited, or the network to it is down."""
+        dead = [why for r in range(self.world_size) if r != self.rank and (why := self._c.peer_error(r))]
+        return PeerFailure(f"{what}: the rendezvous store stopped answering ({e}); "
+                           + ("; ".join(dead) if dead else "the process that hosts it has most likely exited"))
 
     # ---- lifetime -------------------------------------------------------------
 
@@ -673,7 +683,10 @@ class Communicator:
             if dev is not None:
                 dev.close()
         try:
-            self._store.set(f"left/{self.rank}", "1")
+            try:
+                self._store.set(f"left/{self.rank}", "1")
+            except (RuntimeError, OSError):  # the store's host died: close without it
+                pass
             self._flush(time.monotonic() + _CLOSE_FLUSH_S)
             # Every rank waits for the others (or their deaths) before tearing its
             # transports down: peers may still be writing into our region, and rank
