@@ -97,39 +97,42 @@ std::vector<int> Engine::unflushed() {
 }
 
 void Engine::close() {
-  std::lock_guard<std::mutex> g(mu_);
-  if (closed_) return;
-  closed_ = true;
-  // What has not completed fails now, as close() documents; a recv whose
-  // message arrived keeps it (it is in our region, which stays mapped).
-  for (int q = 0; q < world_; ++q) withdraw_heads(q);
-  for (auto& p : peers_) {
-    fail_queue(p.sendq, ErrorKind::Closed,
-               "communicator closed before this send completed (a send still queued was never written; "
-               "one in flight may or may not have arrived)");
-    fail_queue(p.posted, ErrorKind::Closed, "communicator closed before a message arrived for this recv");
+  std::vector<std::shared_ptr<Transport>> devices;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (closed_) return;
+    closed_ = true;
+    // What has not completed fails now, as close() documents; a recv whose
+    // message arrived keeps it (it is in our region, which stays mapped).
+    for (int q = 0; q < world_; ++q) withdraw_heads(q);
+    for (auto& p : peers_) {
+      fail_queue(p.sendq, ErrorKind::Closed,
+                 "communicator closed before this send completed (a send still queued was never written; "
+                 "one in flight may or may not have arrived)");
+      fail_queue(p.posted, ErrorKind::Closed, "communicator closed before a message arrived for this recv");
+    }
+    for (int q = 0; q < world_; ++q)
+      fail_streams(q, ErrorKind::Closed, "communicator closed while this message was streaming in");
+    sending_ = 0;
+    auto add = [&](const std::shared_ptr<Transport>& t) {
+      if (t && std::find(devices.begin(), devices.end(), t) == devices.end()) devices.push_back(t);
+    };
+    for (auto& t : transports_) add(t);
+    add(local_dev_);
+    for (auto& p : peers_) add(p.tdev);
+    transports_.clear();
+    local_dev_.reset();
+    for (auto& p : peers_) {
+      p.t.reset();
+      p.tdev.reset();
+    }
   }
-  for (int q = 0; q < world_; ++q)
-    fail_streams(q, ErrorKind::Closed, "communicator closed while this message was streaming in");
-  sending_ = 0;
   // Device messages already on streams: their copies and flags run before
-  // this process may exit (bounded; a peer that exited lets its go).
+  // this process may exit (bounded; a peer that exited lets its go). Not
+  // under mu_: another thread's call would wait on it holding the GIL, and
+  // that may be what lets the stream go on. (closed_ keeps calls out.)
   const auto until = Clock::now() + std::chrono::seconds(10);
-  std::vector<Transport*> settled;
-  auto settle = [&](const std::shared_ptr<Transport>& t) {
-    if (!t || std::find(settled.begin(), settled.end(), t.get()) != settled.end()) return;
-    settled.push_back(t.get());
-    t->settle(until);
-  };
-  for (auto& t : transports_) settle(t);
-  settle(local_dev_);
-  for (auto& p : peers_) settle(p.tdev);
-  transports_.clear();
-  local_dev_.reset();
-  for (auto& p : peers_) {
-    p.t.reset();
-    p.tdev.reset();
-  }
+  for (auto& t : devices) t->settle(until);
 }
 
 void Engine::set_transport(int peer, std::shared_ptr<Transport> t, const Layout& pl) {

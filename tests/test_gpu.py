@@ -345,6 +345,78 @@ def test_fake_close_finishes_the_messages_on_callers_streams(fake_cuda, nvlink_f
         assert gpu.get(out, n) == _payload(5, n)
 
 
+@world(2, timeout=120)
+def test_fake_many_sends_while_this_thread_captures_another_stream(fake_cuda):
+    """This thread captures a graph on one stream (GLOBAL mode, PyTorch's
+    default) and sends 80 messages on another: the transport's bookkeeping
+    of those messages (event queries once enough are outstanding) must not
+    invalidate the capture (it did from the 64th message)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    c, r = comm._c, comm.rank
+    s, cap = gpu.stream(), gpu.stream()
+    with comm:
+        if r == 0:
+            p = gpu.alloc(64)
+            assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(cap), 0) == 0
+            for _ in range(80):
+                c.send(1, 0, p, 64, U8, (64,), 30.0, s)
+            g = ctypes.c_void_p()
+            assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(cap), ctypes.byref(g)) == 0
+        else:
+            out = gpu.alloc(64)
+            for _ in range(80):
+                c.recv_into(0, 0, out, 64, U8, 30.0, s)
+            gpu.sync(s)
+        comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_close_waits_for_sends_only_and_not_holding_the_engine(fake_cuda):
+    """Both streams are held by other work when both ranks close: the
+    sender's close waits for its message's copy (until its stream goes on,
+    released here from another Python thread that calls into the
+    communicator meanwhile: close must not hold the engine, and so the GIL,
+    while it waits); the receiver's close does not wait for its receive
+    (that work touches only memory kept until it ran), and destroying the
+    communicator afterwards waits no second time."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    n = 4096
+    held = gpu.hold(s, 60)
+    if r == 0:
+        c.send(1, 0, gpu.alloc(n), n, U8, (n,), 30.0, s)
+        comm.barrier()
+        ticks = []
+
+        def poke() -> None:  # a call into the communicator while close waits
+            time.sleep(0.3)
+            try:
+                comm.peer_bound(1)
+            except varcomm.VarcommError:
+                pass
+            ticks.append(time.monotonic())
+            held.release()
+
+        th = threading.Thread(target=poke)
+        th.start()
+        t0 = time.monotonic()
+        comm.close()
+        took = time.monotonic() - t0
+        th.join()
+        assert ticks and ticks[0] - t0 < 3, "the other thread's call waited for close"
+        assert took < 5, took
+    else:
+        out = gpu.alloc(n)
+        assert c.recv_into(0, 0, out, n, U8, 30.0, s).nbytes == n
+        comm.barrier()
+        t0 = time.monotonic()
+        comm.close()
+        assert time.monotonic() - t0 < 3, "the receiver's close waited for its stream"
+        held.release()
+        gpu.sync(s)
+
+
 @world(2, timeout=60)
 def test_fake_flags_must_agree(fake_cuda):
     """VARCOMM_NVLINK_FLAGS set differently on the two ranks: no nvlink route

@@ -300,7 +300,7 @@ class NvlinkTransport : public Transport {
       check(d_.StreamWriteValue64(s, flag_of(p, ready_off), seq, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue64 (send: data flag)");
     }
-    track(s, peer, ready_off, seq, false);
+    track(s, peer, ready_off, seq, Pending::kSend);
     // The header travels on the host path at once: the receiver can match,
     // allocate and enqueue its wait before the data has landed.
     char* slot = p.host + ready_off;
@@ -327,7 +327,7 @@ class NvlinkTransport : public Transport {
             "cuMemcpyAsync (recv: host slot to GPU)");
       check(d_.StreamWriteValue64(s, p.host_dev + credit_off, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
             "cuStreamWriteValue64 (recv: credit)");
-      track(s, peer, ready_off, seq, false);
+      track(s, peer, ready_off, seq, Pending::kRecv);
       return;
     }
     // Nothing to copy (an empty message, or one dropped unread): free the
@@ -345,7 +345,7 @@ class NvlinkTransport : public Transport {
     // Fenced after the copy: the sender reuses the slot only once we read it.
     check(d_.StreamWriteValue64(s, p.host_dev + credit_off, seq, CU_STREAM_WRITE_VALUE_DEFAULT),
           "cuStreamWriteValue64 (recv: credit)");
-    track(s, peer, ready_off, seq, true);
+    track(s, peer, ready_off, seq, Pending::kRecvWaits);
     if (host_dst) check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv into host memory)");
   }
 
@@ -468,23 +468,29 @@ class NvlinkTransport : public Transport {
   }
 
   // Work this transport put on a stream (a caller's, or priv_) for one
-  // message: an event after it, the peer, the slot, and whether it waits for
-  // the peer's data flag.
+  // message: an event after it, the peer, the slot, and what it is.
   struct Pending {
+    enum Kind { kSend, kRecv, kRecvWaits };  // kRecvWaits: waits for the peer's data flag
     CUevent ev;
     int peer;
     size_t ready_off;
     uint64_t seq;
-    bool waits;
-    bool let_go = false;  // its flag was written from unstick_
+    Kind kind;
+    bool let_go = false;  // its flag was written for it (let_go_locked)
+    bool waits() const { return kind == kRecvWaits && !let_go; }
   };
 
   // Called after a message's operations are enqueued on s. Without the event
   // close could not tell when they ran; if it cannot be recorded (a broken
   // context, whose work never runs) the message goes untracked.
-  void track(CUstream s, int peer, size_t ready_off, uint64_t seq, bool waits) {
+  void track(CUstream s, int peer, size_t ready_off, uint64_t seq, Pending::Kind kind) {
     std::lock_guard<std::mutex> g(pend_mu_);
-    if (pending_.size() >= reap_at_) reap_locked();
+    if (pending_.size() >= reap_at_) {
+      // This thread may be capturing another stream (the caller's graph):
+      // a query there, unless RELAXED, would invalidate that capture.
+      CaptureModeScope relaxed(d_, CU_STREAM_CAPTURE_MODE_RELAXED);
+      reap_locked();
+    }
     CUevent ev = nullptr;
     if (!spare_events_.empty()) {
       ev = spare_events_.back();
@@ -496,8 +502,8 @@ class NvlinkTransport : public Transport {
       spare_events_.push_back(ev);
       return;
     }
-    pending_.push_back({ev, peer, ready_off, seq, waits});
-    if (waits) {
+    pending_.push_back({ev, peer, ready_off, seq, kind});
+    if (kind == Pending::kRecvWaits) {
       if (!watcher_.joinable())
         watcher_ = std::thread([this] { watch(); });
       else if (watch_idle_)
@@ -524,13 +530,22 @@ class NvlinkTransport : public Transport {
   void let_go_locked() {
     std::map<int, bool> exited;
     for (Pending& x : pending_) {
-      if (!x.waits || x.let_go) continue;
+      if (!x.waits()) continue;
       auto it = exited.find(x.peer);
       if (it == exited.end()) it = exited.emplace(x.peer, !peer_error(x.peer).empty()).first;
       if (!it->second) continue;
-      // Its own sequence number: waits compare cyclically ((int64)(flag - seq) >= 0).
-      x.let_go = d_.StreamWriteValue64(unstick_, own_flag(x.ready_off), x.seq, CU_STREAM_WRITE_VALUE_DEFAULT) ==
-                 CUDA_SUCCESS;
+      // Its own sequence number: waits compare cyclically ((int64)(flag - seq)
+      // >= 0). Host flags are stored by this thread: a write from another
+      // stream of this process may queue behind the very wait it should end
+      // (one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1); device flags
+      // have no other way.
+      if (mode_ == FlagMem::Host) {
+        store_release_u64(local_.base() + x.ready_off + kFlagOff, x.seq);
+        x.let_go = true;
+      } else {
+        x.let_go = d_.StreamWriteValue64(unstick_, own_flag(x.ready_off), x.seq, CU_STREAM_WRITE_VALUE_DEFAULT) ==
+                   CUDA_SUCCESS;
+      }
     }
   }
 
@@ -542,7 +557,7 @@ class NvlinkTransport : public Transport {
     std::unique_lock<std::mutex> g(pend_mu_);
     while (!watch_stop_) {
       const bool waiting = std::any_of(pending_.begin(), pending_.end(),
-                                       [](const Pending& x) { return x.waits && !x.let_go; });
+                                       [](const Pending& x) { return x.waits(); });
       if (waiting) {
         watch_cv_.wait_for(g, std::chrono::milliseconds(100));
       } else {
@@ -556,20 +571,27 @@ class NvlinkTransport : public Transport {
     }
   }
 
+  // Only sends: their data is what a peer still waits for once this
+  // process exits; a receive's work touches memory that release() keeps
+  // until it ran.
   void settle(std::chrono::steady_clock::time_point deadline) override {
     CtxScope scope(d_, ctx_);
-    ran(deadline);
+    if (!ran(deadline, true)) settle_gave_up_ = true;
   }
 
-  // True once the work tracked above, and what priv_ and unstick_ hold, ran;
-  // false at `deadline` (a stream held by other work).
-  bool ran(std::chrono::steady_clock::time_point deadline) {
+  // True once the work tracked above (only sends: sends_only), and what
+  // priv_ and unstick_ hold, ran; false at `deadline` (a stream held by
+  // other work).
+  bool ran(std::chrono::steady_clock::time_point deadline, bool sends_only = false) {
     for (int i = 0;; ++i) {
       {
         std::lock_guard<std::mutex> g(pend_mu_);
         reap_locked();
         if (i % 64 == 0) let_go_locked();
-        if (pending_.empty() && d_.StreamQuery(priv_) != CUDA_ERROR_NOT_READY &&
+        const bool left = sends_only ? std::any_of(pending_.begin(), pending_.end(),
+                                                   [](const Pending& x) { return x.kind == Pending::kSend; })
+                                     : !pending_.empty();
+        if (!left && d_.StreamQuery(priv_) != CUDA_ERROR_NOT_READY &&
             d_.StreamQuery(unstick_) != CUDA_ERROR_NOT_READY)
           return true;
       }
@@ -591,7 +613,9 @@ class NvlinkTransport : public Transport {
       watch_cv_.notify_all();
       watcher_.join();
     }
-    return ran(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    // A stream that held close's settle for its 10 s is held still: leak at
+    // once rather than wait again (here, from a destructor).
+    return ran(std::chrono::steady_clock::now() + (settle_gave_up_ ? std::chrono::seconds(0) : std::chrono::seconds(10)));
   }
 
   void release() {
@@ -650,6 +674,7 @@ class NvlinkTransport : public Transport {
   std::thread watcher_;
   std::condition_variable watch_cv_;
   bool watch_stop_ = false, watch_idle_ = false;
+  bool settle_gave_up_ = false;
   size_t rings_off_ = 0, dev_bytes_ = 0;
   CUdeviceptr alloc_ = 0, dev_base_ = 0, own_flags_dev_ = 0;
   CUipcMemHandle ipc_{};
