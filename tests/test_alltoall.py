@@ -670,3 +670,35 @@ def test_a_dropped_async_call_does_not_block_the_line_that_dropped_it(transport)
             assert rs == [2, 2] and got.tolist() == [0, 1, 10, 11]
         got, rs = A.all_to_all_v(comm, x + 100, [2, 2])
         assert got.tolist() == [100 + r * 2, 101 + r * 2, 110 + r * 2, 111 + r * 2], got
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_is_completed_finishes_an_async_call_without_wait(transport):
+    """A loop that polls is_completed() (as torch users poll a Work) ends once
+    every pair's data is in, and wait() then returns the result at once; it
+    stayed False until wait() was called, so such a loop never ended. A
+    small message and a rendezvous-sized one; every entry point."""
+    with varcomm.init(transport=transport, bound=1 << 20, slots=4, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        for rows in (2, 3000):  # 3000 rows x 64 float32: 750 KiB chunks, over the eager size
+            x = torch.full((n * rows, 64), float(r))
+            works = [
+                ("all_to_all_v", comm.all_to_all_v(x, [rows] * n, async_op=True)),
+                ("all_to_all_v numpy", comm.all_to_all_v(x.numpy(), [rows] * n, async_op=True)),
+                ("all_to_all_single", comm.all_to_all_single(torch.empty_like(x), x, async_op=True)),
+                ("all_to_all", comm.all_to_all(None, list(x.chunk(n)), async_op=True)),
+            ]
+            for name, w in works:
+                deadline = time.monotonic() + 15
+                while not w.is_completed():
+                    assert time.monotonic() < deadline, f"{name}: is_completed() stayed False"
+                    time.sleep(0.001)
+                t0 = time.monotonic()
+                got = w.wait()
+                assert time.monotonic() - t0 < 0.5, name
+                if name == "all_to_all_single":
+                    continue
+                parts = got if name == "all_to_all" else [got[0][s * rows:(s + 1) * rows] for s in range(n)]
+                for s, part in enumerate(parts):
+                    assert np.all(np.asarray(part) == s), (name, s)

@@ -1020,10 +1020,11 @@ py::object a2a_run(AllToAllHandle& h, std::optional<double> timeout, py::object 
   }
 }
 
-py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
+// Places the output once every header is in: alloc(total rows) -> pointer
+// for a row form without out; alloc(src, dtype word, shape) for each output
+// of the list form left to allocate. Nothing when already placed.
+void a2a_place(AllToAllHandle& h, py::object& alloc) {
   AllToAll& a = *h.a;
-  auto deadline = deadline_of(timeout);
-  a2a_drive(a, [&](Clock::time_point d) { return a.wait_headers(d); }, deadline, timeout);
   if (a.op() == A2AOp::List) {
     for (int s : a.unplaced()) {
       const A2AChunk& g = a.arrived(s);
@@ -1042,17 +1043,45 @@ py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::obje
     for (int64_t v : a.recv_rows()) rows += v;
     a.place(reinterpret_cast<void*>(alloc(rows).cast<uintptr_t>()), a.total_bytes(), h.mem);
   }
+}
+
+py::object a2a_finish(AllToAllHandle& h, std::optional<double> timeout, py::object alloc) {
+  AllToAll& a = *h.a;
+  auto deadline = deadline_of(timeout);
+  a2a_drive(a, [&](Clock::time_point d) { return a.wait_headers(d); }, deadline, timeout);
+  a2a_place(h, alloc);
   a2a_drive(a, [&](Clock::time_point d) { return a.wait_done(d); }, deadline, timeout);
   if (auto e = a.error()) throw *e;
   if (a.op() == A2AOp::List) return py::none();
   return py::cast(a.recv_rows());
 }
 
+// An async call's is_completed(): one pass that never waits for a peer; true
+// once run() returns at once (it then finishes the call).
+bool a2a_poll(AllToAllHandle& h, py::object alloc) {
+  AllToAll& a = *h.a;
+  try {
+    bool got;
+    {
+      py::gil_scoped_release nogil;
+      got = a.wait_headers(Clock::time_point::min());
+    }
+    if (!got) return false;
+    a2a_place(h, alloc);
+    py::gil_scoped_release nogil;
+    return a.wait_done(Clock::time_point::min());
+  } catch (...) {
+    h.keep_in_flight();
+    throw;
+  }
+}
+
 void bind_collectives(py::module_& m) {
   m.attr("COLL_TAG_BASE") = kCollTagBase;
   m.attr("MAX_COLL_TAG") = kMaxCollTag;
   py::class_<AllToAllHandle>(m, "AllToAll")
-      .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none());
+      .def("run", &a2a_run, py::arg("timeout"), py::arg("alloc") = py::none())
+      .def("poll", &a2a_poll, py::arg("alloc") = py::none());
   // x's rows split by splits (V: op 0, out 0 = allocate; Single: op 1, with the
   // expected rows per source). keep: the objects x (and out) belong to; a send
   // still in flight when the collective is given up on keeps them alive.

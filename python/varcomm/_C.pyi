@@ -172,6 +172,8 @@ class AllToAll:
     # Row forms: returns rows per source, alloc(total_rows) -> pointer when there is no out.
     # List form: returns None, alloc(src, dtype word, shape) -> pointer per output to allocate.
     def run(self, timeout: float | None, alloc: Callable[..., int] | None = None) -> list[int] | None: ...
+    # One pass that never waits for a peer: True once run() returns at once.
+    def poll(self, alloc: Callable[..., int] | None = None) -> bool: ...
 
 # stream: -1 for host x and out, else the CUDA stream both (device memory) are ordered on;
 # x_host: a host copy of a device x for receivers with no device route (0: none).

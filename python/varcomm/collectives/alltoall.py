@@ -281,8 +281,10 @@ class AllToAllWork:
     """A pending all-to-all (a varcomm.Work). ``wait()`` finishes it and returns
     its result (the same value the blocking call returns)."""
 
-    def __init__(self, finish: Callable[[float | None], Any], keep: Any = None, dev: _Dev | None = None):
+    def __init__(self, finish: Callable[[float | None], Any], keep: Any = None, dev: _Dev | None = None,
+                 poll: Callable[[], bool] | None = None):
         self._finish: Callable[[float | None], Any] | None = finish
+        self._poll = poll  # True once finish returns at once (never waits for a peer)
         self._keep = keep  # the inputs must outlive the transfer
         self._dev = dev  # device memory: the stream its copies are ordered on
         self._result: Any = None
@@ -303,7 +305,23 @@ class AllToAllWork:
         return self._result
 
     def is_completed(self) -> bool:
-        return self._finish is None
+        """True once every pair's data is in (the call is then finished here:
+        wait() returns at once); never waits for a peer."""
+        if self._finish is None:
+            return True
+        if self._poll is None:
+            return False
+        try:
+            if not self._poll():
+                return False
+        except BaseException as e:  # the call failed: wait() raises it
+            self._finish, self._poll, self._keep, self._error = None, None, None, e
+            return True
+        try:
+            self.wait()
+        except BaseException:
+            pass  # kept for wait()
+        return True
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """wait(), then (device memory) block the host until the copies on the stream ran."""
@@ -347,8 +365,8 @@ def _finish_dropped(finish: Callable[[float | None], Any], keep: Any) -> None:
 
 
 def _done(finish: Callable[[float | None], R], async_op: bool, timeout: float | None, keep: object,
-          dev: _Dev | None = None) -> R | Work:
-    return AllToAllWork(finish, keep, dev) if async_op else finish(timeout)
+          dev: _Dev | None = None, poll: Callable[[], bool] | None = None) -> R | Work:
+    return AllToAllWork(finish, keep, dev, poll) if async_op else finish(timeout)
 
 
 # ---------------------------------------------------------------------------
@@ -454,7 +472,7 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         total = sum(recv)
         return arrays.prefix_view(out, total * rb, (total,) + trailing), recv
 
-    return _done(finish, async_op, timeout, (x, out))
+    return _done(finish, async_op, timeout, (x, out), poll=lambda: h.poll(alloc if out is None else None))
 
 
 def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: int, out: Any, async_op: bool,
@@ -484,7 +502,7 @@ def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: i
             view.copy_(got)  # host to device
             return view, recv
 
-        return _done(staged, async_op, timeout, (x, out), dev)
+        return _done(staged, async_op, timeout, (x, out), dev, poll=work.is_completed)
     me = comm.rank
     host = mem.to_host(x) if any(splits[d] and _staged_to(comm, d) for d in range(len(splits)) if d != me) else None
     mem.record(x, dev.stream)
@@ -507,7 +525,7 @@ def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: i
         total = sum(recv)
         return arrays.prefix_view(out, total * rb, (total,) + trailing), recv
 
-    return _done(finish, async_op, timeout, keep, dev)
+    return _done(finish, async_op, timeout, keep, dev, poll=lambda: h.poll(alloc if out is None else None))
 
 
 # ---------------------------------------------------------------------------
@@ -560,7 +578,7 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
         _run(comm, h, t)
         return None
 
-    return _done(finish, async_op, timeout, (inp, output))
+    return _done(finish, async_op, timeout, (inp, output), poll=h.poll)
 
 
 def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, output_split_sizes: Splits | None,
@@ -587,7 +605,7 @@ def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, outpu
             work.wait(t)
             output.copy_(bounce)  # host to device
 
-        return _done(staged, async_op, timeout, (inp, output), dev)
+        return _done(staged, async_op, timeout, (inp, output), dev, poll=work.is_completed)
     me = comm.rank
     host = mem.to_host(inp) if any(in_splits[d] and _staged_to(comm, d) for d in range(n) if d != me) else None
     mem.record(inp, dev.stream)
@@ -599,7 +617,7 @@ def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, outpu
         _run(comm, h, t)
         mem.wait(dev.stream, place)
 
-    return _done(finish, async_op, timeout, keep, dev)
+    return _done(finish, async_op, timeout, keep, dev, poll=h.poll)
 
 
 @overload
@@ -660,7 +678,7 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
         _run(comm, h, t, alloc)
         return cast("list[Array]", outs)  # every entry given or allocated now
 
-    return _done(finish, async_op, timeout, (msgs, outs))
+    return _done(finish, async_op, timeout, (msgs, outs), poll=lambda: h.poll(alloc))
 
 
 def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array | None] | None,
@@ -686,7 +704,7 @@ def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array |
                     cast("torch.Tensor", o).copy_(g)  # host to device
             return cast("list[Array]", outs)
 
-        return _done(staged, async_op, timeout, (msgs, outs), dev)
+        return _done(staged, async_op, timeout, (msgs, outs), dev, poll=work.is_completed)
     handle = dev.handle
     sends: list[tuple[Any, ...]] = []
     hosts: list[Any] = []
@@ -715,4 +733,4 @@ def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array |
         mem.wait(dev.stream, place)
         return cast("list[Array]", outs)
 
-    return _done(finish, async_op, timeout, keep, dev)
+    return _done(finish, async_op, timeout, keep, dev, poll=lambda: h.poll(alloc))
