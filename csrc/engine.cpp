@@ -46,6 +46,9 @@ inline void cpu_relax() {
 
 std::string peer_str(int peer) { return "rank " + std::to_string(peer); }
 
+// Peer::bye
+constexpr uint8_t kByeWanted = 1, kByeWritten = 2, kByeDone = 3;
+
 const char* const kWithdrawn =
     "its sender withdrew it before this rank received it (the sender closed, or gave up on this pair); nothing "
     "was written";
@@ -89,11 +92,50 @@ std::vector<int> Engine::unflushed() {
   progress_locked();
   for (int q = 0; q < world_; ++q) {
     Peer& p = peers_[q];
+    if (p.bye == kByeWritten) {
+      if (p.dead.empty() && p.t && !p.t->complete(q, p.bye_ticket)) {
+        peers.push_back(q);
+        continue;
+      }
+      p.bye = kByeDone;
+    }
     if (p.sendq.empty() && (!p.tdev || p.tdev->flushed(q))) continue;
     check_peer(q, false);  // a dead peer's sends fail here instead
     if (!p.sendq.empty() || (p.dead.empty() && p.tdev && !p.tdev->flushed(q))) peers.push_back(q);
   }
   return peers;
+}
+
+void Engine::goodbye() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return;
+  leaving_ = true;
+  for (int q = 0; q < world_; ++q) {
+    Peer& p = peers_[q];
+    if (q == rank_ || !p.t || p.bye) continue;
+    p.bye = kByeWanted;
+    byes_wanted_++;
+    try_goodbye(q);
+  }
+}
+
+// Written only once nothing sent before it still moves: a rendezvous head
+// still to be answered would stream its chunks after it, which the receiver
+// (done with us at the goodbye) would never take.
+void Engine::try_goodbye(int peer) {
+  Peer& p = peers_[peer];
+  if (p.bye != kByeWanted) return;
+  if (p.dead.empty()) {
+    if (!p.sendq.empty() || (p.tdev && !p.tdev->flushed(peer))) return;
+    Request r;
+    r.hflags = kGoodbye;
+    if (!try_write(peer, r)) return;  // the ring is full: retried by progress
+    p.bye = kByeWritten;
+    p.bye_ticket = r.ticket;
+  } else {
+    p.bye = kByeDone;  // it hears nothing from us anyway
+  }
+  byes_wanted_--;
 }
 
 void Engine::close() {
@@ -414,6 +456,8 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
   if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq &&
       h.auth == peers_[peer].auth_in)
     return true;
+  // A message left from a peer that closed since: say what is wrong with it.
+  if (peers_[peer].bye_seen) peers_[peer].dead.clear();
   if (h.auth != peers_[peer].auth_in) {
     // Noticed as genuine, then overwritten in place: that message is lost.
     forged_++;
@@ -735,10 +779,9 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
         // both directions of a bidirectional stream took turns (16 MiB on shm:
         // 1.41 ms per message against 1.24 ms by CMA).
         drive_sends();
-        if (slow) {
-          check_peer(peer, false);
-          if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
-        }
+        if (slow) check_peer(peer, false);
+        // (Also without a check: the peer's goodbye, seen by progress_recvs.)
+        if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
         return false;
       },
       deadline);
@@ -1376,7 +1419,7 @@ void Engine::free_slot(int peer, int slot, uint64_t seq) {
   if (2 * (p.ready.size() + p.early.size() + 1) >= size_t(layout_.nslots)) p.t->send_credits_now(peer);
 }
 
-void Engine::progress_recvs(int peer) {
+void Engine::deliver(int peer) {
   Peer& p = peers_[peer];
   const char* base = region_->base();
   for (int k = 0; k < layout_.nslots; ++k) {
@@ -1396,6 +1439,15 @@ void Engine::progress_recvs(int peer) {
     moved = false;
     for (size_t i = 0; i < p.early.size(); ++i) {
       if (p.early[i].seq == p.next_deliver) {
+        const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, p.early[i].slot) + kHeaderOff);
+        if (h->flags & kGoodbye) {
+          // Its slot is never freed: the sender writes nothing more to us.
+          p.bye_seen = true;
+          p.early.erase(p.early.begin() + i);
+          p.next_deliver++;
+          moved = true;
+          break;
+        }
         p.ready.push_back(p.early[i]);
         p.early.erase(p.early.begin() + i);
         p.next_deliver++;
@@ -1404,6 +1456,27 @@ void Engine::progress_recvs(int peer) {
       }
     }
   }
+}
+
+// Everything the peer sent before its goodbye is delivered (and none of it
+// still streams in): what waits for more from it would wait in vain.
+// Not while this rank closes too: what it still waits for fails with
+// ClosedError then, as close() documents, whoever closed first.
+void Engine::check_goodbye(int peer) {
+  Peer& p = peers_[peer];
+  if (!p.bye_seen || !p.dead.empty() || !p.streams.empty() || leaving_) return;
+  // A malformed message before the goodbye fails the pair for what it is.
+  const char* base = region_->base();
+  for (const Arrival& a : p.ready)
+    if (!sane(peer, *reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a.slot) + kHeaderOff), a.seq))
+      return;
+  fail_peer(peer, peer_str(peer) + " closed its communicator: it sends and receives nothing more");
+}
+
+void Engine::progress_recvs(int peer) {
+  Peer& p = peers_[peer];
+  const char* base = region_->base();
+  deliver(peer);
   if (!p.streams.empty() && (!route_chunks(peer) || !check_landings(peer))) return;
   for (auto it = p.posted.begin(); it != p.posted.end();) {
     Request& r = reqs_[uint32_t(*it)];
@@ -1514,6 +1587,7 @@ void Engine::progress_recvs(int peer) {
     }
     it = p.posted.erase(it);
   }
+  check_goodbye(peer);
 }
 
 bool Engine::route_chunks(int peer) {
@@ -1664,6 +1738,8 @@ void Engine::progress_locked() {
     Peer& p = peers_[peer];
     if (p.t && !p.sendq.empty()) progress_sends(peer);
   }
+  if (byes_wanted_)
+    for (int peer = 0; peer < world_; ++peer) try_goodbye(peer);
 }
 
 void Engine::progress() {
@@ -1683,6 +1759,10 @@ void Engine::check_peer(int peer, bool force) {
   auto now = Clock::now();
   if (!force && now - p.last_check < kPeerCheck) return;
   p.last_check = now;
+  // A sender blocked on a full ring to a peer that closed learns it here.
+  if (!p.bye_seen) deliver(peer);
+  check_goodbye(peer);
+  if (!p.dead.empty()) return;
   std::string why = p.t->peer_error(peer);
   if (!why.empty()) fail_peer(peer, why);
 }

@@ -226,6 +226,12 @@ class Engine {
   // Drives every transport once; the peers whose queued or in-flight sends
   // are not done yet (close() flushes until none, or its deadline).
   std::vector<int> unflushed();
+  // This rank is closing: each connected peer gets a kGoodbye after what was
+  // sent to it before (written by this call, unflushed() or progress() once
+  // that has gone out; never while the peer's ring is full), so its
+  // receives from us fail at once. Best effort: one that is never written
+  // leaves the peer to notice our exit, as before.
+  void goodbye();
   // Every request not complete fails with ClosedError; a recv whose message
   // arrived keeps it, a completed one stays completed.
   void close();
@@ -302,6 +308,10 @@ class Engine {
   Await await_head_credit(uint64_t id, std::chrono::steady_clock::time_point deadline, std::string* why);
   Cancelled move_rendezvous(uint64_t id);
   void withdraw_heads(int peer);
+  void try_goodbye(int peer);
+  // Notices what arrived from `peer` and moves it to p.ready in seq order.
+  void deliver(int peer);
+  void check_goodbye(int peer);
   std::string copy_failed_text(int peer, uint64_t nbytes) const;
   void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager = false);
   void check_fits(int peer, const Transport& t, const Layout& pl) const;
@@ -406,6 +416,12 @@ class Engine {
     uint64_t next_deliver = 1;
     std::deque<uint64_t> posted;    // recvs in posting order
     std::string dead;               // why the peer is unusable, empty while fine
+    // kGoodbye (Engine::goodbye): ours to write (kByeWanted), written with
+    // bye_ticket still in flight (kByeWritten), done; and whether the
+    // peer's arrived (its posted recvs fail once nothing streams in).
+    uint8_t bye = 0;
+    uint64_t bye_ticket = 0;
+    bool bye_seen = false;
     std::chrono::steady_clock::time_point last_check{};
     uint32_t sends_unchecked = 0;
     uint64_t auth_out = 0, auth_in = 0;  // pair tags (set_pair_tags)
@@ -475,6 +491,8 @@ class Engine {
   // Sends in every sendq: a blocking recv drives them only when there are any.
   size_t sending_ = 0;
   Request scratch_;              // send_now's request, never queued
+  int byes_wanted_ = 0;          // peers whose kGoodbye is still to be written
+  bool leaving_ = false;         // goodbye() was called: close() follows
   std::mutex mu_;
   bool closed_ = false;
   std::atomic<uint64_t> coll_seq_{0};

@@ -70,6 +70,12 @@ constexpr uint64_t kRefusedCall = 16;
 // read the sender's memory (CMA) should, even where it would otherwise have
 // the data streamed through the slots. A hint: ignoring it is correct.
 constexpr uint64_t kSlowSlots = 32;
+// The sender closed its communicator: its last message to this rank, written
+// once nothing it sent before is still moving (no payload; never matched).
+// The receiver then fails what waits on that sender at once: otherwise a
+// recv from a rank that closed waits until the closer's close() ends (up to
+// 30 s on the store's host) or its own timeout (Engine::goodbye).
+constexpr uint64_t kGoodbye = 64;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
 // The credit value that asks a rendezvous sender to write the data itself,

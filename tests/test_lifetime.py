@@ -130,8 +130,9 @@ def test_loan_holds_the_slot_until_freed(transport):
                 assert got.tolist() == [float(i)] * (100 + i), i
                 assert torch.equal(vb, b), f"held loan overwritten after message {i}"
             comm.barrier()  # 3
-            # The message that timed out was cancelled, not half-sent: nothing else is waiting.
-            with pytest.raises(varcomm.TimeoutError):
+            # The message that timed out was cancelled, not half-sent: nothing else is
+            # waiting (rank 0 may have closed by now: then its goodbye says so).
+            with pytest.raises((varcomm.TimeoutError, varcomm.PeerFailure)):
                 comm.recv(src=0, timeout=0.3)
 
 
@@ -503,3 +504,56 @@ def test_a_landed_message_asked_for_as_cupy_gets_the_cupy_error_and_is_kept():
                     comm.recv(0, array="cupy")
             assert np.array_equal(comm.recv(0), np.arange(n, dtype=np.uint8))
         comm.barrier()
+
+
+# ---------------------------------------------------------------------------
+# a peer that closed
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_recv_from_a_rank_that_closed_fails_at_once_after_its_messages(transport):
+    """Rank 0 (the rendezvous store's host) sends a small and an over-bound
+    message, then closes. Rank 1 still gets both, byte-exact, and its next
+    recv from rank 0 fails with PeerFailure within seconds, as does a send
+    to it. Catches: that recv waiting until rank 0's close gave up waiting
+    for rank 1 (30 s) or its own timeout; the goodbye overtaking the large
+    message's data (it would be lost or fail)."""
+    small = make_tensor(torch.float32, (7, 3), seed=5)
+    big = make_tensor(torch.int64, (3 * BOUND // 8 + 5,), seed=6)
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=60)
+    if comm.rank == 0:
+        comm.send(small, dst=1, tag=1)
+        comm.send(big, dst=1, tag=2)
+        comm.close()
+        return
+    time.sleep(1.0)  # rank 0 is in close() by now
+    assert same_bytes(comm.recv(src=0, tag=2), big)
+    assert same_bytes(comm.recv(src=0, tag=1), small)
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="rank 0 closed its communicator"):
+        comm.recv(src=0)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(varcomm.PeerFailure, match="rank 0 closed"):
+        comm.irecv(src=0, tag=9).wait()
+    with pytest.raises(varcomm.PeerFailure, match="rank 0 closed"):
+        comm.send(small, dst=0)
+    comm.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_send_blocked_on_a_rank_that_closed_fails_within_seconds(transport):
+    """Rank 0 closes without receiving; rank 1 sends until rank 0's ring is
+    full, and the send that waits for a free slot fails with PeerFailure
+    within seconds (it waited for its timeout, 60 s)."""
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=60)
+    if comm.rank == 0:
+        comm.close()
+        return
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="rank 0 closed"):
+        for _ in range(64):
+            comm.send(np.arange(16.0), dst=0)
+    assert time.monotonic() - t0 < 5
+    comm.close()

@@ -1632,6 +1632,12 @@ PYBIND11_MODULE(_C, m) {
              c.check_peer(peer);
              return c.engine->peer_bound(peer);
            })
+      // close(): tell every peer this rank sends nothing more (Engine::goodbye).
+      .def("goodbye",
+           [](Comm& c) {
+             py::gil_scoped_release nogil;
+             c.engine->goodbye();
+           })
       // close(): the peers that queued sends still wait for (none: flushed).
       .def("unflushed",
            [](Comm& c) {

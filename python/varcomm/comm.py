@@ -687,6 +687,7 @@ class Communicator:
                 self._store.set(f"left/{self.rank}", "1")
             except (RuntimeError, OSError):  # the store's host died: close without it
                 pass
+            self._c.goodbye()
             self._flush(time.monotonic() + _CLOSE_FLUSH_S)
             # Every rank waits for the others (or their deaths) before tearing its
             # transports down: peers may still be writing into our region, and rank
@@ -697,8 +698,7 @@ class Communicator:
                 deadline = time.monotonic() + (30 if keep_store else 10)
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
-                    if rdma:
-                        self._c.progress()
+                    self._c.progress()  # (and our goodbyes, once a full ring has room)
                     try:
                         missing = [r for r in missing if not self._store.check([f"left/{r}"])]
                     except Exception:  # the store's owner left after every rank had
