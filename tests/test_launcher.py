@@ -166,8 +166,9 @@ def test_sigterm_forwarded(tmp_path: Path) -> None:
         p.kill()
         p.wait()
     assert p.returncode == 128 + signal.SIGTERM
-    # Either the launcher reports the signal it got first, or the ranks' deaths by it.
-    assert "interrupted by SIGTERM" in err or "killed by signal SIGTERM" in err, err
+    # The ranks' deaths by the forwarded signal are not reported as failures of their own.
+    assert "interrupted by SIGTERM" in err and "stopped ranks 0,1 on signal" in err, err
+    assert "killed by signal" not in err, err
 
 
 def test_main_in_process_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
@@ -185,3 +186,61 @@ def test_split_argv() -> None:
     assert vrun._split_argv(["-n", "2", "-m", "pytest", "-q"]) == (["-n", "2"], ["-m", "pytest", "-q"])
     assert vrun._split_argv(["-n", "2", "--", "-weird"]) == (["-n", "2"], ["-weird"])
     assert vrun._command(["x.py", "a"]) == [sys.executable, "x.py", "a"]
+
+
+
+def start_sleepers(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """A launcher running 2 ranks that write their pids and sleep; (launcher, rank pids) once both are up.
+    The launcher's stderr goes to tmp_path/err: orphaned ranks would hold a pipe open."""
+    prog = script(tmp_path, """
+        open(sys.argv[1] + f"/pid{rank}.tmp", "w").write(str(os.getpid()))
+        os.rename(sys.argv[1] + f"/pid{rank}.tmp", sys.argv[1] + f"/pid{rank}")
+        time.sleep(60)
+    """)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
+    with open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "varcomm.run", "-n", "2", prog, str(tmp_path)],
+                             env=env, stderr=err, text=True)
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+        if time.monotonic() > deadline or p.poll() is not None:
+            p.kill()
+            p.wait()
+            pytest.fail(f"ranks did not start: {(tmp_path / 'err').read_text()}")
+        time.sleep(0.05)
+    return p, [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still running after `seconds` (killed then, so a failing test leaves no orphans)."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    # SIGKILL gives the launcher no chance to stop its ranks: only the kernel can.
+    p, pids = start_sleepers(tmp_path)
+    p.kill()
+    p.wait()
+    assert gone_within(pids, 5) == [], "ranks outlived their SIGKILLed launcher"
+
+
+def test_sighup_stops_the_ranks(tmp_path: Path) -> None:
+    # A closed terminal sends SIGHUP to the launcher alone (the ranks have their own sessions).
+    p, pids = start_sleepers(tmp_path)
+    try:
+        p.send_signal(signal.SIGHUP)
+        p.wait(timeout=15)
+    finally:
+        p.kill()
+        p.wait()
+        left = gone_within(pids, 5)
+    err = (tmp_path / "err").read_text()
+    assert p.returncode == 128 + signal.SIGHUP, (p.returncode, err)
+    assert "interrupted by SIGHUP" in err, err
+    assert left == [], "ranks outlived the launcher's SIGHUP"

@@ -13,7 +13,11 @@ plus ``VARCOMM_LAUNCHER=1``, so ``varcomm.init()`` (and torch.distributed's
 The job is all-or-nothing, like mpirun: as soon as one rank fails (non-zero
 exit or signal) or ``--timeout`` passes, the remaining ranks are stopped
 (SIGTERM to their process groups, SIGKILL ~3 s later) so a failure never turns
-into a hang waiting on a dead peer.
+into a hang waiting on a dead peer. SIGINT, SIGTERM and SIGHUP (a closed
+terminal) sent to the launcher are forwarded to the ranks (SIGKILL ~3 s later),
+and the launcher exits with 128 + the signal. On Linux the ranks also die if the
+launcher itself is killed (SIGKILL, OOM killer): each rank asks the kernel for
+SIGKILL when its parent dies (``PR_SET_PDEATHSIG``).
 
 This module only uses the standard library: it must be importable without the
 varcomm C extension.
@@ -22,6 +26,7 @@ varcomm C extension.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import random
 import secrets
@@ -31,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from ..options import Options, ToolOptions, env_name, env_value
@@ -44,6 +49,9 @@ KILL_GRACE_S = 3.0
 TIMEOUT_EXIT = 124
 
 _PREFIX = "varcomm-run: "
+#: Signals to the launcher that stop the job (forwarded to the ranks).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Launcher options that take a separate value; needed to find where PROGRAM starts.
 _VALUE_OPTS = frozenset({"-n", "-np", "--np", "--nproc", "--timeout", "--master-port"})
 
@@ -127,6 +135,35 @@ def _exit_status(pid: int) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the rank get SIGKILL when the launcher dies, or
+    None where the kernel has no such request (not Linux).
+
+    A SIGKILLed launcher cannot stop its ranks, and a closed terminal's SIGHUP
+    does not reach them (they run in their own sessions): without this they
+    run on as orphans, typically hanging on a peer that is gone. prctl is
+    looked up here, in the parent: the child between fork and exec must not
+    load libraries (another thread may hold the loader's lock at fork time)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    launcher = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The launcher may have died between fork and prctl: the request then
+        # never fires (the child already has a new parent), so check by hand.
+        if os.getppid() != launcher:
+            os._exit(128 + signal.SIGKILL)
+
+    return preexec
+
+
 def _pump(src: IO[bytes], dst: IO[str], prefix: str, lock: threading.Lock) -> None:
     """Forward ``src`` to ``dst`` line by line with ``prefix`` (one thread per child pipe)."""
     binary = getattr(dst, "buffer", None)
@@ -187,6 +224,10 @@ def launch(
     timed_out: list[int] = []
     interrupted: list[int] = []
 
+    # PR_SET_PDEATHSIG fires when the *thread* that started the rank ends, not
+    # the process: fine here, as this thread waits for every rank below.
+    preexec = _die_with_parent()
+
     def stop_all(signum: int) -> None:
         for r, p in enumerate(procs):
             if r not in codes:
@@ -200,7 +241,7 @@ def launch(
 
     old_handlers: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             old_handlers[sig] = signal.signal(sig, on_signal)
     try:
         for r in range(nprocs):
@@ -219,6 +260,7 @@ def launch(
                     stdout=pipe,
                     stderr=pipe,
                     start_new_session=True,
+                    preexec_fn=preexec,
                 )
             except OSError as e:
                 print(f"{_PREFIX}cannot start {command[0]!r}: {e}", file=sys.stderr)
@@ -237,7 +279,9 @@ def launch(
                 code = _exit_status(p.pid) if r not in codes else None
                 if code is not None:
                     codes[r] = code
-                    if code != 0 and stop_at is None:
+                    # A rank that ends after the launcher got a stop signal was
+                    # most likely ended by it: the job's status is the signal's.
+                    if code != 0 and stop_at is None and not interrupted:
                         own_failures.append(r)
             if len(codes) == nprocs:
                 break
@@ -297,9 +341,12 @@ def _report(
     if interrupted and result == 0:
         result = 128 + interrupted[0]
         lines.insert(0, f"interrupted by {_signal_name(interrupted[0])}")
-    for line in lines:
-        print(_PREFIX + line, file=sys.stderr)
-    sys.stderr.flush()
+    try:
+        for line in lines:
+            print(_PREFIX + line, file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:
+        pass  # after SIGHUP the terminal may be gone (EIO): the exit code still tells
     return result
 
 
