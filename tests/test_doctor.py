@@ -4,12 +4,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import varcomm
+from varcomm.tools.doctor import selftest_one
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +64,80 @@ def test_selftest_passes_for_each_built_transport():
         if t in built:
             line = next(ln for ln in lines if ln.strip().startswith(t))
             assert " pass " in line and " us for 8 KiB there and back" in line, line
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("VARCOMM_", "OMPI_", "PMI_", "SLURM_"))}
+
+
+def test_invalid_variables_are_fail_lines_and_exit_1():
+    env = clean_env()
+    env.update(VARCOMM_TIMEOUT="abc", VARCOMM_TRANSPORT="bogus", VARCOMM_TEST_SEED="x", VARCOMM_SLOTS="16")
+    r = doctor(env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln.strip() for ln in r.stdout.splitlines()]
+    for expected in ("FAIL  VARCOMM_TIMEOUT='abc': use seconds (a number >= 0), or none/inf for no limit",
+                     "FAIL  VARCOMM_TRANSPORT='bogus': use auto, shm, rdma or fallback",
+                     "FAIL  VARCOMM_TEST_SEED='x': use an integer >= 0, or auto"):
+        assert any(ln.startswith(expected) for ln in lines), (expected, r.stdout)
+    # The valid variable still counts; the invalid ones show their defaults, saying why.
+    slots = next(ln for ln in lines if ln.startswith("slots "))
+    assert "16" in slots and "VARCOMM_SLOTS" in slots, slots
+    timeout = next(ln for ln in lines if ln.startswith("timeout "))
+    assert "600.0" in timeout and "VARCOMM_TIMEOUT is invalid" in timeout, timeout
+
+
+def test_selftest_is_not_run_with_invalid_variables():
+    env = clean_env()
+    env["VARCOMM_BOUND"] = "lots"
+    r = doctor("--selftest", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAIL  VARCOMM_BOUND='lots': use a size in bytes" in r.stdout, r.stdout
+    assert "not run: VARCOMM_BOUND invalid" in r.stdout, r.stdout
+
+
+def per_rank_env(tmp_path: Path, rank: int, **variables: str) -> dict[str, str]:
+    """This environment, plus `variables` in the self-test's rank `rank` only
+    (a sitecustomize sets them there: the doctor gives both ranks one environment)."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == os.environ.get('TEST_RANK'):\n"
+        "    for k, v in list(os.environ.items()):\n"
+        "        if k.startswith('TEST_SET_'):\n"
+        "            os.environ[k[len('TEST_SET_'):]] = v\n")
+    env = {"PYTHONPATH": str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""), "TEST_RANK": str(rank)}
+    env.update({f"TEST_SET_{k}": v for k, v in variables.items()})
+    return env
+
+
+def test_selftest_names_the_first_failed_ranks_own_error(tmp_path):
+    # Rank 0 refuses to send; rank 1, left waiting in recv, would time out after
+    # 30 s: that timeout was reported, after waiting for it.
+    env = clean_env()
+    env.update(per_rank_env(tmp_path, 0, VARCOMM_MAX_MESSAGE="16"))
+    t0 = time.monotonic()
+    r = doctor("--selftest", env=env, timeout=300)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.split("selftest (")[1].splitlines()
+    built = varcomm.build_info()["transports"]
+    checked = [t for t in ("shm", "rdma", "fallback") if t in built]
+    for t in checked:
+        line = next(ln for ln in lines if ln.strip().startswith(t))
+        assert "FAIL  rank 0: MessageTooLarge: message of 8192 bytes is over this rank's max_message of 16 bytes" \
+            in line, line
+        assert "TimeoutError" not in line, line
+    assert took < 30 * len(checked), f"{took:.0f} s: the doctor waited for the other rank's timeout"
+
+
+def test_selftest_fails_fast_on_the_rank_that_failed(tmp_path, monkeypatch):
+    # Rank 1 never reaches the rendezvous: rank 0 would wait its 30 s init timeout.
+    for k, v in per_rank_env(tmp_path, 1, VARCOMM_SLOTS="0").items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    passed, line = selftest_one("shm")
+    took = time.monotonic() - t0
+    assert not passed
+    assert line.startswith("FAIL  rank 1: InvalidArgument: VARCOMM_SLOTS='0': use an integer in [1, 1024]"), line
+    assert took < 25, f"{took:.0f} s: the doctor waited for rank 0's init timeout (30 s)"

@@ -182,6 +182,23 @@ def test_tool_options():
         ToolOptions.resolve({"VARCOMM_TEST_TIMEOUT_SCALE": "0"})
 
 
+def test_resolve_valid_names_every_bad_variable():
+    env = {"VARCOMM_TIMEOUT": "abc", "VARCOMM_TRANSPORT": "bogus", "VARCOMM_TEST_SEED": "x", "VARCOMM_SLOTS": "4"}
+    with pytest.raises(ValueError) as info:  # not just the first: the tools' variables too
+        options.resolve_valid(env)
+    e = info.value
+    assert isinstance(e, options.InvalidEnvironment) and isinstance(e, varcomm.InvalidArgument)
+    assert e.problems == {
+        "VARCOMM_TIMEOUT": "VARCOMM_TIMEOUT='abc': use seconds (a number >= 0), or none/inf for no limit",
+        "VARCOMM_TRANSPORT": "VARCOMM_TRANSPORT='bogus': use auto, shm, rdma or fallback",
+        "VARCOMM_TEST_SEED": "VARCOMM_TEST_SEED='x': use an integer >= 0, or auto",
+    }
+    assert str(e).splitlines() == list(e.problems.values())
+    assert (e.options.slots, e.options.timeout, e.options.transport) == (4, 600.0, "auto")  # the rest still read
+    assert options.resolve_valid({"VARCOMM_SLOTS": "4", "VARCOMM_TIMEOUT": "none"}) == Options.resolve(
+        {"VARCOMM_SLOTS": "4", "VARCOMM_TIMEOUT": "none"})
+
+
 # ---------------------------------------------------------------------------
 # launcher variables: one list
 

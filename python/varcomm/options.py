@@ -505,6 +505,41 @@ def env_value(cls: type[_Declared], field: str, environ: Mapping[str, str] | Non
     return _convert(spec, env[spec.env], spec.env) if env.get(spec.env, "").strip() else None
 
 
+class InvalidEnvironment(InvalidArgument):
+    """VARCOMM_* variables set to values their option does not accept.
+    `problems` maps each such variable to what is wrong and what it accepts
+    (the message holds those lines, one per variable); `options` are the
+    options with those variables left at their defaults, for a report that
+    goes on."""
+
+    def __init__(self, problems: Mapping[str, str], options: Options) -> None:
+        self.problems = dict(problems)
+        self.options = options
+        super().__init__("\n".join(self.problems.values()))
+
+
+def resolve_valid(environ: Mapping[str, str] | None = None) -> Options:
+    """The library's options from `environ` (default: os.environ), after
+    checking every VARCOMM_* value, the tools' variables included.
+
+    `Options.resolve` stops at the first bad value and leaves the tools'
+    variables to the tools; a check of the whole environment (varcomm-doctor)
+    should name every bad one at once. Raises InvalidEnvironment (a
+    ValueError) with one line per bad variable: its value and what it accepts."""
+    env = os.environ if environ is None else environ
+    problems: dict[str, str] = {}
+    for cls in (Options, ToolOptions):
+        for spec in cls.specs().values():
+            if env.get(spec.env, "").strip():
+                try:
+                    _convert(spec, env[spec.env], spec.env)
+                except InvalidArgument as e:
+                    problems[spec.env] = str(e)
+    if problems:
+        raise InvalidEnvironment(problems, Options.resolve({k: v for k, v in env.items() if k not in problems}))
+    return Options.resolve(environ)
+
+
 def environment(environ: Mapping[str, str] | None = None,
                 prefixes: tuple[str, ...] = ("VARCOMM_", "FI_")) -> dict[str, str]:
     """The set variables that concern varcomm (its own and libfabric's), for reports."""
@@ -545,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["Options", "ToolOptions", "Spec", "parse_bytes", "markdown_table", "environment", "env_name", "env_value",
-           "BUILD_VARIABLES"]
+           "BUILD_VARIABLES", "InvalidEnvironment", "resolve_valid"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,9 @@ Works without the C extension (reports why it is missing) and without torch;
 every probe degrades to "not found" rather than failing. Secrets (a variable
 or option whose name says key, secret, token, password) are never printed,
 only whether they are set. `--selftest` runs two processes per built
-transport and times one message each way.
+transport and times one message each way; a rank that fails is reported with
+its own exception, as soon as it fails. A VARCOMM_* variable with a value its
+option does not accept is a FAIL line, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -18,17 +20,19 @@ import os
 import platform
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from .. import bootstrap
 from .. import options as _options
-from ..errors import InvalidArgument
 
 _SECRET = re.compile(r"KEY|SECRET|TOKEN|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 
@@ -52,12 +56,13 @@ def _build() -> tuple[dict[str, Any] | None, ModuleType | None, str]:
     return info, _C, ""
 
 
-def _libfabric(C: ModuleType | None, build: dict[str, Any] | None) -> tuple[list[str], list[str]]:
+def _libfabric(C: ModuleType | None, build: dict[str, Any] | None,
+               opts: _options.Options) -> tuple[list[str], list[str]]:
     """(report lines, provider names found)."""
     lines: list[str] = []
     if C is not None and build and "rdma" in build.get("transports", ()) and hasattr(C, "rdma_info"):
         try:
-            text = C.rdma_info(_options.Options.resolve().placed(1).core(-1))
+            text = C.rdma_info(opts.placed(1).core(-1))
             lines += text.rstrip().splitlines()
         except Exception as e:
             lines.append(f"rdma_info() failed: {e}")
@@ -251,18 +256,26 @@ def _launcher(environ: dict[str, str] | None = None) -> list[str]:
     return lines
 
 
-def _effective_options() -> tuple[_options.Options, list[str]]:
+def _checked_options() -> tuple[_options.Options, dict[str, str]]:
+    """(the options, {variable: what is wrong with it}) for this environment.
+    Bad variables are left at their defaults, so the rest of the report is
+    still about what this environment sets."""
     try:
-        opts = _options.Options.resolve()
-        bad = ""
-    except InvalidArgument as e:
-        opts, bad = _options.Options(), f"bad option: {e} (showing the defaults)"
+        return _options.resolve_valid(), {}
+    except _options.InvalidEnvironment as e:
+        return e.options, e.problems
+
+
+def _effective_options(opts: _options.Options, problems: dict[str, str]) -> list[str]:
     env = _options.environment()
-    lines = [bad] if bad else []
+    lines = [f"FAIL  {text}; or unset it (shown below at its default)" for text in problems.values()]
     for name, spec in _options.Options.specs().items():
-        origin = spec.env if env.get(spec.env, "").strip() else "default"
+        if spec.env in problems:
+            origin = f"default: {spec.env} is invalid"
+        else:
+            origin = spec.env if env.get(spec.env, "").strip() else "default"
         lines.append(f"{name:18} {shown(name, getattr(opts, name))!s:24} ({origin})")
-    return opts, lines
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -277,29 +290,58 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def selftest_child(transport: str) -> int:
     """One rank of the self-test (run by selftest with RANK/WORLD_SIZE set):
-    rank 0 sends a message, rank 1 sends it back; rank 0 prints a JSON line."""
-    import numpy as np
+    rank 0 sends a message, rank 1 sends it back; rank 0 prints a JSON line.
 
-    import varcomm
+    A rank that fails prints {"error": ..., "at": ...} at once, before it
+    closes: close waits for the peers (up to 30 s), and a peer left waiting
+    fails in turn with an error of its own (a timeout, PeerFailure). "at"
+    (CLOCK_MONOTONIC, one clock for the host) tells the parent which came first."""
+    reported = False
 
-    t0 = time.perf_counter()
-    with varcomm.init(transport=transport, bound=1 << 16, slots=2, timeout=30, array="numpy") as comm:
-        setup = time.perf_counter() - t0
-        peer = 1 - comm.rank
-        msg = np.arange(_SELFTEST_BYTES // 8, dtype=np.int64)
-        if comm.rank == 0:
-            t1 = time.perf_counter()
-            comm.send(msg, peer)
-            back = comm.recv(peer)
-            rtt = time.perf_counter() - t1
-            ok = isinstance(back, np.ndarray) and np.array_equal(back, msg)
-            route = comm.describe_transport(peer).split("; GPU tensors")[0]
-            print(json.dumps({"ok": bool(ok), "rtt": rtt, "setup": setup, "route": route,
-                              "error": "" if ok else "the message came back changed"}), flush=True)
-        else:
-            comm.send(comm.recv(peer), peer)
+    def report(e: BaseException) -> None:
+        nonlocal reported
+        if not reported:
+            reported = True
+            traceback.print_exc()
+            print(json.dumps({"error": _one_line(e), "at": time.monotonic()}), flush=True)
+
+    try:
+        import numpy as np
+
+        import varcomm
+
+        t0 = time.perf_counter()
+        comm = varcomm.init(transport=transport, bound=1 << 16, slots=2, timeout=30, array="numpy")
+        try:
+            setup = time.perf_counter() - t0
+            peer = 1 - comm.rank
+            msg = np.arange(_SELFTEST_BYTES // 8, dtype=np.int64)
+            if comm.rank == 0:
+                t1 = time.perf_counter()
+                comm.send(msg, peer)
+                back = comm.recv(peer)
+                rtt = time.perf_counter() - t1
+                ok = isinstance(back, np.ndarray) and np.array_equal(back, msg)
+                route = comm.describe_transport(peer).split("; GPU tensors")[0]
+                print(json.dumps({"ok": bool(ok), "rtt": rtt, "setup": setup, "route": route,
+                                  "error": "" if ok else "the message came back changed"}), flush=True)
+            else:
+                comm.send(comm.recv(peer), peer)
+        except Exception as e:
+            report(e)
+            raise
+        finally:
+            comm.close()
+    except Exception as e:
+        report(e)
+        return 1
     return 0
 
 
@@ -319,25 +361,101 @@ def _selftest_env(transport: str, rank: int, port: int) -> dict[str, str]:
     return env
 
 
+#: After the first rank fails, how long the others get to report their own
+#: errors (which may have come first) before they are killed.
+_SETTLE_S = 0.5
+
+
+def _read_lines(stream: Any, into: list[str]) -> None:
+    for line in iter(stream.readline, ""):
+        into.append(line.rstrip("\n"))
+    stream.close()
+
+
+def _errors(stdout: list[str]) -> list[dict[str, Any]]:
+    found = []
+    for ln in stdout:
+        if ln.startswith("{"):
+            try:
+                d = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and "at" in d:
+                found.append(d)
+    return found
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_text(code: int, stderr: list[str]) -> str:
+    last = next((ln.strip() for ln in reversed(stderr) if ln.strip()), "")
+    how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit {code}"
+    return f"{last} ({how})" if last else f"ended without a result ({how})"
+
+
 def selftest_one(transport: str, timeout: float = 60) -> tuple[bool, str]:
-    """(passed, the report line's text) for one transport."""
+    """(passed, the report line's text) for one transport.
+
+    The first rank to fail is reported with its own error, as soon as it
+    fails: the other rank is then stuck waiting for it, and its timeout (or
+    PeerFailure) would only hide the cause."""
     port = _free_port()
     argv = [sys.executable, "-m", "varcomm.tools.doctor", "--selftest-child", transport]
     procs = [subprocess.Popen(argv, env=_selftest_env(transport, r, port), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs: list[tuple[str, str]] = []
+    outs: list[tuple[list[str], list[str]]] = [([], []) for _ in procs]
+    readers = [threading.Thread(target=_read_lines, args=(stream, lines), daemon=True)
+               for p, out in zip(procs, outs) for stream, lines in ((p.stdout, out[0]), (p.stderr, out[1]))]
+    for t in readers:
+        t.start()
+    ended: dict[int, float] = {}  # rank -> when it was seen to exit (on its own)
+    first_failure: float | None = None
     deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            return False, f"FAIL  no answer within {timeout:.0f} s (a rank hung)"
-    result = next((json.loads(ln) for ln in outs[0][0].splitlines() if ln.startswith("{")), None)
-    if result is None or any(p.returncode for p in procs):
-        errs = [ln for _, err in outs for ln in err.strip().splitlines() if ln.strip()]
-        return False, f"FAIL  {errs[-1] if errs else 'no result (exit ' + str(procs[0].returncode) + ')'}"
+    try:
+        while len(ended) < len(procs):
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r not in ended and p.poll() is not None:
+                    ended[r] = now
+            if first_failure is None and (any(procs[r].returncode for r in ended)
+                                          or any(_errors(out[0]) for out in outs)):
+                first_failure = now
+            if (first_failure is not None and now - first_failure >= _SETTLE_S) or now >= deadline:
+                break
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        for t in readers:
+            t.join(timeout=5)
+
+    failures: list[tuple[float, int, str]] = []
+    for r, (stdout, stderr) in enumerate(outs):
+        errors = _errors(stdout)
+        if errors:
+            failures.append((float(errors[0]["at"]), r, str(errors[0]["error"])))
+        elif r in ended and procs[r].returncode:
+            failures.append((ended[r], r, _exit_text(procs[r].returncode, stderr)))
+    if failures:
+        _, r, text = min(failures)
+        others = sorted(q for _, q, _ in failures if q != r)
+        then = f" (then rank {', '.join(map(str, others))} failed too)" if others else ""
+        return False, f"FAIL  rank {r}: {text}{then}"
+    if len(ended) < len(procs):
+        hung = [r for r in range(len(procs)) if r not in ended]
+        return False, (f"FAIL  no answer within {timeout:.0f} s: rank {', '.join(map(str, hung))} still "
+                       "running, and no rank reported an error (a hang)")
+    result = next((json.loads(ln) for ln in outs[0][0] if ln.startswith("{")), None)
+    if result is None:
+        return False, f"FAIL  rank 0: {_exit_text(procs[0].returncode, outs[0][1])}"
     if not result["ok"]:
         return False, f"FAIL  {result['error']}"
     return True, (f"pass  {result['rtt'] * 1e6:.0f} us for {_SELFTEST_BYTES // 1024} KiB there and back "
@@ -380,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     w("varcomm doctor")
     w(f"host: {socket.gethostname()}  {platform.platform()}  python {platform.python_version()}  cpus {os.cpu_count()}")
     build, C, why = _build()
-    fab, _ = _libfabric(C, build)
+    opts, problems = _checked_options()
+    fab, _ = _libfabric(C, build, opts)
     transports = set(build.get("transports", ())) if build else set()
 
     w("")
@@ -420,8 +539,7 @@ def main(argv: list[str] | None = None) -> int:
 
     w("")
     w("effective options (varcomm.Options: keyword > VARCOMM_* > default):")
-    opts, lines = _effective_options()
-    out += ["  " + ln for ln in lines]
+    out += ["  " + ln for ln in _effective_options(opts, problems)]
 
     w("")
     w("transport per peer class:")
@@ -456,13 +574,16 @@ def main(argv: list[str] | None = None) -> int:
             w("  other host, GPU memory:  staged through host memory (this build has no CUDA support)")
         w(f"  nothing fits:            {fallback}")
         w("  (VARCOMM_TRANSPORT=shm|rdma|fallback forces one; rdma: VARCOMM_FI_PROVIDER, VARCOMM_FI_IFACE)")
-    rc = 0
+    rc = 1 if problems else 0
     if args.selftest:
         print("\n".join(out), flush=True)  # the self-test takes seconds: show the rest first
         out = ["", "selftest (2 local processes per transport, one 8 KiB message there and back):"]
         if build is None:
             out.append(f"  not run: {why}")
             rc = 1
+        elif problems:
+            # Every rank would refuse the same values at init: fix them first.
+            out.append(f"  not run: {', '.join(problems)} invalid (FAIL above); fix or unset, then rerun")
         else:
             ok, lines = selftest(sorted(transports))
             out += ["  " + ln for ln in lines]
