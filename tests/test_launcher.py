@@ -19,9 +19,10 @@ from varcomm.tools import run as vrun
 PYTHONPATH = str(Path(vrun.__file__).resolve().parents[2])
 
 
-def launch(*args: str, timeout: float = 30, **kw: Any) -> subprocess.CompletedProcess[str]:
+def launch(*args: str, timeout: float = 30, extra_env: dict[str, str] | None = None,
+           **kw: Any) -> subprocess.CompletedProcess[str]:
     """Run the launcher as a real process, the way users do."""
-    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, **(extra_env or {}))
     return subprocess.run(
         [sys.executable, "-m", "varcomm.run", *args],
         env=env, capture_output=True, text=True, timeout=timeout, **kw,
@@ -244,3 +245,16 @@ def test_sighup_stops_the_ranks(tmp_path: Path) -> None:
     assert p.returncode == 128 + signal.SIGHUP, (p.returncode, err)
     assert "interrupted by SIGHUP" in err, err
     assert left == [], "ranks outlived the launcher's SIGHUP"
+
+
+@pytest.mark.parametrize("var,value", [("VARCOMM_TEST_SEED", "x"), ("VARCOMM_TIMEOUT", "soon")])
+def test_an_invalid_varcomm_variable_is_a_usage_error_and_starts_no_rank(tmp_path: Path, var: str,
+                                                                         value: str) -> None:
+    """A bad VARCOMM_* value fails every rank alike (or, the seed, the
+    launcher with a traceback): the launcher names it once, exit 2, and no
+    rank runs."""
+    prog = script(tmp_path, "open(sys.argv[1] + f'/ran{rank}', 'w').close()\n")
+    res = launch("-n", "2", prog, str(tmp_path), extra_env={var: value})
+    assert res.returncode == 2, res.stderr
+    assert f"{var}={value!r}" in res.stderr and "Traceback" not in res.stderr
+    assert not list(tmp_path.glob("ran*"))

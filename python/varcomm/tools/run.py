@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from ..options import Options, ToolOptions, env_name, env_value
+from ..options import Options, ToolOptions, env_name, env_value, resolve_valid
 
 __all__ = ["main", "launch", "rank_env", "free_port"]
 
@@ -387,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("missing PROGRAM")
     if args.n < 1:
         parser.error("-n must be at least 1")
+    try:  # a bad VARCOMM_* value would fail every rank the same way: say so once, start none
+        resolve_valid()
+    except ValueError as e:
+        parser.error(str(e))
     return launch(
         _command(program),
         args.n,
