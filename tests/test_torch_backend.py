@@ -342,3 +342,73 @@ def test_varcomm_distributed_module():
     finally:
         vdist.destroy_process_group()
     assert not dist.is_initialized() and not vdist.is_initialized()
+
+
+@world(2, timeout=90)
+def test_recv_into_strided_tensor_is_exact_and_keeps_refused_messages():
+    """A non-contiguous destination gets exactly the message (same dtype, same
+    number of elements; another shape of that size is accepted, as torch
+    does) on the varcomm backend and in varcomm.distributed; another dtype or
+    size is refused naming both, before the tensor is written, and the message
+    waits for the next receive."""
+    import varcomm.distributed as vdist
+
+    os.environ["VARCOMM_BOUND"] = SMALL_BOUND
+    vdist.init_process_group("gloo")
+    try:
+        big = torch.arange(40_000, dtype=torch.float64)  # 320 KB: over the bound, by rendezvous
+
+        def strided(rows: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.full((rows, 8), -1, dtype=dtype)[:, ::2]
+
+        if dist.get_rank() == 0:
+            for _ in range(2):  # once for dist.recv, once for varcomm.distributed
+                dist.send(torch.arange(16, dtype=torch.float32), dst=1)
+                dist.send(torch.arange(16, dtype=torch.int64), dst=1)  # refused by float32, then taken
+                dist.send(torch.arange(12, dtype=torch.float32), dst=1)  # refused by 16 elements, then taken
+                dist.send(torch.arange(20, dtype=torch.float32), dst=1)  # refused by 16 elements, then taken
+                dist.send(big, dst=1)
+                dist.send(torch.arange(16, dtype=torch.float32) + 100, dst=1, tag=7)  # irecv
+        else:
+            def check(recv, irecv, refused: type[BaseException]) -> None:
+                t = strided(4)
+                recv(t)
+                assert t.tolist() == torch.arange(16.0).reshape(4, 4).tolist()
+                t = strided(4)
+                with pytest.raises(refused, match=r"int64 does not match.*float32.*kept"):
+                    recv(t)
+                assert bool((t == -1).all())  # nothing was written (nor cast)
+                ti = strided(4, torch.int64)
+                recv(ti)
+                assert ti.tolist() == torch.arange(16).reshape(4, 4).tolist()
+                with pytest.raises(refused, match=r"48 bytes does not fill out \(64 bytes\).*kept"):
+                    recv(t)
+                assert bool((t == -1).all())
+                t3 = strided(3)
+                recv(t3)
+                assert t3.flatten().tolist() == list(map(float, range(12)))
+                with pytest.raises(refused, match=r"80 bytes does not fit out \(64 bytes\).*kept"):
+                    recv(t)
+                assert bool((t == -1).all())
+                t5 = strided(5)
+                recv(t5)
+                assert t5.flatten().tolist() == list(map(float, range(20)))
+                tb = torch.full((200, 400), -1.0, dtype=torch.float64)[:, ::2]
+                recv(tb)
+                assert torch.equal(tb.flatten(), big)
+                t = strided(4)
+                irecv(t)
+                assert t.flatten().tolist() == [float(i + 100) for i in range(16)]
+
+            check(lambda t: dist.recv(t, src=0), lambda t: dist.irecv(t, src=0, tag=7).wait(), RuntimeError)
+
+            def vrecv(t: torch.Tensor) -> None:
+                assert vdist.recv(t, src=0) is t
+
+            def virecv(t: torch.Tensor) -> None:
+                assert vdist.irecv(t, src=0, tag=7).wait() is t
+
+            check(vrecv, virecv, varcomm.VarcommError)
+    finally:
+        vdist.destroy_process_group()
+

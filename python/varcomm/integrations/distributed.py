@@ -22,7 +22,8 @@ and use that group's Communicator; ranks are global as in torch, or group
 ranks with ``group_dst``/``group_src``/``group_peer``.
 
 Differences from torch.distributed: ``recv`` returns the received tensor (not
-the source rank) and accepts a larger tensor (a bound); ``irecv(...).wait()``
+the source rank) and accepts a larger contiguous tensor (a bound; a
+non-contiguous one takes exactly its dtype and size); ``irecv(...).wait()``
 returns the received tensor and ``isend(...).wait()`` returns None (varcomm
 Works); receiving from any source (``src=None``) is not supported.
 """
@@ -39,7 +40,7 @@ from .. import bootstrap
 from ..arrays import Array, Splits
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MessageMismatch, MessageTooLarge
 from ..options import Options
 from ..work import Work
 from . import torch_backend as _tb
@@ -184,12 +185,15 @@ def recv(tensor: Array | None = None, src: int | None = None, group: Group | Non
          group_src: int | None = None) -> Array | Status:
     """Receive one message and return it: a new tensor of the sender's shape and
     dtype, or, with ``tensor`` (a bound: at least the message's size, same
-    dtype), a view of its front with the sender's shape (a descriptor: its Status)."""
+    dtype), a view of its front with the sender's shape (a descriptor: its Status).
+    A non-contiguous ``tensor`` (a torch tensor) is no bound: the message must
+    have its dtype and number of elements, as in torch.distributed.recv, and is
+    received into it (and returned); another is refused (MessageMismatch,
+    MessageTooLarge) and kept for the next receive."""
     comm, peer = _peer(group, src, group_src, "src")
     if tensor is None or _contiguous(tensor):
         return cast("Array | Status", comm.recv(peer, tag, out=tensor))
-    # a strided out: torch tensors only, like torch.distributed
-    return _copy_into(cast(torch.Tensor, tensor), comm.recv(peer, tag))
+    return _CopyInto.post(comm, tensor, peer, tag).wait()
 
 
 def isend(tensor: Array, dst: int | None = None, group: Group | None = None, tag: int = 0,
@@ -205,7 +209,7 @@ def irecv(tensor: Array | None = None, src: int | None = None, group: Group | No
     comm, peer = _peer(group, src, group_src, "src")
     if tensor is None or _contiguous(tensor):
         return comm.irecv(peer, tag, out=tensor)
-    return _CopyInto(comm.irecv(peer, tag), cast(torch.Tensor, tensor))
+    return _CopyInto.post(comm, tensor, peer, tag)
 
 
 class P2POp:
@@ -323,34 +327,51 @@ def _contiguous(t: Array) -> bool:
 
 
 
-def _copy_into(tensor: torch.Tensor, x: Any) -> torch.Tensor:
-    """A received message into a non-contiguous tensor: same size only (no prefix of a strided tensor)."""
-    if x.numel() != tensor.numel():
-        raise InvalidArgument(f"recv into a non-contiguous tensor of shape {tuple(tensor.shape)}: the message has "
-                              f"shape {tuple(x.shape)}; pass a contiguous bound-sized tensor (or none) instead")
-    with torch.no_grad():
-        tensor.copy_(x.reshape(tensor.shape))
-    return tensor
+def _contiguous_like(t: Array) -> torch.Tensor:
+    """Where a receive into non-contiguous `t` lands: the core writes contiguous memory only."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"recv into a non-contiguous {type(t).__name__}: pass a contiguous array (a bound), "
+                              "a torch tensor, or none")
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 class _CopyInto:
-    """A pending receive into a non-contiguous tensor (a varcomm.Work)."""
+    """A pending receive into a non-contiguous tensor (a varcomm.Work): posted
+    with exact=True into a contiguous tensor of its shape and dtype, so any
+    other message is refused by the core and kept (never cast); copied in on
+    wait()."""
 
-    def __init__(self, work: Work, tensor: torch.Tensor):
-        self._work, self._tensor = work, tensor
+    def __init__(self, work: Work, tensor: torch.Tensor, landed: torch.Tensor):
+        self._work, self._tensor, self._landed = work, tensor, landed
         self._result: torch.Tensor | None = None
+
+    @classmethod
+    def post(cls, comm: Communicator, tensor: Array, peer: int, tag: int) -> _CopyInto:
+        landed = _contiguous_like(tensor)
+        return cls(comm.irecv(peer, tag, out=landed, exact=True), cast(torch.Tensor, tensor), landed)
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._result is None:
-            self._result = _copy_into(self._tensor, self._work.wait(timeout))
+            try:
+                self._work.wait(timeout)
+            except (MessageMismatch, MessageTooLarge) as e:
+                t = self._tensor
+                err = type(e)(f"recv into a non-contiguous tensor of shape {tuple(t.shape)} and dtype {t.dtype} "
+                              f"({t.nbytes} bytes), which takes a message of exactly its dtype and size: {e}")
+                err.peer = e.peer
+                raise err from e
+            with torch.no_grad():
+                self._tensor.copy_(self._landed)
+            self._result = self._tensor
         return self._result
 
     def is_completed(self) -> bool:
         return self._result is not None or self._work.is_completed()
 
     def synchronize(self, timeout: float | None = None) -> torch.Tensor:
+        result = self.wait(timeout)  # first: a refusal is raised as wait() words it
         self._work.synchronize(timeout)
-        return self.wait(timeout)
+        return result
 
     def result(self) -> torch.Tensor:
         return self.wait()

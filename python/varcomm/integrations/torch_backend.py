@@ -23,7 +23,9 @@ take a message of any shape and dtype, which it then holds (how
 Otherwise semantics are torch's: ``dist.recv`` receives into the given tensor, whose
 size must equal the message's (the same number of bytes and the same dtype;
 a different shape with the same size is accepted, as gloo and NCCL do), and a
-message of another size is refused with an error naming both sizes. The
+message of another size or dtype is refused with an error naming both, before
+anything is written, and kept for the next receive; a non-contiguous tensor
+receives the same way, through a contiguous copy (never a cast). The
 variable-size forms (receive without knowing the size) are in
 ``varcomm.distributed``. A message of any size travels: over varcomm's
 receive bound (``VARCOMM_BOUND``) the core sends it by rendezvous (README,
