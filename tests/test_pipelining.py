@@ -40,15 +40,20 @@ def _close(got, want, what):
 
 
 def _spy_sends(comm) -> list[torch.Tensor]:
-    """Record every tensor sent through a Communicator."""
+    """Record every tensor sent through a Communicator, alone or in a batch."""
     sent: list[torch.Tensor] = []
-    real = comm.isend
+    real, real_batch = comm.isend, comm.batch_isend_irecv
 
     def isend(t, *a, **k):
         sent.append(t)
         return real(t, *a, **k)
 
-    comm.isend = isend
+    def batch_isend_irecv(ops):
+        ops = list(ops)
+        sent.extend(op.tensor for op in ops if op.op.__name__ == "isend")
+        return real_batch(ops)
+
+    comm.isend, comm.batch_isend_irecv = isend, batch_isend_irecv
     return sent
 
 

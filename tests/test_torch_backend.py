@@ -19,9 +19,9 @@ from varcomm.testing import rank, world
 SMALL_BOUND = str(64 * 1024)  # small receive slots, so messages over the bound (rendezvous) are cheap to test
 
 
-def _spy(comm, calls):
-    """Count what goes through a Communicator's isend/irecv."""
-    for name in ("isend", "irecv"):
+def _spy(comm, calls, names=("isend", "irecv")):
+    """Count what goes through a Communicator's isend/irecv (or other methods)."""
+    for name in names:
         real = getattr(comm, name)
 
         def spy(*a, _real=real, _name=name, **k):
@@ -174,7 +174,7 @@ def test_batch_ring_all_to_all_barrier_and_delegated_collectives():
         r, n = dist.get_rank(), dist.get_world_size()
         pg = dist.distributed_c10d._get_default_group()
         calls: list[str] = []
-        _spy(pg.comm, calls)
+        _spy(pg.comm, calls, ("batch_isend_irecv",))
         # a ring in both directions, one batch
         right, left = torch.full((3,), float(r)), torch.full((2, 2), -float(r))
         from_left, from_right = torch.zeros(3), torch.zeros(2, 2)
@@ -184,7 +184,7 @@ def test_batch_ring_all_to_all_barrier_and_delegated_collectives():
         assert [w.wait() for w in works] == [True] * 4
         assert from_left.tolist() == [float((r - 1) % n)] * 3
         assert (from_right == -float((r + 1) % n)).all()
-        assert calls.count("isend") == 2 and calls.count("irecv") == 2
+        assert calls == ["batch_isend_irecv"]
         # all_to_all_single: equal splits, then uneven ones (rank r sends d+1 rows to rank d)
         out = torch.zeros(n, dtype=torch.int64)
         dist.all_to_all_single(out, torch.arange(n) + 10 * r)
@@ -409,6 +409,68 @@ def test_recv_into_strided_tensor_is_exact_and_keeps_refused_messages():
                 assert vdist.irecv(t, src=0, tag=7).wait() is t
 
             check(vrecv, virecv, varcomm.VarcommError)
+    finally:
+        vdist.destroy_process_group()
+
+
+@world(2, timeout=90)
+def test_batch_isend_irecv_is_one_communicator_call():
+    """torch.distributed.batch_isend_irecv and varcomm.distributed's post a batch
+    through one Communicator.batch_isend_irecv: ranks that both send then
+    receive messages far over the bound finish with the data exact; a batch
+    with a bad op, or ops of different groups, posts nothing, so the next
+    receive still gets its message."""
+    import varcomm.distributed as vdist
+
+    os.environ["VARCOMM_BOUND"] = SMALL_BOUND
+    vdist.init_process_group("gloo")
+    try:
+        r = dist.get_rank()
+        peer = 1 - r
+        batches: list[str] = []
+        _spy(comm_of(), batches, ("batch_isend_irecv",))
+        n = 1 << 20  # 4 MiB of float32: 64 times the bound
+        big = torch.arange(n, dtype=torch.float32) + r
+        got = torch.empty(n)
+        rows = torch.full((64, 16), -1.0)[:, ::2]  # strided: received exactly
+        holder = placeholder()
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, big, peer), dist.P2POp(dist.irecv, got, peer),
+            dist.P2POp(dist.isend, torch.arange(512.0) * (r + 1), peer, tag=2),
+            dist.P2POp(dist.irecv, rows, peer, tag=2),
+            dist.P2POp(dist.isend, torch.ones(r + 2, 3), peer, tag=3), dist.P2POp(dist.irecv, holder, peer, tag=3)])
+        assert [w.wait() for w in works] == [True] * 6
+        assert torch.equal(got, torch.arange(n, dtype=torch.float32) + peer)
+        assert rows.flatten().tolist() == (torch.arange(512.0) * (peer + 1)).tolist()
+        assert holder.shape == (peer + 2, 3)
+        assert batches == ["batch_isend_irecv"]
+
+        vworks = vdist.batch_isend_irecv([vdist.P2POp(vdist.isend, big, peer), vdist.P2POp(vdist.irecv, None, peer),
+                                          vdist.P2POp(vdist.irecv, rows, peer, tag=2),
+                                          vdist.P2POp(vdist.isend, torch.arange(512.0) - r, peer, tag=2)])
+        assert torch.equal(vworks[1].wait(), torch.arange(n, dtype=torch.float32) + peer)
+        assert vworks[2].wait() is rows and rows.flatten().tolist() == (torch.arange(512.0) - peer).tolist()
+        vworks[0].wait()
+        vworks[3].wait()
+        assert batches == ["batch_isend_irecv"] * 2
+
+        g = dist.new_group([0, 1])
+        with pytest.raises(RuntimeError, match="tag"):  # the irecv before the bad send is not left posted
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(3), peer),
+                                    dist.P2POp(dist.isend, torch.ones(3), peer, tag=1 << 41)])
+        with pytest.raises(ValueError, match="same group"):
+            dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(3), peer),
+                                    dist.P2POp(dist.isend, torch.ones(3), peer, group=g)])
+        with pytest.raises(ValueError, match="same group"):
+            vdist.batch_isend_irecv([vdist.P2POp(vdist.irecv, None, peer),
+                                     vdist.P2POp(vdist.isend, torch.ones(3), peer, group=g)])
+        # Nothing of those was posted: each message below goes to its own receive.
+        for group in (None, g):
+            w = dist.isend(torch.full((3,), float(r)), peer, group=group)
+            back = torch.zeros(3)
+            dist.irecv(back, peer, group=group).wait(timeout=datetime.timedelta(seconds=10))
+            w.wait()
+            assert back.tolist() == [float(peer)] * 3
     finally:
         vdist.destroy_process_group()
 

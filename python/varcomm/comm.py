@@ -128,12 +128,14 @@ class P2PWork:
 
 class P2POp(NamedTuple):
     """torch.distributed.P2POp's shape: op is comm.isend or comm.irecv; for irecv,
-    tensor is None or a bound-sized output buffer."""
+    tensor is None or a bound-sized output buffer. exact: an irecv's message
+    must fill tensor exactly, as irecv(exact=True) asks."""
 
     op: Callable[..., Work]
     tensor: Array | None
     peer: int
     tag: int = 0
+    exact: bool = False
 
 
 class Communicator:
@@ -565,7 +567,7 @@ class Communicator:
         try:
             for i, op in enumerate(ops):
                 if i not in sends:
-                    works[i] = self.irecv(op.peer, op.tag, op.tensor)
+                    works[i] = self.irecv(op.peer, op.tag, op.tensor, exact=op.exact)
             for i, (tensor, d, kind) in sends.items():
                 works[i] = self._isend(tensor, int(ops[i].peer), ops[i].tag, d, kind)
         except BaseException as e:

@@ -29,6 +29,7 @@ Works); receiving from any source (``src=None``) is not supported.
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, cast, overload
@@ -40,6 +41,7 @@ from .. import bootstrap
 from ..arrays import Array, Splits
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, connect
+from ..comm import P2POp as _C2POp
 from ..errors import InvalidArgument, MessageMismatch, MessageTooLarge
 from ..options import Options
 from ..work import Work
@@ -239,18 +241,39 @@ class P2POp:
 
 
 def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
-    """Post every op at once (receives first, so rings cannot deadlock); the
+    """Post every op at once, as one Communicator.batch_isend_irecv: every op is
+    checked before any is posted (a bad one posts nothing) and receives go
+    first, so rings cannot deadlock. Each op means what isend/irecv would.
+    All ops must be on one group, as in torch (ValueError otherwise). The
     works come back in the list's order."""
     ops = list(p2p_op_list)
-    works: list[Work | None] = [None] * len(ops)
-    for want_recv in (True, False):
-        for i, op in enumerate(ops):
-            if not isinstance(op, P2POp):
-                raise TypeError(f"batch_isend_irecv takes varcomm.distributed.P2POp, got {type(op).__name__}")
-            if (op.op is irecv) == want_recv:
-                key = "group_src" if want_recv else "group_dst"
-                works[i] = op.op(op.tensor, op.peer, op.group, op.tag, **{key: op.group_peer})
-    return [w for w in works if w is not None]
+    for op in ops:
+        if not isinstance(op, P2POp):
+            raise TypeError(f"batch_isend_irecv takes varcomm.distributed.P2POp, got {type(op).__name__}")
+    if not ops:
+        return []
+    comm = get_comm(ops[0].group)
+    if any(get_comm(op.group) is not comm for op in ops[1:]):
+        raise ValueError("batch_isend_irecv: all ops need to use the same group (one communicator carries a "
+                         "batch); split the list into one batch per group")
+    posts: list[_C2POp] = []
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    # The class's methods: batch_isend_irecv accepts those, and an instance
+    # attribute (a spy, instrumentation) may shadow them on comm.
+    c_isend, c_irecv = types.MethodType(Communicator.isend, comm), types.MethodType(Communicator.irecv, comm)
+    for i, op in enumerate(ops):
+        recv = op.op is irecv
+        _, peer = _peer(op.group, op.peer, op.group_peer, "src" if recv else "dst")
+        if not recv:
+            posts.append(_C2POp(c_isend, op.tensor, peer, op.tag))
+        elif op.tensor is None or _contiguous(op.tensor):
+            posts.append(_C2POp(c_irecv, op.tensor, peer, op.tag))
+        else:
+            t = cast(torch.Tensor, op.tensor)
+            copies[i] = (t, _contiguous_like(t))
+            posts.append(_C2POp(c_irecv, copies[i][1], peer, op.tag, exact=True))
+    works = comm.batch_isend_irecv(posts)
+    return [_CopyInto(w, *copies[i]) if i in copies else w for i, w in enumerate(works)]
 
 
 # ---------------------------------------------------------------------------

@@ -31,6 +31,13 @@ variable-size forms (receive without knowing the size) are in
 receive bound (``VARCOMM_BOUND``) the core sends it by rendezvous (README,
 "Large messages"), as for every varcomm send.
 
+``dist.batch_isend_irecv`` of CPU tensors on one varcomm group is one
+``Communicator.batch_isend_irecv``: every op is checked before any is posted
+(a bad one posts nothing), and receives are posted before sends. Importing
+this module puts ``batch_isend_irecv`` below in place of torch's for that
+(torch hands a batch to no ProcessGroup subclass); every other batch goes to
+torch's as before.
+
 varcomm's options come from the environment, or from a ``varcomm.Options``
 passed as ``pg_options`` (``dist.init_process_group("varcomm",
 pg_options=varcomm.Options.resolve(bound=...))``); groups made later without
@@ -39,6 +46,8 @@ one take the default group's. The wait timeout is the group's ``timeout``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Callable
@@ -49,14 +58,14 @@ import torch.distributed as dist
 
 from .. import _C, bootstrap
 from ..collectives import alltoall as _a2a
-from ..comm import Communicator, connect
+from ..comm import Communicator, P2POp, connect
 from ..errors import MessageMismatch, MessageTooLarge, VarcommError
 from ..options import Options
 
 BACKEND = "varcomm"
 
 __all__ = ["BACKEND", "VarcommProcessGroup", "VarcommWork", "register", "comm_of", "placeholder",
-           "recv_into_placeholder"]
+           "recv_into_placeholder", "batch_isend_irecv"]
 
 
 # ---------------------------------------------------------------------------
@@ -257,33 +266,38 @@ class VarcommProcessGroup(dist.ProcessGroup):
             return self._device_backend(t, "recv").recv(tensors, srcRank, tag)
         if getattr(t, _ANY_SHAPE, False):
             return recv_into_placeholder(self.comm, t, srcRank, tag)
-        comm, src = self.comm, srcRank
-        dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+        dst, work = _exact_recv(t, srcRank, tag)
+        return work(self.comm.irecv(srcRank, tag, out=dst, exact=True))
 
-        def refuse(what: str) -> RuntimeError:
-            return RuntimeError(
-                f"varcomm backend: recv from rank {src} (tag {tag}) into a tensor of shape {tuple(t.shape)} and "
-                f"dtype {t.dtype} ({t.nbytes} bytes): {what}. torch.distributed.recv needs a tensor of exactly the "
-                "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
-                "which returns it")
-
-        # exact: a message of another size is refused before anything is written, and kept.
-        works = [comm.irecv(src, tag, out=dst, exact=True)]
-
-        def finish(timeout: float | None) -> None:
-            try:
-                got = works[0].wait(timeout)
-            except MessageTooLarge as e:
-                raise refuse(f"the message is larger ({e})") from e
-            except MessageMismatch as e:
-                raise refuse(f"the message does not match it ({e})") from e
-            if not isinstance(got, torch.Tensor):  # a descriptor's Status: it carries no data
-                raise refuse(f"the message is a descriptor of {got.nbytes} bytes")
-            if dst is not t:
-                with torch.no_grad():
-                    t.copy_(dst)
-
-        return VarcommWork(finish, _all_done(works), [t], source=src)
+    def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[dist.Work]:
+        """torch.distributed.batch_isend_irecv on this group (CPU tensors; see
+        register()): one Communicator.batch_isend_irecv, which checks every op
+        before it posts any and posts the receives first. Each op means what
+        dist.isend/irecv would: a placeholder() takes a message of any shape,
+        another tensor exactly its own size, complex tensors as their real view."""
+        posts: list[P2POp] = []
+        makers: list[Callable[[Any], VarcommWork]] = []
+        # The class's methods: batch_isend_irecv accepts those, and an instance
+        # attribute (a spy, instrumentation) may shadow them on self.comm.
+        isend, irecv = types.MethodType(Communicator.isend, self.comm), types.MethodType(Communicator.irecv, self.comm)
+        for op in ops:
+            t = op.tensor
+            if t.is_complex():
+                t = torch.view_as_real(t)
+            peer = _group_peer(op, self)
+            _check_tag(op.tag)
+            if op.op is dist.isend:
+                posts.append(P2POp(isend, t, peer, op.tag))
+                makers.append(functools.partial(_send_work, tensor=t))
+            elif getattr(t, _ANY_SHAPE, False):
+                posts.append(P2POp(irecv, None, peer, op.tag))
+                makers.append(functools.partial(_fill_placeholder, t=t, src=peer, tag=op.tag))
+            else:
+                dst, work = _exact_recv(t, peer, op.tag)
+                posts.append(P2POp(irecv, dst, peer, op.tag, exact=True))
+                makers.append(work)
+        works = self.comm.batch_isend_irecv(posts)
+        return [make(w) for make, w in zip(makers, works)]
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
         t = _single(tensors, "recv")
@@ -461,7 +475,15 @@ def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: in
     the sender's shape, dtype and device (a GPU tensor sent from GPU memory
     arrives on this rank's GPU)."""
     _check_tag(tag)
-    w = comm.irecv(src, tag)
+    return _fill_placeholder(comm.irecv(src, tag), t, src, tag)
+
+
+def _send_work(w: Any, tensor: torch.Tensor) -> VarcommWork:
+    return VarcommWork(w.wait, w.is_completed, [tensor])
+
+
+def _fill_placeholder(w: Any, t: torch.Tensor, src: int, tag: int) -> VarcommWork:
+    """The VarcommWork of a posted receive without out= whose message becomes placeholder t."""
 
     def finish(timeout: float | None) -> None:
         got = w.wait(timeout)
@@ -472,6 +494,49 @@ def recv_into_placeholder(comm: Communicator, t: torch.Tensor, src: int, tag: in
         t.data = got if isinstance(got, torch.Tensor) else torch.from_numpy(got)
 
     return VarcommWork(finish, w.is_completed, [t], source=src)
+
+
+def _exact_recv(t: torch.Tensor, src: int, tag: int) -> tuple[torch.Tensor, Callable[[Any], VarcommWork]]:
+    """torch.distributed.recv's contract for a receive into `t`: where to post
+    it (with exact=True) and how its Work finishes.
+
+    The core writes contiguous memory only, so a strided `t` receives into a
+    contiguous tensor of its shape and dtype, copied into `t` once the message
+    is in. The core's exact match (same dtype, same number of bytes) refuses
+    any other message before it is consumed, so a refused one is kept for the
+    next receive and `t` is left as it was; nothing is ever cast."""
+    dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+
+    def refuse(what: str) -> RuntimeError:
+        return RuntimeError(
+            f"varcomm backend: recv from rank {src} (tag {tag}) into a tensor of shape {tuple(t.shape)} and "
+            f"dtype {t.dtype} ({t.nbytes} bytes): {what}. torch.distributed.recv needs a tensor of exactly the "
+            "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
+            "which returns it")
+
+    def work(w: Any) -> VarcommWork:
+        def finish(timeout: float | None) -> None:
+            try:
+                got = w.wait(timeout)
+            except MessageTooLarge as e:
+                raise refuse(f"the message is larger ({e})") from e
+            except MessageMismatch as e:
+                raise refuse(f"the message does not match it ({e})") from e
+            if not isinstance(got, torch.Tensor):  # a descriptor's Status: it carries no data
+                raise refuse(f"the message is a descriptor of {got.nbytes} bytes")
+            if dst is not t:
+                with torch.no_grad():
+                    t.copy_(dst)
+
+        return VarcommWork(finish, w.is_completed, [t], source=src)
+
+    return dst, work
+
+
+def _group_peer(op: dist.P2POp, group: dist.ProcessGroup) -> int:
+    """A P2POp's peer as a rank of its group (torch before 2.6 has only the global peer)."""
+    peer = getattr(op, "group_peer", None)
+    return int(peer) if peer is not None else dist.get_group_rank(group, op.peer)
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
@@ -512,6 +577,38 @@ def _create(opts: Any, backend_options: Any = None) -> VarcommProcessGroup:
 
 
 _registered = False
+_torch_batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv
+
+
+@functools.wraps(_torch_batch_isend_irecv)
+def batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> list[dist.Work]:
+    # torch hands a batch to its backend only where the group is exactly a
+    # ProcessGroup whose backend coalesces (NCCL); a ProcessGroup subclass, as
+    # varcomm's is, gets one isend/irecv call per op, in list order, and an op
+    # that fails leaves the ones before it posted. A batch of CPU tensors on one
+    # varcomm group goes to the group as one call instead.
+    pg = _batch_group(p2p_op_list)
+    if pg is None:  # torch's own: other groups, other devices, and its refusals (mixed groups, not P2POps)
+        return _torch_batch_isend_irecv(p2p_op_list)
+    return pg.batch_isend_irecv(p2p_op_list)
+
+
+def _batch_group(ops: Any) -> VarcommProcessGroup | None:
+    """The varcomm group a batch_isend_irecv runs on whole, else None."""
+    if not isinstance(ops, list) or not ops or not all(isinstance(op, dist.P2POp) for op in ops):
+        return None
+    group = ops[0].group
+    if any(op.group != group for op in ops):
+        return None
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, VarcommProcessGroup):
+        return None
+    tensors = [op.tensor for op in ops]
+    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in tensors):
+        return None
+    if torch.overrides.has_torch_function(tensors):  # a tensor subclass dispatches it itself, as in dist.isend
+        return None
+    return pg
 
 
 def register() -> None:
@@ -520,11 +617,18 @@ def register() -> None:
     Under mpirun or srun it also sets torch's env:// variables (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...) from the launcher's, where
     unset (varcomm.bootstrap.LAUNCHERS): torch reads them in
-    ``init_process_group`` before any backend is asked."""
+    ``init_process_group`` before any backend is asked.
+
+    It also puts this module's ``batch_isend_irecv`` in place of
+    ``torch.distributed.batch_isend_irecv``: on a varcomm group it posts the
+    batch as one call; anything else is handed to torch's unchanged. A
+    reference taken before this import keeps calling torch's, which works on
+    varcomm too, one op at a time."""
     global _registered
     if not _registered:
         bootstrap.export_for_torch()
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.batch_isend_irecv = dist.distributed_c10d.batch_isend_irecv = batch_isend_irecv
         _registered = True
 
 
