@@ -474,3 +474,49 @@ def test_batch_isend_irecv_is_one_communicator_call():
     finally:
         vdist.destroy_process_group()
 
+
+@world(2, timeout=120)
+def test_reinit_on_one_store_gloo_then_varcomm_twice():
+    """init_process_group, destroy, init again on one store (a store given
+    with store=, as torchrun's agent store outlives groups): torch names the
+    new group as the old one, and varcomm's set-up must not read the keys the
+    earlier group left there."""
+    import varcomm.distributed as vdist
+
+    r = rank()
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, r == 0,
+                          timeout=datetime.timedelta(seconds=30))
+    kw = {"store": store, "rank": r, "world_size": 2, "timeout": datetime.timedelta(seconds=30)}
+    os.environ["VARCOMM_INIT_TIMEOUT"] = "20"  # a rendezvous that reads stale keys fails (or hangs) within it
+
+    def exchange(step: int, send, recv) -> None:
+        if r == 0:
+            send(torch.arange(5.0) + step)
+        else:
+            assert recv().tolist() == (torch.arange(5.0) + step).tolist()
+
+    def torch_p2p(step: int) -> None:
+        y = torch.zeros(5)
+        exchange(step, lambda x: dist.send(x, dst=1), lambda: (dist.recv(y, src=0), y)[1])
+
+    dist.init_process_group("gloo", **kw)
+    t = torch.tensor([float(r + 1)])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    for step in (1, 2):  # varcomm.distributed's own communicator over torch's gloo default store
+        vdist.init_process_group()
+        exchange(step, lambda x: vdist.send(x, dst=1), lambda: vdist.recv(src=0))
+        vdist.destroy_process_group()
+    dist.destroy_process_group()
+    for step in (3, 4):
+        dist.init_process_group("varcomm", **kw)
+        assert isinstance(dist.distributed_c10d._get_default_group(), VarcommProcessGroup)
+        torch_p2p(step)
+        g = dist.new_group([0, 1])  # a group with the same name as the earlier generation's
+        t = torch.tensor([float(r + step)])
+        dist.all_reduce(t, group=g)  # its gloo underneath
+        assert t.item() == float(1 + 2 * step)
+        dist.destroy_process_group()
+    store.set(f"done/{r}", "1")
+    if r == 0:  # the store lives in rank 0
+        store.wait(["done/0", "done/1"])

@@ -92,9 +92,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         if isinstance(pg, _tb.VarcommProcessGroup):
             _comm = pg.comm
         else:
-            _comm = _tb._communicator(_tdist.PrefixStore("varcomm.distributed/",
-                                                         _tdist.distributed_c10d._get_default_store()),
-                                      _tdist.get_rank(), _tdist.get_world_size(), opts)
+            store = _tdist.PrefixStore("varcomm.distributed/", _tdist.distributed_c10d._get_default_store())
+            rank = _tdist.get_rank()
+            _comm = _tb._communicator(_tb._generation(store, rank), rank, _tdist.get_world_size(), opts)
             _own_comm = True
         return
     if init_method is None and store is None:

@@ -38,6 +38,11 @@ this module puts ``batch_isend_irecv`` below in place of torch's for that
 (torch hands a batch to no ProcessGroup subclass); every other batch goes to
 torch's as before.
 
+Each group's keys in the store torch hands the backend are under a prefix of
+their own per incarnation of the group (``_generation``), so init, destroy and
+init again on a store that outlives the group (``store=``, torchrun's agent
+store) does not meet the keys the earlier group left.
+
 varcomm's options come from the environment, or from a ``varcomm.Options``
 passed as ``pg_options`` (``dist.init_process_group("varcomm",
 pg_options=varcomm.Options.resolve(bound=...))``); groups made later without
@@ -166,9 +171,22 @@ def _all_done(works: Sequence[Any]) -> Callable[[], bool]:
 
 
 def _communicator(store: dist.Store, rank: int, size: int, options: Options) -> Communicator:
-    """A Communicator over `size` ranks meeting in `store`."""
-    # The group's store is already unique to the group: no instance count.
-    return connect(options, rank=rank, world_size=size, store=store, prefix="varcomm/")
+    """A Communicator over `size` ranks meeting in `store` (one of _generation's)."""
+    return connect(options, rank=rank, world_size=size, store=store, prefix="comm/")
+
+
+def _generation(store: dist.Store, rank: int) -> dist.Store:
+    """The part of a group's store that this incarnation of the group owns.
+
+    torch names groups by a count that destroy_process_group resets, so a group
+    made after a destroy gets the same store prefix as the one before it; and
+    the store itself may outlive both (a store= passed to each init, torchrun's
+    agent store). Keys the earlier group left there would then be read as this
+    one's (a rank "arriving twice", stale gloo addresses). Each rank counts the
+    groups it made in this store, in the store, so the n-th group every rank
+    makes here gets the same fresh prefix, whatever the process."""
+    n = int(store.add(f"varcomm/generations/{rank}", 1))
+    return dist.PrefixStore(f"varcomm/{n}/", store)
 
 
 def _group_options(backend_options: Any) -> Options:
@@ -212,6 +230,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         #: What groups made later without pg_options inherit (before the group's timeout is applied).
         self.options = options if options is not None else Options.resolve()
+        store = _generation(store, rank)
         self.comm = _communicator(store, rank, size, dataclasses.replace(
             self.options, timeout=timeout.total_seconds() if timeout else None))
         self._closed = False
