@@ -221,6 +221,37 @@ def test_a_barrier_whose_store_host_died_raises_peer_failure(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90, expect_exit={0: None})
+def test_close_after_the_store_was_lost_leaves_the_store_alone(transport):
+    """Once a barrier found the store's host gone, close() does not write to
+    the store again: that write failed too, and torch printed a second C++
+    stack trace ("sendBytes failed ... Broken pipe", some 20 lines) on stderr
+    of every surviving rank, after varcomm had already raised PeerFailure."""
+    import tempfile
+
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30)
+    comm.barrier()
+    if comm.rank == 0:
+        comm.recv(1)
+        os._exit(0)
+    comm.send(np.zeros(1), 0)
+    time.sleep(0.5)
+    with pytest.raises(varcomm.PeerFailure, match="store stopped answering"):
+        comm.barrier()
+    with tempfile.TemporaryFile() as err:
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            comm.close()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    assert "TCPStore" not in text, text
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=90)
 def test_views_and_byte_orders_are_sent_as_their_values(transport):
     z = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j], dtype=torch.complex64)

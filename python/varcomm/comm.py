@@ -659,6 +659,7 @@ class Communicator:
     def _store_lost(self, what: str, e: Exception) -> PeerFailure:
         """The store stopped answering: its host (rank 0 under varcomm-run,
         the agent under torchrun) exited, or the network to it is down."""
+        self._store_down = True  # close() then leaves it alone (each failed call is a C++ stack trace from torch)
         dead = [why for r in range(self.world_size) if r != self.rank and (why := self._c.peer_error(r))]
         return PeerFailure(f"{what}: the rendezvous store stopped answering ({e}); "
                            + ("; ".join(dead) if dead else "the process that hosts it has most likely exited"))
@@ -684,19 +685,21 @@ class Communicator:
         for dev in (self._device_p2p, self._device_a2a):  # kernels' waits end, streams drain, before the engine goes
             if dev is not None:
                 dev.close()
+        store_down = getattr(self, "_store_down", False)
         try:
             try:
-                self._store.set(f"left/{self.rank}", "1")
+                if not store_down:
+                    self._store.set(f"left/{self.rank}", "1")
             except (RuntimeError, OSError):  # the store's host died: close without it
-                pass
+                store_down = True
             self._c.goodbye()
-            self._flush(time.monotonic() + _CLOSE_FLUSH_S)
+            self._flush(time.monotonic() + _CLOSE_FLUSH_S, store_down)
             # Every rank waits for the others (or their deaths) before tearing its
             # transports down: peers may still be writing into our region, and rank
             # 0 hosts the store. Progress meanwhile so their writes complete.
             keep_store = self._owner is not None and self.rank == 0
             rdma = self._c.close_waits_for_peers
-            if keep_store or rdma:
+            if (keep_store or rdma) and not store_down:
                 deadline = time.monotonic() + (30 if keep_store else 10)
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
@@ -714,9 +717,12 @@ class Communicator:
                 self._fallback.close()
             self._c.close()
 
-    def _flush(self, deadline: float) -> None:
+    def _flush(self, deadline: float, store_down: bool = False) -> None:
         """Drive queued sends until written, `deadline`, or every receiver left
-        has closed (it receives nothing more) or died (the core fails those)."""
+        has closed (it receives nothing more) or died (the core fails those).
+        `store_down`: the store is gone, so are its peers: nothing to wait for."""
+        if store_down:
+            return
         checked = 0.0
         while pending := self._c.unflushed():
             now = time.monotonic()
