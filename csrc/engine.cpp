@@ -49,6 +49,11 @@ std::string peer_str(int peer) { return "rank " + std::to_string(peer); }
 // Peer::bye
 constexpr uint8_t kByeWanted = 1, kByeWritten = 2, kByeDone = 3;
 
+// Why a pair whose peer said goodbye is failed (peer_str(peer) first).
+std::string closed_text(const std::string& who) {
+  return who + " closed its communicator: it sends and receives nothing more";
+}
+
 const char* const kWithdrawn =
     "its sender withdrew it before this rank received it (the sender closed, or gave up on this pair); nothing "
     "was written";
@@ -93,6 +98,9 @@ std::vector<int> Engine::unflushed() {
   for (int q = 0; q < world_; ++q) {
     Peer& p = peers_[q];
     if (p.bye == kByeWritten) {
+      // A peer that died never completes the goodbye (the fallback's frame
+      // stays unacknowledged): its failure ends the wait, not close()'s timeout.
+      if (p.dead.empty()) check_peer(q, false);
       if (p.dead.empty() && p.t && !p.t->complete(q, p.bye_ticket)) {
         peers.push_back(q);
         continue;
@@ -129,7 +137,13 @@ void Engine::try_goodbye(int peer) {
     if (!p.sendq.empty() || (p.tdev && !p.tdev->flushed(peer))) return;
     Request r;
     r.hflags = kGoodbye;
-    if (!try_write(peer, r)) return;  // the ring is full: retried by progress
+    try {
+      if (!try_write(peer, r)) return;  // the ring is full: retried by progress
+    } catch (const Error&) {
+      p.bye = kByeDone;  // best effort: close() goes on, the peer learns of it by its transport
+      byes_wanted_--;
+      return;
+    }
     p.bye = kByeWritten;
     p.bye_ticket = r.ticket;
   } else {
@@ -457,7 +471,7 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
       h.auth == peers_[peer].auth_in)
     return true;
   // A message left from a peer that closed since: say what is wrong with it.
-  if (peers_[peer].bye_seen) peers_[peer].dead.clear();
+  if (peers_[peer].bye_seen && peers_[peer].dead == "peer failure: " + closed_text(peer_str(peer))) peers_[peer].dead.clear();
   if (h.auth != peers_[peer].auth_in) {
     // Noticed as genuine, then overwritten in place: that message is lost.
     forged_++;
@@ -781,6 +795,13 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
         drive_sends();
         if (slow) check_peer(peer, false);
         // (Also without a check: the peer's goodbye, seen by progress_recvs.)
+        // What the check delivered before the peer failed is still ours.
+        if (!p.dead.empty()) {
+          if (int m = match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
+            result = m;
+            return true;
+          }
+        }
         if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
         return false;
       },
@@ -1465,12 +1486,21 @@ void Engine::deliver(int peer) {
 void Engine::check_goodbye(int peer) {
   Peer& p = peers_[peer];
   if (!p.bye_seen || !p.dead.empty() || !p.streams.empty() || leaving_) return;
+  // A message of ours already written may have been received before the
+  // peer closed: its send completes (its write's completion), not fails;
+  // one whose completion arrived but is not yet processed, too.
+  if (!p.sendq.empty()) progress_sends(peer);
+  if (!p.dead.empty()) return;
+  for (uint64_t id : p.sendq) {
+    const Request& r = reqs_[uint32_t(id)];
+    if (r.state == ReqState::InFlight && !r.rndv) return;
+  }
   // A malformed message before the goodbye fails the pair for what it is.
   const char* base = region_->base();
   for (const Arrival& a : p.ready)
     if (!sane(peer, *reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a.slot) + kHeaderOff), a.seq))
       return;
-  fail_peer(peer, peer_str(peer) + " closed its communicator: it sends and receives nothing more");
+  fail_peer(peer, closed_text(peer_str(peer)));
 }
 
 void Engine::progress_recvs(int peer) {
@@ -1760,8 +1790,8 @@ void Engine::check_peer(int peer, bool force) {
   if (!force && now - p.last_check < kPeerCheck) return;
   p.last_check = now;
   // A sender blocked on a full ring to a peer that closed learns it here.
-  if (!p.bye_seen) deliver(peer);
-  check_goodbye(peer);
+  // Posted receives match what is delivered before the goodbye fails them.
+  progress_recvs(peer);
   if (!p.dead.empty()) return;
   std::string why = p.t->peer_error(peer);
   if (!why.empty()) fail_peer(peer, why);

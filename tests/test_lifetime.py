@@ -557,3 +557,69 @@ def test_a_send_blocked_on_a_rank_that_closed_fails_within_seconds(transport):
             comm.send(np.arange(16.0), dst=0)
     assert time.monotonic() - t0 < 5
     comm.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_receives_posted_before_a_rank_closed_get_its_last_messages(transport):
+    """Rank 1 posts its receives, rank 0 sends them their messages and closes
+    before rank 1 makes any progress. A peer check (barrier, a wait's slow
+    path, close) then delivered the messages and the goodbye together and
+    failed the posted receives with "rank 0 closed" although their messages
+    had arrived (and were lost with them)."""
+    n = 4
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=n + 1, timeout=60)
+    if comm.rank == 1:
+        works = [comm.irecv(src=0, tag=t) for t in range(n)]
+    comm.barrier()
+    if comm.rank == 0:
+        for t in range(n):
+            comm.send(np.full(5, t, dtype=np.int32), dst=1, tag=t)
+        comm.close()
+        return
+    time.sleep(1.0)  # rank 0 closed: its messages and goodbye are in our ring
+    comm._c.peer_error(0)  # the check that delivers (barriers and slow waits make it)
+    for t, w in enumerate(works):
+        assert np.array_equal(w.wait(), np.full(5, t, dtype=np.int32)), t
+    with pytest.raises(varcomm.PeerFailure, match="rank 0 closed"):
+        comm.recv(src=0)
+    comm.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_sends_received_before_their_receiver_closed_complete(transport):
+    """Rank 0 isends small and over-bound messages and does not progress;
+    rank 1 receives them all and closes. Rank 0's next recv from rank 1
+    fails ("closed"), but the sends it received complete: they failed with
+    PeerFailure when the goodbye was seen before their completions (or a
+    receiver's answer to a large message's head) were processed."""
+    small = np.arange(7, dtype=np.float64)
+    big = np.arange(3 * BOUND // 8 + 5, dtype=np.int64)
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=60)
+    if comm.rank == 0:
+        works = [comm.isend(x, dst=1, tag=t) for t, x in enumerate((small, big, small, big))]
+        time.sleep(1.5)  # rank 1 takes them meanwhile where it can (shm copies them itself)
+        with pytest.raises(varcomm.PeerFailure, match="rank 1 closed"):
+            comm.recv(src=1, timeout=30)
+        for w in works:
+            w.wait()
+        comm.close()
+        return
+    for t, x in enumerate((small, big, small, big)):
+        assert np.array_equal(comm.recv(src=0, tag=t), x), t
+    comm.close()
+
+
+@world(2, timeout=90, expect_exit={1: None})
+def test_close_after_a_fallback_peer_died_does_not_wait_for_its_goodbye():
+    """On the fallback, the goodbye to a rank that died stays unacknowledged:
+    close() waited its whole flush time (10 s) for it."""
+    comm = varcomm.init(transport="fallback", bound=BOUND, slots=4, timeout=60)
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(0)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    comm.close()
+    assert time.monotonic() - t0 < 5, time.monotonic() - t0

@@ -98,6 +98,7 @@ def test_fake_rdma_device_messages_byte_exact(fake_cuda, delay_us, strict, hmem)
     gpu, comm = _comm(fake_cuda, slots=3)
     _check_gpudirect(comm, hmem)
     flushed = _gdr_flushes(gpu)
+    comm.barrier()  # rank 0 sends once rank 1 counted: a chunk landed before would be missed
     rng = np.random.default_rng(seeded())
     edges = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK, BOUND - 1, BOUND]
     sizes = edges + [int(x) for x in rng.integers(0, BOUND + 1, 24)]
