@@ -155,6 +155,13 @@ template <class F>
 void AllToAll::guarded(F&& f) {
   try {
     f();
+  } catch (const Error& x) {
+    cleanup();
+    // A dead peer surfaces from one of many sends and receives: say which
+    // collective it broke (the user called that, not a recv).
+    const std::string op = op_name(plan_.op);
+    if (x.kind != ErrorKind::PeerFailure || std::string(x.what()).rfind(op, 0) == 0) throw;
+    throw Error(x.kind, op + ": " + x.what(), x.peer, x.forced);
   } catch (...) {
     cleanup();
     throw;
