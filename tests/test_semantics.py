@@ -579,3 +579,31 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(transport):
         for i in range(3):
             comm.send(np.array([10 * comm.rank + i]), peer)
             assert comm.recv(peer)[0] == 10 * peer + i
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_recv_exact_refuses_a_message_that_does_not_fill_out_and_keeps_it(transport):
+    """recv(exact=True) takes only a message of out's dtype and size (irecv's
+    exact, torch.distributed.recv's contract); a shorter one, or one of
+    another dtype, is refused with MessageMismatch and kept for the next
+    receive; exact without out is an InvalidArgument."""
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=30)
+    if comm.rank == 0:
+        comm.send(np.arange(3, dtype=np.float32), 1)
+        comm.send(np.arange(4, dtype=np.int32), 1)
+        comm.send(np.arange(4, dtype=np.float32) + 1, 1)
+    else:
+        out = np.zeros(4, dtype=np.float32)
+        with pytest.raises(varcomm.InvalidArgument, match="pass out="):
+            comm.recv(0, exact=True)
+        with pytest.raises(varcomm.MessageMismatch):
+            comm.recv(0, out=out, exact=True)
+        assert np.array_equal(comm.recv(0), np.arange(3, dtype=np.float32))  # kept
+        with pytest.raises(varcomm.MessageMismatch):
+            comm.recv(0, out=out, exact=True)
+        assert np.array_equal(comm.recv(0), np.arange(4, dtype=np.int32))
+        got = comm.recv(0, out=out, exact=True)
+        assert np.array_equal(got, np.arange(4, dtype=np.float32) + 1) and np.shares_memory(got, out)
+    comm.barrier()
+    comm.close()

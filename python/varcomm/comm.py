@@ -348,7 +348,7 @@ class Communicator:
                        keep, arrays.torch.cuda.current_stream(tensor.device))
 
     def recv(self, src: int, tag: int = 0, out: Any = None, timeout: float | None = None,
-             copy: bool = True, array: str | None = None) -> Any:
+             copy: bool = True, array: str | None = None, *, exact: bool = False) -> Any:
         """Receive one message from `src`. With `out` (a bound-sized buffer: a
         torch tensor, numpy array, or any DLPack array such as cupy's), the
         message lands in its prefix and a view of out's kind with the sender's
@@ -358,8 +358,17 @@ class Communicator:
 
         copy=False returns a zero-copy view of the receive slot instead: the slot
         goes back to the sender when the view is garbage collected, so do not hold
-        more than `slots` of them per peer."""
+        more than `slots` of them per peer: the sender blocks until one returns.
+
+        exact=True: the message must fill `out` exactly (its dtype and size),
+        else MessageMismatch (or MessageTooLarge) and the message is kept."""
         t = self._timeout if timeout is None else timeout
+        if exact:
+            if out is None:
+                raise InvalidArgument("recv: exact=True checks the message against out: pass out= (a buffer of the "
+                                      "expected dtype and size)")
+            _check_timeout(t)
+            return self.irecv(src, tag, out, copy=copy, array=array, exact=True).wait(t)
         # One core call where it can (None: the general path below decides).
         f = self._f
         if out is None:
