@@ -51,6 +51,9 @@ def test_report_names_versions_launcher_and_options_but_no_secret():
         assert line in out, (line, out)
     slots = next(ln for ln in out.splitlines() if ln.strip().startswith("slots "))
     assert "16" in slots and "VARCOMM_SLOTS" in slots, slots
+    # An option decided at init says by what (it printed "None").
+    spin = next(ln for ln in out.splitlines() if ln.strip().startswith("spin_us "))
+    assert "None" not in spin and "if this host's ranks have a core each" in spin, spin
     assert "sekrit-4f2a" not in out, "a secret was printed"
     assert "VARCOMM_JOB_KEY=(set, not shown)" in out, out
 

@@ -274,7 +274,10 @@ def _effective_options(opts: _options.Options, problems: dict[str, str]) -> list
             origin = f"default: {spec.env} is invalid"
         else:
             origin = spec.env if env.get(spec.env, "").strip() else "default"
-        lines.append(f"{name:18} {shown(name, getattr(opts, name))!s:24} ({origin})")
+        value = getattr(opts, name)
+        # None is "decided at init" for most: say by what, as the README does.
+        text = spec.default_doc.replace("`", "") if value is None and not spec.none_is_value else shown(name, value)
+        lines.append(f"{name:18} {text!s:24} ({origin})")
     return lines
 
 
