@@ -520,3 +520,38 @@ def test_reinit_on_one_store_gloo_then_varcomm_twice():
     store.set(f"done/{r}", "1")
     if r == 0:  # the store lives in rank 0
         store.wait(["done/0", "done/1"])
+
+
+@world(2, timeout=90)
+def test_a_dropped_strided_irecv_still_fills_its_tensor():
+    """varcomm.distributed.irecv into a non-contiguous tensor lands in a
+    contiguous stand-in and is copied in: a Work dropped without wait() (its
+    message still taken, as documented) left the tensor unwritten, the data
+    lost in the stand-in. Now the copy runs by the next call (here a recv
+    that follows it from the same peer); batch_isend_irecv's alike."""
+    import gc
+
+    import varcomm.distributed as vdist
+
+    vdist.init_process_group("gloo")
+    try:
+        if dist.get_rank() == 0:
+            for k in range(2):
+                vdist.send(torch.arange(16, dtype=torch.float32) + 100 * k, dst=1)
+                vdist.send(torch.tensor([k]), dst=1)
+        else:
+            t = torch.full((4, 8), -1.0)[:, ::2]
+            w = vdist.irecv(t, src=0)
+            del w
+            gc.collect()
+            assert vdist.recv(src=0).tolist() == [0]
+            assert t.flatten().tolist() == list(map(float, range(16)))
+            t = torch.full((4, 8), -1.0)[:, ::2]
+            works = vdist.batch_isend_irecv([vdist.P2POp(vdist.irecv, t, 0)])
+            del works
+            gc.collect()
+            assert vdist.recv(src=0).tolist() == [1]
+            assert t.flatten().tolist() == [100.0 + i for i in range(16)]
+        vdist.barrier()
+    finally:
+        vdist.destroy_process_group()

@@ -40,11 +40,14 @@ class P2PWork:
     when the op was posted: `wait()` makes the current stream wait for it (no
     host block on GPU work), `synchronize()` also blocks the host until it ran."""
 
-    __slots__ = ("_comm", "_id", "_done", "_result", "_error", "_finish", "_keep", "_stream", "peer", "op")
+    __slots__ = ("_comm", "_id", "_done", "_result", "_error", "_finish", "_keep", "_stream", "_settle", "peer", "op")
 
     def __init__(self, comm: Communicator, rid: int, finish: Callable[[], Any] | None, peer: int, op: str,
-                 keep: Any = None, stream: Any = None):
+                 keep: Any = None, stream: Any = None, settle: bool = False):
         self._comm = comm
+        # finish copies the message on into its destination (from a host bounce
+        # buffer, a contiguous stand-in): a dropped Work must still run it.
+        self._settle = settle
         # The memory the core reads or writes (a send's source or its staged
         # copy, a recv's out or bounce buffer): it must outlive the transfer,
         # so a dropped Work hands it to the core (detach) until the core is done.
@@ -74,6 +77,8 @@ class P2PWork:
                 raise
             self._done = True
             self._keep = None
+            if self._comm._orphans:
+                self._comm._settle_orphans()
             finish = self._finish
             if finish is not None:
                 self._finish = None
@@ -90,6 +95,15 @@ class P2PWork:
         elif self._error is not None:
             raise self._error
         return self._result
+
+    def _then(self, after: Callable[[Any], Any]) -> P2PWork:
+        """A receive whose result `after` copies on (into a strided tensor):
+        wait() returns after(result), and a dropped Work still runs it."""
+        inner = self._finish
+        assert inner is not None and not self._done, "_then: a pending receive's Work"
+        self._finish = lambda: after(inner())
+        self._settle = True
+        return self
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """wait(), then block the host until the transfer's GPU work has run."""
@@ -120,6 +134,9 @@ class P2PWork:
         # Dropped without wait(): the transfer still finishes (into or out of
         # the kept buffer), the slot is returned.
         if not self._done:
+            if self._settle and self._finish is not None and not self._comm._closed:
+                self._comm._orphans.append((self._id, self._finish))  # run once the message is in
+                return
             try:
                 self._comm._c.detach(self._id, self._keep)
             except Exception:
@@ -162,6 +179,9 @@ class Communicator:
         self._owner = owner
         self._pid = os.getpid()
         self._closed = False
+        # Dropped receives whose message still has to be copied on (P2PWork settle):
+        # run by the calls that follow (recv, irecv, isend, any wait, barrier, close).
+        self._orphans: list[tuple[int, Callable[[], Any]]] = []
         self._routes_ready = False
         self._fallback: Any = None
         self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
@@ -310,6 +330,8 @@ class Communicator:
 
     def isend(self, tensor: Array, dst: int, tag: int = 0) -> Work:
         """Starts a send; `tensor` must not change until the work completes."""
+        if self._orphans:
+            self._settle_orphans()
         kind = type(tensor)
         if kind is np.ndarray:  # one core call (0: not taken there, e.g. strided: the general path)
             rid = self._f.isend(tensor, dst, tag, 1)
@@ -377,6 +399,8 @@ class Communicator:
             else:
                 a = f.recv_loan(src, tag, t, self._lend if array is None else arrays.lender(_check_array(array)))
             if a is not None:
+                if self._orphans:
+                    self._settle_orphans()
                 return a
         else:
             kind = type(out)
@@ -389,6 +413,8 @@ class Communicator:
                 if word is not None:
                     r = f.recv_ptr(src, tag, out, out.data_ptr(), out.nbytes, word, out.shape, t)
             if r is not None:
+                if self._orphans:
+                    self._settle_orphans()
                 # out, a view of its front, or the message's Status (then the view is made here)
                 return arrays.prefix_view(out, r.nbytes, r.shape) if type(r) is _Status else r
         _check_timeout(t)  # before anything is posted (t stays as given: inf is no limit, None the default)
@@ -457,6 +483,8 @@ class Communicator:
         MessageMismatch (or MessageTooLarge) and the message is kept."""
         self._check_peer(src, "src")
         src = int(src)
+        if self._orphans:
+            self._settle_orphans()
         c = self._c
         if out is not None and not arrays.is_native(out):  # a DLPack array: received into a torch or numpy view
             nout = arrays.native(out, "out")
@@ -483,7 +511,7 @@ class Communicator:
                     view.copy_(arrays.prefix_view(bounce, st.nbytes, st.shape))
                     return view
 
-                return P2PWork(self, rid, staged, src, "recv", bounce)
+                return P2PWork(self, rid, staged, src, "recv", bounce, settle=True)
             if stream < 0:
                 rid = c.irecv(src, tag, ptr, cap, word)
                 return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out)
@@ -654,6 +682,8 @@ class Communicator:
         limit = _check_timeout(timeout)
         if timeout is not None and limit is None:
             limit = 1e9  # inf: no limit
+        if self._orphans:
+            self._settle_orphans()
         n = getattr(self, "_barriers", 0) + 1
         self._barriers = n
         try:
@@ -664,6 +694,20 @@ class Communicator:
             raise
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
             raise self._store_lost("barrier", e) from None
+
+    def _settle_orphans(self) -> None:
+        """Finish the dropped receives whose message is in (see P2PWork settle)."""
+        orphans, self._orphans = self._orphans, []  # a finish may drop more (the GC appends)
+        c = self._c
+        for rid, finish in orphans:
+            try:
+                if not c.test(rid):
+                    self._orphans.append((rid, finish))
+                    continue
+                c.wait(rid, 0.0)
+                finish()
+            except Exception:  # its Work was dropped: nobody is left to hear of it
+                pass  # failed or closed (nothing arrived), or refused (kept for the next recv): nothing to copy
 
     def _store_lost(self, what: str, e: Exception) -> PeerFailure:
         """The store stopped answering: its host (rank 0 under varcomm-run,
@@ -694,6 +738,8 @@ class Communicator:
         for dev in (self._device_p2p, self._device_a2a):  # kernels' waits end, streams drain, before the engine goes
             if dev is not None:
                 dev.close()
+        if self._orphans:
+            self._settle_orphans()  # those whose message is in; the rest fail with the close
         store_down = getattr(self, "_store_down", False)
         try:
             try:

@@ -40,7 +40,7 @@ import torch.distributed as _tdist
 from .. import bootstrap
 from ..arrays import Array, Splits
 from ..collectives import alltoall as _a2a
-from ..comm import Communicator, connect
+from ..comm import Communicator, P2PWork, connect
 from ..comm import P2POp as _C2POp
 from ..errors import InvalidArgument, MessageMismatch, MessageTooLarge
 from ..options import Options
@@ -273,7 +273,7 @@ def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
             copies[i] = (t, _contiguous_like(t))
             posts.append(_C2POp(c_irecv, copies[i][1], peer, op.tag, exact=True))
     works = comm.batch_isend_irecv(posts)
-    return [_CopyInto(w, *copies[i]) if i in copies else w for i, w in enumerate(works)]
+    return [_CopyInto.of(w, *copies[i]) if i in copies else w for i, w in enumerate(works)]
 
 
 # ---------------------------------------------------------------------------
@@ -364,28 +364,36 @@ class _CopyInto:
     other message is refused by the core and kept (never cast); copied in on
     wait()."""
 
-    def __init__(self, work: Work, tensor: torch.Tensor, landed: torch.Tensor):
-        self._work, self._tensor, self._landed = work, tensor, landed
+    def __init__(self, work: Work, tensor: torch.Tensor):
+        self._work, self._tensor = work, tensor
         self._result: torch.Tensor | None = None
 
     @classmethod
     def post(cls, comm: Communicator, tensor: Array, peer: int, tag: int) -> _CopyInto:
         landed = _contiguous_like(tensor)
-        return cls(comm.irecv(peer, tag, out=landed, exact=True), cast(torch.Tensor, tensor), landed)
+        return cls.of(comm.irecv(peer, tag, out=landed, exact=True), cast(torch.Tensor, tensor), landed)
+
+    @classmethod
+    def of(cls, work: Work, t: torch.Tensor, landed: torch.Tensor) -> _CopyInto:
+        """The receive `work` into `landed`, copied on into `t`."""
+        def copy_in(_: Any) -> torch.Tensor:
+            with torch.no_grad():
+                t.copy_(landed)
+            return t
+
+        # The copy in is the Work's own: dropped unwaited, it still runs (once the message is in).
+        return cls(cast(P2PWork, work)._then(copy_in), t)
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._result is None:
             try:
-                self._work.wait(timeout)
+                self._result = self._work.wait(timeout)
             except (MessageMismatch, MessageTooLarge) as e:
                 t = self._tensor
                 err = type(e)(f"recv into a non-contiguous tensor of shape {tuple(t.shape)} and dtype {t.dtype} "
                               f"({t.nbytes} bytes), which takes a message of exactly its dtype and size: {e}")
                 err.peer = e.peer
                 raise err from e
-            with torch.no_grad():
-                self._tensor.copy_(self._landed)
-            self._result = self._tensor
         return self._result
 
     def is_completed(self) -> bool:
