@@ -536,9 +536,10 @@ def test_a_dropped_strided_irecv_still_fills_its_tensor():
     vdist.init_process_group("gloo")
     try:
         if dist.get_rank() == 0:
-            for k in range(2):
+            for k in range(3):
                 vdist.send(torch.arange(16, dtype=torch.float32) + 100 * k, dst=1)
                 vdist.send(torch.tensor([k]), dst=1)
+            vdist.send(torch.arange(4, dtype=torch.float32), dst=1)
         else:
             t = torch.full((4, 8), -1.0)[:, ::2]
             w = vdist.irecv(t, src=0)
@@ -552,6 +553,17 @@ def test_a_dropped_strided_irecv_still_fills_its_tensor():
             gc.collect()
             assert vdist.recv(src=0).tolist() == [1]
             assert t.flatten().tolist() == [100.0 + i for i in range(16)]
+            t = torch.full((4, 8), -1.0)[:, ::2]
+            dist.irecv(t, src=0)  # the varcomm backend's Work, dropped
+            gc.collect()
+            assert vdist.recv(src=0).tolist() == [2]
+            assert t.flatten().tolist() == [200.0 + i for i in range(16)]
+            # Elements that share memory cannot hold a message: refused before it is taken.
+            shared = torch.zeros(1).expand(4)
+            for recv in (dist.recv, vdist.recv):
+                with pytest.raises(varcomm.InvalidArgument, match="share memory"):
+                    recv(shared, src=0)
+            assert vdist.recv(src=0).tolist() == [0.0, 1.0, 2.0, 3.0]  # kept
         vdist.barrier()
     finally:
         vdist.destroy_process_group()

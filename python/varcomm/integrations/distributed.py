@@ -355,7 +355,7 @@ def _contiguous_like(t: Array) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise InvalidArgument(f"recv into a non-contiguous {type(t).__name__}: pass a contiguous array (a bound), "
                               "a torch tensor, or none")
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return _tb.strided_stand_in(t, "recv")
 
 
 class _CopyInto:

@@ -64,7 +64,7 @@ import torch.distributed as dist
 from .. import _C, bootstrap
 from ..collectives import alltoall as _a2a
 from ..comm import Communicator, P2POp, connect
-from ..errors import MessageMismatch, MessageTooLarge, VarcommError
+from ..errors import InvalidArgument, MessageMismatch, MessageTooLarge, VarcommError
 from ..options import Options
 
 BACKEND = "varcomm"
@@ -524,7 +524,7 @@ def _exact_recv(t: torch.Tensor, src: int, tag: int) -> tuple[torch.Tensor, Call
     is in. The core's exact match (same dtype, same number of bytes) refuses
     any other message before it is consumed, so a refused one is kept for the
     next receive and `t` is left as it was; nothing is ever cast."""
-    dst = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+    dst = t if t.is_contiguous() else strided_stand_in(t, f"recv from rank {src}")
 
     def refuse(what: str) -> RuntimeError:
         return RuntimeError(
@@ -533,7 +533,16 @@ def _exact_recv(t: torch.Tensor, src: int, tag: int) -> tuple[torch.Tensor, Call
             "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
             "which returns it")
 
+    def copy_in(got: Any) -> Any:
+        if isinstance(got, torch.Tensor):
+            with torch.no_grad():
+                t.copy_(dst)
+        return got
+
     def work(w: Any) -> VarcommWork:
+        if dst is not t:
+            w = w._then(copy_in)  # the Work's own: dropped unwaited, it still runs once the message is in
+
         def finish(timeout: float | None) -> None:
             try:
                 got = w.wait(timeout)
@@ -543,13 +552,21 @@ def _exact_recv(t: torch.Tensor, src: int, tag: int) -> tuple[torch.Tensor, Call
                 raise refuse(f"the message does not match it ({e})") from e
             if not isinstance(got, torch.Tensor):  # a descriptor's Status: it carries no data
                 raise refuse(f"the message is a descriptor of {got.nbytes} bytes")
-            if dst is not t:
-                with torch.no_grad():
-                    t.copy_(dst)
 
         return VarcommWork(finish, w.is_completed, [t], source=src)
 
     return dst, work
+
+
+def strided_stand_in(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The contiguous tensor a receive into strided `t` lands in (then copied
+    into `t`). A `t` whose elements share memory (an expand()ed view) is
+    refused first: the copy in would fail after the message was consumed."""
+    if torch._debug_has_internal_overlap(t) == 1:
+        raise InvalidArgument(f"{what}: the tensor of shape {tuple(t.shape)} and strides {t.stride()} has elements "
+                              "that share memory (an expand()ed or as_strided view), so it cannot hold a message; "
+                              "receive into t.clone() or a tensor that owns its elements")
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _group_peer(op: dist.P2POp, group: dist.ProcessGroup) -> int:
