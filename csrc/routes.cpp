@@ -301,6 +301,10 @@ void Setup::agree_device(const std::vector<std::string>& acks) {
     }
     e_.set_device_transport(r, devices_.at(name));
     device_routes_[size_t(r)] = name;
+    // The peer's copies write our GPU slots through its mapping of them: freed
+    // under a copy still queued on its stream, a GPU faults or lands the data
+    // in another allocation. close() waits for it to close (or die) first.
+    if (r != e_.rank()) close_waits_ = true;
   }
   // Local copies (an all-to-all's chunk to itself, a staged message into
   // device memory) need a GPU transport of this rank, not a route: the one to
