@@ -916,12 +916,13 @@ bool Engine::try_write(int peer, Request& r) {
   return false;
 }
 
-void Engine::progress_sends(int peer) {
+void Engine::progress_sends(int peer, bool write) {
   Peer& p = peers_[peer];
   // Order per peer is the send order: a later send never overtakes a queued one.
   for (auto it = p.sendq.begin(); it != p.sendq.end();) {
     Request& r = reqs_[uint32_t(*it)];
     if (r.state == ReqState::Queued) {
+      if (!write) break;  // (what follows is queued too)
       bool wrote;
       try {
         wrote = try_write(peer, r);
@@ -953,6 +954,10 @@ void Engine::progress_sends(int peer) {
         fail_request(id, ErrorKind::PeerFailure, copy_failed_text(peer, r.nbytes));
         continue;
       } else if (is_push_credit(c, r.head_seq)) {
+        if (!write) {
+          ++it;
+          continue;
+        }
         // Write it ourselves into the receiver's landing block: one write
         // of header and data, whose ready word is the block's first.
         size_t off = push_block(c);
@@ -976,6 +981,10 @@ void Engine::progress_sends(int peer) {
         r.sent = r.nbytes;
         r.tickets.push_back(tk);
       } else if (is_raw_credit(c, r.head_seq)) {
+        if (!r.push && !write) {
+          ++it;
+          continue;
+        }
         if (!r.push && !push_raw(peer, r, c)) return;
         if (r.push == kPushWritten) {
           // Done with our buffer. The receiver frees the head's slot with
@@ -995,7 +1004,7 @@ void Engine::progress_sends(int peer) {
       }
     }
     if (r.streaming) {
-      while (r.sent < r.nbytes && try_write(peer, r)) {
+      while (write && r.sent < r.nbytes && try_write(peer, r)) {
       }
       auto& t = *p.t;
       r.tickets.erase(std::remove_if(r.tickets.begin(), r.tickets.end(),
@@ -1488,8 +1497,9 @@ void Engine::check_goodbye(int peer) {
   if (!p.bye_seen || !p.dead.empty() || !p.streams.empty() || leaving_) return;
   // A message of ours already written may have been received before the
   // peer closed: its send completes (its write's completion), not fails;
-  // one whose completion arrived but is not yet processed, too.
-  if (!p.sendq.empty()) progress_sends(peer);
+  // one whose completion arrived but is not yet processed, too. One still
+  // queued is not written now (it would complete, its message lost): it fails.
+  if (!p.sendq.empty()) progress_sends(peer, false);
   if (!p.dead.empty()) return;
   for (uint64_t id : p.sendq) {
     const Request& r = reqs_[uint32_t(id)];

@@ -288,7 +288,9 @@ class Engine {
   void progress_locked();
   // Every peer's queued sends (a blocking receive's turn to move them); caller holds mu_.
   void drive_sends();
-  void progress_sends(int peer);
+  // write=false: only completions and answers of what is already written;
+  // a queued send stays queued (check_goodbye: its receiver closed).
+  void progress_sends(int peer, bool write = true);
   void progress_recvs(int peer);
   bool try_write(int peer, Request& r);
   void free_slot(int peer, int slot, uint64_t seq);

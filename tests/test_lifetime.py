@@ -623,3 +623,35 @@ def test_close_after_a_fallback_peer_died_does_not_wait_for_its_goodbye():
     t0 = time.monotonic()
     comm.close()
     assert time.monotonic() - t0 < 5, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_sends_still_queued_when_their_receiver_closed_fail(transport):
+    """Rank 0 isends 4 messages into a ring of 2 (2 written, 2 queued) and
+    waits on a receive from rank 1; rank 1 receives 2 and closes. The goodbye
+    check wrote the 2 queued sends into the closed rank's freed slots and
+    completed them (their messages lost, reported sent), where they failed
+    with PeerFailure ("rank 1 closed"): only sends already written or
+    answered may complete."""
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=60)
+    if comm.rank == 0:
+        pending = comm.irecv(src=1, tag=99)  # never sent: its wait sees the goodbye
+        works = [comm.isend(np.full(3, t, dtype=np.int32), dst=1, tag=t) for t in range(4)]
+    comm.barrier()
+    if comm.rank == 1:
+        time.sleep(0.3)  # rank 0 is out of the barrier: it calls nothing while we receive and close
+        for t in range(2):
+            assert comm.recv(src=0, tag=t).tolist() == [t] * 3
+        comm.close()
+        return
+    time.sleep(2.0)
+    with pytest.raises(varcomm.PeerFailure, match="rank 1 closed"):
+        pending.wait()
+    for w in works[:2]:
+        w.wait()
+    for t, w in enumerate(works[2:], 2):
+        with pytest.raises(varcomm.PeerFailure, match="rank 1 closed"):
+            w.wait()
+            raise AssertionError(f"send {t} completed: rank 1 closed before it was written")
+    comm.close()
