@@ -540,6 +540,8 @@ def test_a_dropped_strided_irecv_still_fills_its_tensor():
                 vdist.send(torch.arange(16, dtype=torch.float32) + 100 * k, dst=1)
                 vdist.send(torch.tensor([k]), dst=1)
             vdist.send(torch.arange(4, dtype=torch.float32), dst=1)
+            for k in (3, 4):  # polled
+                vdist.send(torch.arange(16, dtype=torch.float32) + 100 * k, dst=1)
         else:
             t = torch.full((4, 8), -1.0)[:, ::2]
             w = vdist.irecv(t, src=0)
@@ -564,6 +566,16 @@ def test_a_dropped_strided_irecv_still_fills_its_tensor():
                 with pytest.raises(varcomm.InvalidArgument, match="share memory"):
                     recv(shared, src=0)
             assert vdist.recv(src=0).tolist() == [0.0, 1.0, 2.0, 3.0]  # kept
+            # is_completed() is True once the tensor holds the message (it was True before the copy in).
+            for k, irecv in ((3, vdist.irecv), (4, dist.irecv)):
+                t = torch.full((4, 8), -1.0)[:, ::2]
+                w = irecv(t, src=0)
+                deadline = time.monotonic() + 30
+                while not w.is_completed():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                assert t.flatten().tolist() == [100.0 * k + i for i in range(16)], k
+                w.wait()
         vdist.barrier()
     finally:
         vdist.destroy_process_group()

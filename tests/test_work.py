@@ -125,3 +125,60 @@ def test_a_barrier_that_times_out_raises_varcomm_timeout():
         else:
             time.sleep(1.5)
             comm.barrier()  # rank 0's arrival still counts: this one passes
+
+
+def test_a_strided_copy_in_waits_for_the_stream_its_message_lands_on(monkeypatch):
+    """A receive into a non-contiguous CUDA tensor over a device route lands in
+    a contiguous stand-in on the stream current when it was posted; its copy
+    in (P2PWork._then, varcomm.distributed's _CopyInto) must be ordered after
+    that stream. wait() ran the copy before it made the current stream wait
+    for the posting one, and a dropped Work settled later never waited: with
+    post and wait on different streams the copy read the stand-in before the
+    message was in it. (Fakes stand in for CUDA streams: torch here is CPU-only.)"""
+    from varcomm import arrays
+    from varcomm.comm import Communicator, P2PWork
+
+    events: list[tuple[str, ...]] = []
+
+    class Stream:
+        device = "cuda:0"
+
+        def __init__(self, name: str):
+            self.name = name
+
+        def wait_stream(self, other: Stream) -> None:
+            events.append(("wait", self.name, other.name))
+
+    posted, current = Stream("posted"), Stream("current")
+    monkeypatch.setattr(arrays.torch.cuda, "current_stream", lambda device=None: current)
+
+    class Core:
+        def wait(self, rid, timeout): pass
+        def test(self, rid): return True
+
+    class Comm:
+        _timeout = None
+        _closed = False
+        _c = Core()
+        _settle_orphans = Communicator._settle_orphans
+
+        def __init__(self):
+            self._orphans: list = []
+
+    def copy_in(got):
+        events.append(("copy", got))
+        return got
+
+    comm = Comm()
+    w = P2PWork(comm, 7, lambda: "stand-in", 0, "recv", None, posted)._then(copy_in)  # type: ignore[arg-type]
+    assert w.wait() == "stand-in"
+    assert events.index(("wait", "current", "posted")) < events.index(("copy", "stand-in")), events
+
+    events.clear()
+    w = P2PWork(comm, 8, lambda: "stand-in", 0, "recv", None, posted)._then(copy_in)  # type: ignore[arg-type]
+    del w  # dropped: settled by the next call
+    assert len(comm._orphans) == 1
+    comm._settle_orphans()
+    assert ("copy", "stand-in") in events, events
+    assert ("wait", "current", "posted") in events, events
+    assert events.index(("wait", "current", "posted")) < events.index(("copy", "stand-in")), events

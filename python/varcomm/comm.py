@@ -33,6 +33,14 @@ _TORCH_WORDS: dict[torch.dtype, int] = {}  # filled at init: torch dtype -> dtyp
 _CLOSE_FLUSH_S = 10.0  # close() writes queued sends for at most this long
 
 
+def _order_after(s: Any) -> None:
+    """Make the current CUDA stream wait for `s` (a device transfer's stream; None: nothing)."""
+    if s is not None:
+        cur = arrays.torch.cuda.current_stream(s.device)
+        if cur != s:
+            cur.wait_stream(s)
+
+
 class P2PWork:
     """A pending isend or irecv (a varcomm.Work). `wait()` returns the received array (None for a send).
 
@@ -79,6 +87,9 @@ class P2PWork:
             self._keep = None
             if self._comm._orphans:
                 self._comm._settle_orphans()
+            # Before finish: what finish does on the current stream (a strided
+            # copy in, see _then) reads what the posting stream writes.
+            _order_after(self._stream)
             finish = self._finish
             if finish is not None:
                 self._finish = None
@@ -87,11 +98,6 @@ class P2PWork:
                 except BaseException as e:
                     self._error = e  # finish gave the message back first (or consumed it): nothing is held
                     raise
-            s = self._stream
-            if s is not None:
-                cur = arrays.torch.cuda.current_stream(s.device)
-                if cur != s:
-                    cur.wait_stream(s)
         elif self._error is not None:
             raise self._error
         return self._result
@@ -101,7 +107,16 @@ class P2PWork:
         wait() returns after(result), and a dropped Work still runs it."""
         inner = self._finish
         assert inner is not None and not self._done, "_then: a pending receive's Work"
-        self._finish = lambda: after(inner())
+        s = self._stream
+
+        def finish() -> Any:
+            got = inner()
+            # The message lands on the stream the receive was posted on; a
+            # dropped Work is settled from whatever stream is current then.
+            _order_after(s)
+            return after(got)
+
+        self._finish = finish
         self._settle = True
         return self
 
@@ -113,7 +128,16 @@ class P2PWork:
         return r
 
     def is_completed(self) -> bool:
-        return self._done or self._comm._c.test(self._id)
+        if self._done:
+            return True
+        if not self._comm._c.test(self._id):
+            return False
+        if self._settle:  # the copy on is part of it: a poller reads the destination next
+            try:
+                self.wait(0.0)
+            except Exception:  # wait() raises it again
+                pass
+        return True
 
     def result(self) -> Any:
         return self.wait()
