@@ -279,6 +279,23 @@ def test_fake_close_waits_for_the_private_stream(fake_cuda, nvlink_flags):
         comm.barrier()
 
 
+@world(2, timeout=120)
+def test_fake_close_waits_for_peers_that_write_its_gpu_slots(fake_cuda):
+    """A peer's copies write this rank's device slots through its IPC mapping
+    of them: close() waits for it to close too before the slots are freed
+    (rank 1 does not host the store; it freed them at once, and a copy still
+    queued on rank 0's stream wrote freed device memory)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=3)
+    assert comm._c.close_waits_for_peers
+    comm.barrier()
+    t0 = time.monotonic()
+    if comm.rank == 0:
+        time.sleep(1.5)
+    comm.close()
+    if comm.rank == 1:
+        assert time.monotonic() - t0 > 1.0, "closed before its peer"
+
+
 @world(2, timeout=120, expect_exit={0: None})
 def test_fake_a_dead_senders_receive_does_not_hang_the_stream(fake_cuda, nvlink_flags):
     """Rank 0's send waits behind earlier work on its stream (as a pipeline
