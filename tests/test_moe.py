@@ -174,3 +174,51 @@ def test_a_call_one_rank_refuses_is_refused_to_its_peer_and_the_next_pairs_up():
                     combine(comm, et, h)
                 continue
             assert torch.equal(combine(comm, et, h), tokens)
+
+
+@world(2, timeout=60)
+def test_tokens_of_another_dtype_or_width_on_a_peer_raise_mismatch_not_reinterpret():
+    """Rank 1's tokens are float16 [T, 8] where rank 0's are float32 [T, 4]:
+    the same 16 bytes per row. Both ranks raise MessageMismatch naming the
+    other (as all_to_all_v does), instead of each reading the other's bytes
+    as its own dtype (rows were packed as uint8, so only their byte counts
+    were compared); the next dispatch pairs up right. Float topk_ids are
+    refused, not truncated to an expert index."""
+    with varcomm.init(timeout=30) as comm:
+        r, E, T = comm.rank, 2, 3
+        ids = torch.full((T, 1), 1 - r)  # each rank's tokens go to the other's expert
+        for bad in ((torch.float32, 4, torch.float16, 8), (torch.float32, 4, torch.float64, 2),
+                    (torch.float32, 4, torch.float32, 5)):
+            dt, H = bad[2 * r], bad[2 * r + 1]
+            with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r}"):
+                dispatch(comm, torch.ones(T, H, dtype=dt), ids, torch.ones(T, 1), E)
+        with pytest.raises(varcomm.InvalidArgument, match="integer"):
+            dispatch(comm, torch.ones(T, 4), ids.double() + 0.7, torch.ones(T, 1), E)
+        for dt in (torch.float32, torch.bfloat16, torch.uint8, torch.float64, torch.complex128, torch.bool):
+            tokens = (torch.arange(T * 6).reshape(T, 6) % 2 + 10 * r).to(dt)
+            et, tpe, h = dispatch(comm, tokens, ids, torch.ones(T, 1), E)
+            assert et.dtype == dt and torch.equal(et, (torch.arange(T * 6).reshape(T, 6) % 2 + 10 * (1 - r)).to(dt))
+            assert tpe.tolist() == [T]  # one expert per rank
+            if dt.is_floating_point:
+                assert torch.equal(combine(comm, et, h), tokens)
+
+
+@world(2, timeout=60)
+def test_a_peer_with_another_num_experts_is_named_not_carried_on():
+    """Rank 0 thinks there are 4 experts (2 per rank), rank 1 thinks 2 (1 per
+    rank): rank 0's tokens for its expert 3 arrive at rank 1 as local expert
+    1, which rank 1 does not have. Rank 1 raises MessageMismatch naming rank
+    0, where it returned tokens_per_expert [4, 2] for its one expert (and 6
+    expert_tokens rows that its experts would split wrongly)."""
+    with varcomm.init(timeout=30) as comm:
+        r = comm.rank
+        E = 4 if r == 0 else 2
+        ids = torch.tensor([[3], [2], [3], [2]]) if r == 0 else torch.tensor([[0], [0], [1], [1]])
+        if r == 1:
+            with pytest.raises(varcomm.MessageMismatch, match="rank 0 routed a token to local expert 1") as ei:
+                dispatch(comm, torch.ones(4, 3), ids, torch.ones(4, 1), E)
+            assert ei.value.peer == 0
+        else:
+            et, tpe, _ = dispatch(comm, torch.ones(4, 3), ids, torch.ones(4, 1), E)
+            assert tpe.tolist() == [2, 0]
+        comm.barrier()

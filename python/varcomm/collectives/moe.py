@@ -4,8 +4,9 @@ Experts are sharded contiguously over ranks: with E experts on n ranks, rank
 r owns experts [r * E/n, (r + 1) * E/n). Every (token, k) assignment is sent
 to the rank owning expert ``topk_ids[token, k]``; there it is grouped by
 local expert. One message per rank pair: no count exchange. Each routed row
-carries its local expert index in 4 extra bytes appended to the token's
-bytes, so the receiver can group rows per expert without a second message.
+carries its local expert index in 4 bytes of extra elements appended to the
+token (rows keep the tokens' dtype, so the header's dtype and shape check
+applies), so the receiver can group rows per expert without a second message.
 
     expert_tokens, tokens_per_expert, handle = dispatch(comm, tokens, topk_ids, topk_weights, E)
     # expert_tokens[: tokens_per_expert[0]] go to local expert 0, and so on
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import arrays
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MessageMismatch
 from . import alltoall
 
 if TYPE_CHECKING:
@@ -93,17 +94,28 @@ class _Dispatch(torch.autograd.Function):
         flat, order, send_splits = _route(topk_ids.to(tokens.device), num_experts, n)
         src_rows = order // K
         local_expert = (flat[order] % per_rank).to(torch.int32)
-        # One row per (token, k): the token's bytes, then its local expert index.
+        # One row per (token, k): the token's elements, then its local expert
+        # index in the bytes of `extra` more elements of the tokens' dtype. The
+        # rows keep the tokens' dtype and width, so the message header carries
+        # them and a rank whose tokens differ in either raises MessageMismatch
+        # (rows packed as bytes matched whenever their byte counts did: float32
+        # [T, 4] and float16 [T, 8] went through, reinterpreted).
         x = tokens.detach().contiguous()
-        hb = H * x.element_size()
-        packed = _empty((order.numel(), hb + 4), torch.uint8, place)
-        packed[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
-        packed[:, hb:] = local_expert.view(torch.uint8).reshape(-1, 4)
+        isz = x.element_size()
+        hb = H * isz
+        extra = -(-4 // isz)
+        wb = (H + extra) * isz
+        packed = _empty((order.numel(), H + extra), x.dtype, place)
+        pb = packed.view(torch.uint8).reshape(-1, wb)
+        pb[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
+        pb[:, hb:hb + 4] = local_expert.view(torch.uint8).reshape(-1, 4)
         recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place)
-        le = recv[:, hb:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        rb = recv.view(torch.uint8).reshape(-1, wb)
+        le = rb[:, hb:hb + 4].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        _check_local_experts(comm, le, recv_splits, per_rank, num_experts)
         perm = torch.sort(le, stable=True).indices
         tokens_per_expert = torch.bincount(le, minlength=per_rank)
-        expert_tokens = recv[:, :hb].index_select(0, perm).view(x.dtype).reshape(-1, H)
+        expert_tokens = rb[:, :hb].index_select(0, perm).view(x.dtype).reshape(-1, H)
         handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K, place))
         ctx.comm = comm
         ctx.meta = (order, send_splits, recv_splits, perm, T, K, place)
@@ -140,6 +152,27 @@ class _Combine(torch.autograd.Function):
         return (recv.index_select(0, perm).to(device),) + (None,) * 8
 
 
+def _check_local_experts(comm: Any, le: torch.Tensor, recv_splits: list[int], per_rank: int,
+                         num_experts: int) -> None:
+    """Every received row names one of this rank's experts; one that does not
+    came from a rank with another num_experts (its own E/n experts per rank),
+    which tokens_per_expert (a longer list) and expert_tokens would otherwise
+    carry on silently."""
+    if not le.numel():
+        return
+    bad = (le < 0) | (le >= per_rank)
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0, 0])
+    src = int(torch.searchsorted(torch.tensor(recv_splits).cumsum(0), row, right=True))
+    err = MessageMismatch(
+        f"moe.dispatch on rank {comm.rank}: rank {src} routed a token to local expert {int(le[row])}, but this "
+        f"rank owns {per_rank} (num_experts={num_experts} over {comm.world_size} ranks); every rank must pass "
+        "the same num_experts")
+    err.peer = src
+    raise err
+
+
 def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     out[perm] = x
@@ -172,6 +205,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
         raise InvalidArgument(f"tokens must be [T, H], got shape {tuple(tokens.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens.shape[0]:
         raise InvalidArgument(f"topk_ids must be [T, K] with T={tokens.shape[0]}, got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise InvalidArgument(f"topk_ids must be an integer tensor (expert indices), not {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     box: list[Any] = []
