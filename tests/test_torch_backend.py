@@ -579,3 +579,76 @@ def test_a_dropped_strided_irecv_still_fills_its_tensor():
         vdist.barrier()
     finally:
         vdist.destroy_process_group()
+
+
+@world(2, timeout=90)
+def test_polling_an_async_all_to_all_work_ends():
+    """dist.all_to_all_single / dist.all_to_all with async_op=True on the
+    varcomm backend: a loop polling work.is_completed() (as torch users poll)
+    ends once every pair's data is in; it stayed False until wait(), so such
+    a loop never ended. A non-contiguous output holds the data by then, and a
+    failed call reports is_completed() True and is_success() False."""
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        x = torch.arange(4.0) + 10 * r
+        want = [2.0 * r, 2.0 * r + 1, 10 + 2.0 * r, 11 + 2.0 * r]
+        out, strided = torch.empty(4), torch.zeros(4, 2)[:, 0]
+        outs = [torch.empty(2), torch.empty(2, 2)[:, 1]]
+        works = [("all_to_all_single", dist.all_to_all_single(out, x, async_op=True)),
+                 ("strided all_to_all_single", dist.all_to_all_single(strided, x, async_op=True)),
+                 ("all_to_all", dist.all_to_all(outs, [x[:2], x[2:]], async_op=True))]
+        for name, w in works:
+            deadline = time.monotonic() + 15
+            while not w.is_completed():
+                assert time.monotonic() < deadline, f"{name}: is_completed() stayed False"
+                time.sleep(0.001)
+            assert w.is_success(), name
+        assert out.tolist() == want and strided.tolist() == want
+        assert outs[0].tolist() + outs[1].tolist() == want
+        for _, w in works:
+            w.wait()
+        # A call that fails (rank 1's output rows disagree with what arrives) completes too.
+        bad = torch.empty(5 if r == 1 else 4)
+        w = dist.all_to_all_single(bad, x, [3, 2] if r == 1 else None, [2, 2], async_op=True)
+        deadline = time.monotonic() + 15
+        while not w.is_completed():
+            assert time.monotonic() < deadline, "a failed call: is_completed() stayed False"
+            time.sleep(0.001)
+        if r == 1:
+            assert not w.is_success()
+            with pytest.raises(varcomm.MessageMismatch):
+                w.wait()
+        else:
+            w.wait()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=90)
+def test_a_dropped_async_all_to_all_still_fills_a_strided_output():
+    """dist.all_to_all_single / dist.all_to_all with async_op=True into a
+    non-contiguous output, the Work dropped without wait(): the call still
+    completes (as documented for a dropped all-to-all Work) and the output
+    holds the data, as a dropped strided irecv's tensor does; it was left
+    unwritten, the data lost in the contiguous stand-in."""
+    import gc
+
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        x = torch.arange(4.0) + 10 * r
+        want = [2.0 * r, 2.0 * r + 1, 10 + 2.0 * r, 11 + 2.0 * r]
+        strided = torch.zeros(4, 2)[:, 0]
+        outs = [torch.zeros(2, 2)[:, 1], torch.zeros(2)]
+        dist.all_to_all_single(strided, x, async_op=True)
+        dist.all_to_all(outs, [x[:2], x[2:]], async_op=True)
+        gc.collect()
+        deadline = time.monotonic() + 15
+        while strided.tolist() != want or outs[0].tolist() + outs[1].tolist() != want:
+            assert time.monotonic() < deadline, (strided, outs)
+            time.sleep(0.01)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

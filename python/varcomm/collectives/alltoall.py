@@ -304,6 +304,15 @@ class AllToAllWork:
             raise self._error
         return self._result
 
+    def _then(self, fn: Callable[[Any], Any]) -> AllToAllWork:
+        """Run fn(result) as part of finishing (its value becomes the result),
+        so a Work dropped unwaited still runs it (the torch backend's copy of
+        a non-contiguous output out of its contiguous stand-in)."""
+        f = self._finish
+        if f is not None:
+            self._finish = lambda t: fn(f(t))
+        return self
+
     def is_completed(self) -> bool:
         """True once every pair's data is in (the call is then finished here:
         wait() returns at once); never waits for a peer."""

@@ -55,7 +55,7 @@ import functools
 import types
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
@@ -336,14 +336,20 @@ class VarcommProcessGroup(dist.ProcessGroup):
         dst = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype)
         w = _a2a.all_to_all_single(self.comm, dst, input, list(output_split_sizes) or None,
                                    list(input_split_sizes) or None, async_op=True)
-
-        def finish(timeout: float | None) -> None:
-            w.wait(timeout)
-            if dst is not output:
+        if dst is not output:
+            def copy_in(_: Any) -> None:
                 with torch.no_grad():
                     output.copy_(dst)
 
-        return VarcommWork(finish, None, [output])
+            # the Work's own: dropped unwaited, it still fills output (it was left unwritten)
+            w = cast(_a2a.AllToAllWork, w)._then(copy_in)
+
+        def finish(timeout: float | None) -> None:
+            w.wait(timeout)
+
+        # poll: is_completed() turns True once every pair's data is in (without
+        # it a loop polling is_completed() never ended: it stayed False until wait)
+        return VarcommWork(finish, w.is_completed, [output])
 
     # torch calls it by both names (dist.all_to_all_single; functional collectives)
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # torch's stub overloads it
@@ -357,14 +363,20 @@ class VarcommProcessGroup(dist.ProcessGroup):
         dsts = [o if o.is_contiguous() else torch.empty(o.shape, dtype=o.dtype) for o in output_tensors]
         w = _a2a.all_to_all(self.comm, list(dsts), list(input_tensors), async_op=True)
 
-        def finish(timeout: float | None) -> None:
-            w.wait(timeout)
+        def copy_in(got: Any) -> Any:
             with torch.no_grad():
                 for o, d in zip(output_tensors, dsts):
                     if d is not o:
                         o.copy_(d)
+            return got
 
-        return VarcommWork(finish, None, list(output_tensors))
+        if any(d is not o for o, d in zip(output_tensors, dsts)):
+            w = cast(_a2a.AllToAllWork, w)._then(copy_in)  # as all_to_all_single's
+
+        def finish(timeout: float | None) -> None:
+            w.wait(timeout)
+
+        return VarcommWork(finish, w.is_completed, list(output_tensors))
 
     # ---- everything else: gloo (CPU) or NCCL (CUDA) ------------------------------
     # Each collective is delegated here, in Python, rather than left to torch's
