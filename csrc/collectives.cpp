@@ -486,14 +486,17 @@ std::optional<Error> AllToAll::error() const {
     } else {
       const auto& t = plan_.trailing;
       bool rows_only = h.dtype == plan_.dtype && h.ndim == t.size() + 1 && std::equal(t.begin(), t.end(), h.shape + 1);
-      if (rows_only)
+      if (rows_only) {
+        // A row count only: the dtype and shape rule is not what was broken.
         p = rank_str(s) + " sent " + std::to_string(h.shape[0]) + " rows, but output_split_sizes[" +
-            std::to_string(s) + "] on " + me + " is " + std::to_string(plan_.expect_rows[s]);
-      else
+            std::to_string(s) + "] on " + me + " is " + std::to_string(plan_.expect_rows[s]) +
+            " (it must equal that rank's input_split_sizes[" + std::to_string(rank_) + "])";
+      } else {
         p = "the chunk from " + rank_str(s) + " is " + dtype_name(h.dtype) + " of shape " +
             tuple_str(h.shape, h.ndim) + ", but " + me + (plan_.op == A2AOp::V ? "'s x is " : "'s input is ") +
             dtype_name(plan_.dtype) + " with rows of shape " + tuple_str(t.data(), t.size());
-      shape_rule = true;
+        shape_rule = true;
+      }
     }
     if (first < 0) first = s;
     problems.push_back(p);

@@ -702,3 +702,25 @@ def test_is_completed_finishes_an_async_call_without_wait(transport):
                 parts = got if name == "all_to_all" else [got[0][s * rows:(s + 1) * rows] for s in range(n)]
                 for s, part in enumerate(parts):
                     assert np.all(np.asarray(part) == s), (name, s)
+
+
+@world(2, timeout=60)
+def test_a_row_count_mismatch_says_so_not_the_dtype_rule():
+    """all_to_all_single whose output_split_sizes disagree with what a peer
+    sends: the error names the rows and the split to fix, and no longer ends
+    with "every rank must pass the same dtype and trailing shape" (which both
+    ranks did); a real shape mismatch still says it."""
+    with varcomm.init(bound=BOUND, timeout=30) as comm:
+        r = comm.rank
+        x = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+        out = torch.zeros(5 if r == 0 else 4, 2)
+        if r == 0:
+            with pytest.raises(varcomm.MessageMismatch) as ei:
+                A.all_to_all_single(comm, out, x, [2, 3], [2, 2])
+            msg = str(ei.value)
+            assert "rank 1 sent 2 rows, but output_split_sizes[1] on rank 0 is 3" in msg, msg
+            assert "input_split_sizes[0]" in msg and "dtype and trailing shape" not in msg, msg
+        else:
+            A.all_to_all_single(comm, out, x, [2, 2], [2, 2])
+        with pytest.raises(varcomm.MessageMismatch, match="same dtype and trailing shape"):
+            A.all_to_all_single(comm, torch.zeros(4, 2 + r), torch.zeros(4, 2 + r))
