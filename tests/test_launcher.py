@@ -119,6 +119,17 @@ def test_timeout(tmp_path: Path) -> None:
     assert "timeout after 1 s: ranks 0,1 still running" in res.stderr
 
 
+@pytest.mark.parametrize("bad", ["-1", "0", "nan"])
+def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path, bad: str) -> None:
+    """--timeout -1 stopped every rank at once ("timeout after -1 s", exit
+    124) and --timeout 0 meant no timeout at all: both are usage errors now,
+    before any rank starts."""
+    prog = script(tmp_path, "print('ran')\n")
+    res = launch("-n", "2", "--timeout", bad, prog)
+    assert res.returncode == 2, res.stderr
+    assert "--timeout must be a number of seconds > 0" in res.stderr and "ran" not in res.stdout
+
+
 def test_grandchildren_are_killed(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         import subprocess

@@ -387,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("missing PROGRAM")
     if args.n < 1:
         parser.error("-n must be at least 1")
+    if args.timeout is not None and not args.timeout > 0:  # NaN too
+        # -1 stopped the job at once ("timeout after -1 s"), 0 meant no timeout at all
+        parser.error(f"--timeout must be a number of seconds > 0, not {args.timeout:g}")
     try:  # a bad VARCOMM_* value would fail every rank the same way: say so once, start none
         resolve_valid()
     except ValueError as e:
