@@ -652,3 +652,26 @@ def test_a_dropped_async_all_to_all_still_fills_a_strided_output():
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@world(2, timeout=90)
+def test_varcomm_distributed_works_on_torchs_varcomm_default_group():
+    """After torch.distributed.init_process_group("varcomm") alone, the
+    varcomm.distributed functions use that default group; they raised "not
+    initialized" (a second init of varcomm.distributed was needed)."""
+    import varcomm.distributed as vdist
+
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        assert vdist.is_initialized() and vdist.get_rank() == r and vdist.get_world_size() == 2
+        got, splits = vdist.all_to_all_v(torch.arange(3.0) + 10 * r, [1, 2] if r == 0 else [2, 1])
+        assert splits == ([1, 2] if r == 0 else [2, 1])
+        assert got.tolist() == ([0.0, 10.0, 11.0] if r == 0 else [1.0, 2.0, 12.0])
+        if r == 0:
+            vdist.send(torch.arange(5), dst=1)
+        else:
+            assert vdist.recv(src=0).tolist() == list(range(5))
+    finally:
+        dist.destroy_process_group()
+    assert not vdist.is_initialized()

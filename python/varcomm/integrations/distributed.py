@@ -136,15 +136,29 @@ def destroy_process_group(group: Group | None = None) -> None:
 
 
 def is_initialized() -> bool:
-    return _comm is not None
+    """Whether the functions here have a default group (their own
+    init_process_group's, or torch.distributed's on the varcomm backend)."""
+    return _comm is not None or _torch_default() is not None
+
+
+def _torch_default() -> Communicator | None:
+    """torch.distributed's default group's communicator, when it is on varcomm."""
+    if _tdist.is_initialized() and isinstance(pg := _tdist.distributed_c10d._get_default_group(),
+                                              _tb.VarcommProcessGroup):
+        return pg.comm
+    return None
 
 
 def get_comm(group: Group | None = None) -> Communicator:
     """The varcomm Communicator behind ``group`` (default: the global one)."""
     if group is None:
-        if _comm is None:
-            raise RuntimeError("varcomm.distributed is not initialized: call init_process_group() first")
-        return _comm
+        if _comm is not None:
+            return _comm
+        # torch.distributed.init_process_group("varcomm") made the default group ours: use it
+        if (comm := _torch_default()) is not None:
+            return comm
+        raise RuntimeError("varcomm.distributed is not initialized: call varcomm.distributed.init_process_group(), "
+                           "or torch.distributed.init_process_group('varcomm')")
     if isinstance(group, _tb.VarcommProcessGroup):
         return group.comm
     raise ValueError(f"group {group!r} is not on the varcomm backend: make it with new_group() (or a DeviceMesh) "
