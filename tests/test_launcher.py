@@ -198,6 +198,11 @@ def test_split_argv() -> None:
     assert vrun._split_argv(["-n", "2", "-m", "pytest", "-q"]) == (["-n", "2"], ["-m", "pytest", "-q"])
     assert vrun._split_argv(["-n", "2", "--", "-weird"]) == (["-n", "2"], ["-weird"])
     assert vrun._command(["x.py", "a"]) == [sys.executable, "x.py", "a"]
+    # A bare python is the launcher's interpreter (PATH's first one, outside the venv, lacked torch).
+    for py in ("python", "python3", "python3.11"):
+        assert vrun._command([py, "x.py", "a"]) == [sys.executable, "x.py", "a"], py
+    for other in (["/usr/bin/python3", "x.py"], ["pythonista"], ["python2"]):
+        assert vrun._command(other) == other
 
 
 

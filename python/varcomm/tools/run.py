@@ -29,6 +29,7 @@ import argparse
 import ctypes
 import os
 import random
+import re
 import secrets
 import signal
 import socket
@@ -192,6 +193,11 @@ def _command(program: Sequence[str]) -> list[str]:
         return [sys.executable, *program]
     if program[0].endswith(".py"):
         return [sys.executable, *program]
+    if re.fullmatch(r"python(3(\.\d+)?)?", program[0]):
+        # A bare `python` is the launcher's own interpreter (whose environment
+        # has varcomm), not whichever one PATH finds first: outside an activated
+        # venv that one lacked torch and every rank failed to import it.
+        return [sys.executable, *program[1:]]
     return list(program)
 
 
@@ -368,7 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="varcomm-run",
         usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] (PROGRAM | -m MODULE) [ARGS...]",
-        description="Start N local ranks of PROGRAM with torchrun-compatible environment variables.",
+        description="Start N local ranks of PROGRAM with torchrun-compatible environment variables. "
+                    "A PROGRAM ending in .py, -m MODULE and a bare python/python3 run on this launcher's "
+                    "interpreter (" + sys.executable + "); give a path to run another.",
     )
     p.add_argument("-n", "-np", "--np", "--nproc", dest="n", type=int, required=True, help="number of ranks")
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
