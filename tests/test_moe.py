@@ -142,6 +142,10 @@ def test_bf16_tokens_and_argument_errors():
             dispatch(comm, tokens, ids, w, 3)
         with pytest.raises(varcomm.InvalidArgument, match=r"\[0, 4\)"):
             dispatch(comm, tokens, ids + 4, w, 4)
+        # Integer outputs would take the weights in their dtype (0.5 -> 0: every sum 0).
+        with pytest.raises(varcomm.InvalidArgument, match="floating-point expert outputs"):
+            combine(comm, et.to(torch.int64), h)
+        assert torch.equal(combine(comm, et, h), 2 * tokens)  # the handle is still good
 
 
 @world(2, timeout=60)

@@ -224,6 +224,10 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
     original order. ``expert_outputs`` [R, H'] rows match dispatch's
     ``expert_tokens`` rows (H' may differ from H). Differentiable in
     ``expert_outputs`` and in ``topk_weights``."""
+    if not (expert_outputs.dtype.is_floating_point or expert_outputs.dtype.is_complex):
+        # The weights are applied in the outputs' dtype: 0.5 became 0, every token's sum 0.
+        raise InvalidArgument(f"combine: expert_outputs are {expert_outputs.dtype}, and the topk_weights would be "
+                              "cast to it (0.5 -> 0); pass floating-point expert outputs (expert_outputs.float())")
     if not isinstance(handle, MoEHandle):
         from . import moe_device
 
