@@ -182,3 +182,24 @@ def test_stage_refuses_what_it_cannot_run():
         assert len(stage.get_fwd_send_ops(0)) == 1  # over the bound travels too (the op is not run)
     finally:
         dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_complex_output_is_refused_not_sent_as_its_real_view():
+    """A complex activation between stages: torch.distributed (and the varcomm
+    backend's batch_isend_irecv) send complex tensors as their real view, so
+    the next stage's placeholder would take a float tensor of shape [..., 2]
+    and its forward compute on the wrong dtype. The sending stage refuses it,
+    naming the dtype and the workaround, before anything is posted.
+    Catches: a complex output sent as is (the next stage gets float32 [T, H, 2])."""
+    dist.init_process_group("varcomm")
+    try:
+        stage = VarcommPipelineStage(torch.nn.Linear(2, 2), 0, 2)
+        z = torch.randn(3, 4, dtype=torch.complex64)
+        stage.fwd_cache[0] = ((torch.ones(3, 4), z), [])
+        with pytest.raises(TypeError, match="complex64.*view_as_real"):
+            stage.get_fwd_send_ops(0)
+        stage.fwd_cache[1] = ((torch.ones(3, 4), torch.view_as_real(z)), [])
+        assert len(stage.get_fwd_send_ops(1)) == 2  # the real view travels, as the error says
+    finally:
+        dist.destroy_process_group()

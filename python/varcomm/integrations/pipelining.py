@@ -29,7 +29,10 @@ What travels: every tensor a stage's forward returns goes to the next stage
 (``num_inputs`` says how many the next one takes: the count is the model's,
 the shapes are the data's). Floating-point ones are the differentiable ones:
 their gradients come back (zeros where autograd gave none); the others (token
-ids, ``cu_seqlens``) go forward only. A tensor of any size travels (over
+ids, ``cu_seqlens``) go forward only. A complex output is refused with
+``TypeError`` (torch.distributed sends complex tensors as their real view,
+so the next stage would get a float ``[..., 2]`` tensor): send
+``torch.view_as_real(t)`` and view it as complex again in the next stage. A tensor of any size travels (over
 varcomm's receive bound, ``VARCOMM_BOUND``, by rendezvous in the core). The
 stages run on CPU, in a group of the ``"varcomm"`` backend.
 """
@@ -49,7 +52,8 @@ __all__ = ["VarcommPipelineStage", "step"]
 
 
 def _has_grad(t: torch.Tensor) -> bool:
-    """Whether a tensor between stages carries a gradient back (both sides decide it alike)."""
+    """Whether a tensor between stages carries a gradient back (both sides decide it alike; complex
+    outputs are refused: get_fwd_send_ops)."""
     return t.is_floating_point() or t.is_complex()
 
 
@@ -141,8 +145,15 @@ class VarcommPipelineStage(PipelineStage):
             return []
         outputs, _ = self.fwd_cache[fwd_chunk_id]
         peer = self._peer(self.stage_index + 1)
-        return [dist.P2POp(dist.isend, _tensor(t, "output", self.stage_index).detach().contiguous(), peer,
-                           self.group) for t in outputs]
+        for t in outputs:
+            if _tensor(t, "output", self.stage_index).is_complex():
+                # torch.distributed sends a complex tensor as its real view (view_as_real): the next
+                # stage's placeholder would get a float tensor of shape [..., 2], not this tensor
+                raise TypeError(f"{self.log_prefix} microbatch {fwd_chunk_id}: an output of dtype {t.dtype} "
+                                "cannot go to the next stage: torch.distributed sends complex tensors as their "
+                                "real view, so it would arrive as a float tensor of shape [..., 2]; return "
+                                "torch.view_as_real(t) and take torch.view_as_complex(x) in the next stage")
+        return [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group) for t in outputs]
 
     # ---- backward --------------------------------------------------------------
 
