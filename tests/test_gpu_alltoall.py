@@ -601,3 +601,29 @@ def test_gpu_moe_dispatch_combine_autograd():
         want = torch.cat([make_tensor(torch.bfloat16, (6, 4), seed=s)[3 * r:3 * r + 3] for s in range(n)])
         assert same_bytes(out.cpu(), want)
         comm.barrier()
+
+
+def test_fake_moe_one_row_of_narrow_tokens(fake_cuda):
+    """Device tokens (host topk_ids: the `place` path) whose rows are not a
+    multiple of 4 bytes wide (bfloat16 H=5, uint8 H=3), one row received per
+    rank: the expert index was read at an unaligned offset of the received
+    device row and view(int32) raised; the rows, the backward included, are
+    as sent."""
+    @world(2, timeout=120)
+    def body():
+        dev, comm = _fake(fake_cuda, delay_us=200, bound=1 << 20, slots=3, timeout=60)
+        with comm:
+            r = comm.rank
+            ids = torch.tensor([[1 - r]])
+            for dt, H in ((torch.uint8, 3), (torch.bfloat16, 5)):
+                tokens = (torch.arange(H).reshape(1, H) + 10 * r).to(dt)
+                et, tpe, handle = dispatch(comm, _on(dev, tokens), ids, _on(dev, torch.ones(1, 1)), 2)
+                assert handle.place == FAKE and tpe.tolist() == [1]
+                assert torch.equal(dev.to_host(et), (torch.arange(H).reshape(1, H) + 10 * (1 - r)).to(dt))
+            td = _on(dev, torch.arange(5.0).reshape(1, 5).to(torch.bfloat16)).requires_grad_(True)
+            et, _, handle = dispatch(comm, td, ids, _on(dev, torch.ones(1, 1)), 2)
+            combine(comm, et * 2, handle).sum().backward()
+            assert torch.equal(dev.to_host(td.grad), torch.full((1, 5), 2.0, dtype=torch.bfloat16))
+            comm.barrier()
+
+    body()

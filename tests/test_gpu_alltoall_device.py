@@ -1242,3 +1242,23 @@ def test_fake_bound_under_16_bytes_names_the_option(fake_cuda):
         with pytest.raises(varcomm.InvalidArgument, match="raise VARCOMM_BOUND"):
             D.capacity_rows(comm, 4)
         comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_moe_float_topk_ids_are_refused(fake_cuda):
+    """moe_device.dispatch (the route moe.dispatch takes for CUDA topk_ids)
+    refuses float topk_ids as moe.dispatch does on the host route: 1.7 was
+    truncated to expert 1 and the tokens went on to it. Every rank refuses
+    before a kernel runs, so the next call pairs up."""
+    from varcomm.collectives import moe_device
+
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    with comm:
+        ids = torch.full((3, 1), 1 - r)
+        tok = torch.full((3, 4), float(r))
+        with pytest.raises(varcomm.InvalidArgument, match="integer"):
+            moe_device.dispatch(comm, tok, ids.double() + 0.7, torch.ones(3, 1), 2, stream=s)
+        et, tpe, h = moe_device.dispatch(comm, tok, ids, torch.ones(3, 1), 2, stream=s)
+        assert int(tpe.sum()) == 3 and torch.equal(et[:3], torch.full((3, 4), float(1 - r)))
+        comm.barrier()

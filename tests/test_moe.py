@@ -226,3 +226,49 @@ def test_a_peer_with_another_num_experts_is_named_not_carried_on():
             et, tpe, _ = dispatch(comm, torch.ones(4, 3), ids, torch.ones(4, 1), E)
             assert tpe.tolist() == [2, 0]
         comm.barrier()
+
+
+@world(2, timeout=60)
+def test_one_received_row_of_1_or_2_byte_tokens_whose_width_is_not_4_aligned():
+    """A rank that receives exactly one row of uint8 / float8 / bfloat16 tokens
+    whose H * itemsize is not a multiple of 4: the expert index sat at byte
+    H * itemsize of the received row, and contiguous() kept the one-row slice
+    in place, so view(int32) raised RuntimeError (storage_offset not divisible
+    by 4) on that rank only, after the exchange. H = 0 rows come back [R, 0]
+    (reshape(-1, 0) raised). Each is as a reference computes it."""
+    with varcomm.init(timeout=30) as comm:
+        r = comm.rank
+        ids = torch.tensor([[1 - r]])  # one token, to the other rank's one expert
+        for dt, H in ((torch.uint8, 1), (torch.float8_e4m3fn, 3), (torch.bfloat16, 5), (torch.bool, 2),
+                      (torch.float16, 0), (torch.float32, 0)):
+            base = torch.arange(H).reshape(1, H) % 2 + (0 if dt == torch.bool else 3 * r)
+            tokens = base.to(torch.float32).to(dt)
+            want = (torch.arange(H).reshape(1, H) % 2 + (0 if dt == torch.bool else 3 * (1 - r))).float().to(dt)
+            et, tpe, h = dispatch(comm, tokens, ids, torch.ones(1, 1), 2)
+            assert et.dtype == dt and et.shape == (1, H) and tpe.tolist() == [1], (dt, H, et.shape, tpe)
+            assert torch.equal(et.view(torch.uint8), want.view(torch.uint8)), (dt, H, et, want)
+            if dt in (torch.bfloat16, torch.float16, torch.float32):
+                assert torch.equal(combine(comm, et, h), tokens), (dt, H)
+        t = torch.randn(1, 5, dtype=torch.float64).to(torch.bfloat16).requires_grad_(True)  # backward too
+        et, _, h = dispatch(comm, t, ids, torch.ones(1, 1), 2)
+        (combine(comm, et * 2, h) ** 2).sum().backward()
+        assert torch.equal(t.grad, 8 * t.detach())
+
+
+@world(2, timeout=60)
+def test_a_dtype_or_width_mismatch_in_dispatch_is_told_in_the_tokens_terms():
+    """float32 [T, 4] on rank 0, float16 [T, 4] on rank 1: the same H. The
+    error came from the packed rows' all_to_all_v ("rank 1 is float16 of shape
+    (3, 6), but rank 0's x is float32 with rows of shape (5,)"), naming widths
+    that include the expert index's extra elements, as if the H differed; it
+    says moe.dispatch, this rank's tokens' dtype and H, and what the shapes add."""
+    with varcomm.init(timeout=30) as comm:
+        r = comm.rank
+        dt = torch.float32 if r == 0 else torch.float16
+        with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r}") as ei:
+            dispatch(comm, torch.ones(3, 4, dtype=dt), torch.full((3, 1), 1 - r), torch.ones(3, 1), 2)
+        msg = str(ei.value)
+        assert msg.startswith(f"moe.dispatch on rank {r}") and f"{dt} [T, 4]" in msg, msg
+        assert ei.value.peer == 1 - r
+        et, _, h = dispatch(comm, torch.ones(3, 4), torch.full((3, 1), 1 - r), torch.ones(3, 1), 2)  # pairs up
+        assert torch.equal(combine(comm, et, h), torch.ones(3, 4))

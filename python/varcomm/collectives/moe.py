@@ -109,13 +109,29 @@ class _Dispatch(torch.autograd.Function):
         pb = packed.view(torch.uint8).reshape(-1, wb)
         pb[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
         pb[:, hb:hb + 4] = local_expert.view(torch.uint8).reshape(-1, 4)
-        recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place)
+        try:
+            recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place)
+        except MessageMismatch as e:
+            if "same dtype and trailing shape" not in str(e):
+                raise  # a peer's refusal, not its tokens
+            # The core describes the packed rows: their width is H plus the
+            # expert index's elements (which differ by dtype), not the H given.
+            err = MessageMismatch(
+                f"moe.dispatch on rank {comm.rank}: tokens differ in dtype or hidden size between ranks (this "
+                f"rank's are {x.dtype} [T, {H}]; every rank must pass one dtype and H). The rows sent carry "
+                f"{extra} more element(s) of the tokens' dtype for the expert index, so the shapes below are H + "
+                f"that: {e}")
+            err.peer = e.peer
+            raise err from None
         rb = recv.view(torch.uint8).reshape(-1, wb)
-        le = rb[:, hb:hb + 4].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        # A copy of its own (offset 0, 4-aligned): contiguous() keeps one row's
+        # slice in place, at byte hb, which view(int32) refuses unless 4 | hb.
+        le = rb[:, hb:hb + 4].clone(memory_format=torch.contiguous_format).view(torch.int32).reshape(-1).to(torch.int64)
         _check_local_experts(comm, le, recv_splits, per_rank, num_experts)
         perm = torch.sort(le, stable=True).indices
         tokens_per_expert = torch.bincount(le, minlength=per_rank)
-        expert_tokens = rb[:, :hb].index_select(0, perm).view(x.dtype).reshape(-1, H)
+        # H = 0: no bytes to view as x.dtype (nor a -1 to infer from 0 elements)
+        expert_tokens = rb[:, :hb].index_select(0, perm).view(x.dtype) if H else recv.new_empty((perm.numel(), 0))
         handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K, place))
         ctx.comm = comm
         ctx.meta = (order, send_splits, recv_splits, perm, T, K, place)

@@ -143,6 +143,9 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     if tokens.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens.shape[0]:
         raise InvalidArgument(f"tokens must be [T, H] and topk_ids [T, K], got {tuple(tokens.shape)} and "
                               f"{tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        # (its dtype is known on the host: no sync) 1.7 would be truncated to expert 1, as moe.dispatch refuses
+        raise InvalidArgument(f"topk_ids must be an integer tensor (expert indices), not {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     T, H = tokens.shape
