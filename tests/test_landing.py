@@ -340,3 +340,16 @@ def test_a_failed_chunk_read_keeps_the_output_block_once():
         other[:] = 9
         assert buf[0] == 7
         assert comm._c.landing_stats()[2] >= 2 * x.nbytes, comm._c.landing_stats()  # both still lent
+
+
+@world(1, timeout=60)
+def test_comm_empty_of_a_numpy_dtype_is_a_numpy_array():
+    """Under array="auto" the dtype says the kind: np.int8 or np.dtype("f4")
+    make numpy arrays (they made torch tensors), torch.int8 a tensor, and a
+    dtype name the default kind."""
+    with varcomm.init(array="auto") as comm:
+        assert isinstance(comm.empty(3, np.int8), np.ndarray)
+        assert isinstance(comm.empty((2, 2), np.dtype("f4")), np.ndarray)
+        assert isinstance(comm.empty(3, torch.int8), torch.Tensor)
+        assert isinstance(comm.empty(3, "float32"), torch.Tensor)  # torch is installed: the default kind
+        assert isinstance(comm.empty(3, np.int8, array="torch"), torch.Tensor)  # array= still decides

@@ -463,7 +463,8 @@ class Communicator:
 
     def empty(self, shape: int | Sequence[int], dtype: Any = "float32", array: str | None = None) -> Any:
         """An uninitialised host array (numpy or torch: `array`, default the
-        communicator's) in this rank's landing area, to receive into: a large
+        communicator's; under "auto" a numpy dtype makes a numpy array) in
+        this rank's landing area, to receive into: a large
         message received with ``out=`` it is written there by its sender, one
         copy in all, where an ordinary ``out`` takes two (or a kernel-mediated
         CMA copy). Allocate once and reuse, as for any ``out``. Freed when the
@@ -475,6 +476,8 @@ class Communicator:
             raise InvalidArgument(f"empty: shape {dims} has a negative dimension")
         word = arrays.dtype_word(dtype)
         kind = _check_array(array) if array is not None else self._array
+        if kind == "auto" and isinstance(dtype, (np.dtype, type)):
+            kind = "numpy"  # a numpy dtype (np.int8, np.dtype("f4")) asks for a numpy array; torch's, torch
         kind = arrays.receive_kind(kind, 0)
         return self._landed_empty(kind, word, dims)[0]
 
