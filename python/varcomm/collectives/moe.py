@@ -95,7 +95,9 @@ class _Dispatch(torch.autograd.Function):
         src_rows = order // K
         local_expert = (flat[order] % per_rank).to(torch.int32)
         # One row per (token, k): the token's elements, then its local expert
-        # index in the bytes of `extra` more elements of the tokens' dtype. The
+        # index and the sender's num_experts (two int32, so a receiver of rows
+        # from a rank with another num_experts says so) in the bytes of `extra`
+        # more elements of the tokens' dtype. The
         # rows keep the tokens' dtype and width, so the message header carries
         # them and a rank whose tokens differ in either raises MessageMismatch
         # (rows packed as bytes matched whenever their byte counts did: float32
@@ -103,12 +105,13 @@ class _Dispatch(torch.autograd.Function):
         x = tokens.detach().contiguous()
         isz = x.element_size()
         hb = H * isz
-        extra = -(-4 // isz)
+        extra = -(-8 // isz)
         wb = (H + extra) * isz
         packed = _empty((order.numel(), H + extra), x.dtype, place)
         pb = packed.view(torch.uint8).reshape(-1, wb)
         pb[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
-        pb[:, hb:hb + 4] = local_expert.view(torch.uint8).reshape(-1, 4)
+        meta = torch.stack([local_expert, torch.full_like(local_expert, num_experts)], dim=1)
+        pb[:, hb:hb + 8] = meta.view(torch.uint8).reshape(-1, 8)
         try:
             recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place)
         except MessageMismatch as e:
@@ -119,15 +122,17 @@ class _Dispatch(torch.autograd.Function):
             err = MessageMismatch(
                 f"moe.dispatch on rank {comm.rank}: tokens differ in dtype or hidden size between ranks (this "
                 f"rank's are {x.dtype} [T, {H}]; every rank must pass one dtype and H). The rows sent carry "
-                f"{extra} more element(s) of the tokens' dtype for the expert index, so the shapes below are H + "
+                f"{extra} more element(s) of the tokens' dtype for the expert index and num_experts, so the shapes "
+                f"below are H + "
                 f"that: {e}")
             err.peer = e.peer
             raise err from None
         rb = recv.view(torch.uint8).reshape(-1, wb)
         # A copy of its own (offset 0, 4-aligned): contiguous() keeps one row's
         # slice in place, at byte hb, which view(int32) refuses unless 4 | hb.
-        le = rb[:, hb:hb + 4].clone(memory_format=torch.contiguous_format).view(torch.int32).reshape(-1).to(torch.int64)
-        _check_local_experts(comm, le, recv_splits, per_rank, num_experts)
+        got = rb[:, hb:hb + 8].clone(memory_format=torch.contiguous_format).view(torch.int32).to(torch.int64)
+        le = got[:, 0]
+        _check_local_experts(comm, le, got[:, 1], recv_splits, per_rank, num_experts)
         perm = torch.sort(le, stable=True).indices
         tokens_per_expert = torch.bincount(le, minlength=per_rank)
         # H = 0: no bytes to view as x.dtype (nor a -1 to infer from 0 elements)
@@ -168,23 +173,23 @@ class _Combine(torch.autograd.Function):
         return (recv.index_select(0, perm).to(device),) + (None,) * 8
 
 
-def _check_local_experts(comm: Any, le: torch.Tensor, recv_splits: list[int], per_rank: int,
-                         num_experts: int) -> None:
-    """Every received row names one of this rank's experts; one that does not
-    came from a rank with another num_experts (its own E/n experts per rank),
-    which tokens_per_expert (a longer list) and expert_tokens would otherwise
-    carry on silently."""
+def _check_local_experts(comm: Any, le: torch.Tensor, their_experts: torch.Tensor, recv_splits: list[int],
+                         per_rank: int, num_experts: int) -> None:
+    """Every received row comes from a rank with this num_experts and names one
+    of this rank's experts; a rank with another num_experts (its own E/n
+    experts per rank) would make tokens_per_expert and expert_tokens carry on
+    silently. Each rank that receives rows from such a peer raises."""
     if not le.numel():
         return
-    bad = (le < 0) | (le >= per_rank)
+    bad = (le < 0) | (le >= per_rank) | (their_experts != num_experts)
     if not bool(bad.any()):
         return
     row = int(bad.nonzero()[0, 0])
     src = int(torch.searchsorted(torch.tensor(recv_splits).cumsum(0), row, right=True))
     err = MessageMismatch(
-        f"moe.dispatch on rank {comm.rank}: rank {src} routed a token to local expert {int(le[row])}, but this "
-        f"rank owns {per_rank} (num_experts={num_experts} over {comm.world_size} ranks); every rank must pass "
-        "the same num_experts")
+        f"moe.dispatch on rank {comm.rank}: rank {src} dispatched with num_experts={int(their_experts[row])} "
+        f"(routing a token to its local expert {int(le[row])}), this rank with num_experts={num_experts} over "
+        f"{comm.world_size} ranks; every rank must pass the same num_experts")
     err.peer = src
     raise err
 
