@@ -15,12 +15,7 @@ constexpr auto kHeldRetry = std::chrono::milliseconds(1);
 
 std::string rank_str(int r) { return "rank " + std::to_string(r); }
 
-// Python's tuple and list spelling, so messages read like the caller's values.
-std::string tuple_str(const int64_t* v, size_t n) {
-  std::string s = "(";
-  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + (n == 1 ? ",)" : ")");
-}
+// Python's list spelling (tuples: dtypes.h tuple_str), so messages read like the caller's values.
 template <class T>
 std::string list_str(const std::vector<T>& v) {
   std::string s = "[";

@@ -8,6 +8,20 @@
 
 namespace varcomm {
 
+// Bytes of one element of dtype word w (bits x lanes, rounded up to a byte);
+// what every sender multiplies its shape by (python: tensor.nbytes).
+inline uint64_t dtype_bytes(uint32_t w) {
+  uint64_t bits = (w >> 8) & 0xFF, lanes = w & 0xFF;
+  return (bits * (lanes ? lanes : 1) + 7) / 8;
+}
+
+// A shape in Python's tuple spelling, so messages read like the caller's values.
+inline std::string tuple_str(const int64_t* v, size_t n) {
+  std::string s = "(";
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (n == 1 ? ",)" : ")");
+}
+
 inline std::string dtype_name(uint32_t w) {
   uint32_t code = w >> 16, bits = (w >> 8) & 0xFF, lanes = w & 0xFF;
   // DLPack type codes (dlpack.h DLDataTypeCode); 0x80: varcomm-private raw bits.

@@ -466,9 +466,21 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
 // it: the peer writes our region (mapped, or by the fallback's frames), so a
 // header that would make us read past its slot, build a shape longer than
 // kMaxDims, or lose track of the slot fails the peer instead.
+// A message's shape and dtype must account for its nbytes exactly: a receiver
+// sizes its new array by them and copies nbytes into it (a header that
+// understated them wrote past the array's end: a forged or lying one). Not
+// for headers whose nbytes describes other data (descriptors, chunks) or none.
+static bool shape_says_nbytes(const MsgHeader& h) {
+  if (h.flags & (kDescriptor | kChunk | kGoodbye)) return true;
+  uint64_t n = dtype_bytes(h.dtype);
+  for (uint32_t i = 0; i < h.ndim; ++i)
+    if (h.shape[i] < 0 || __builtin_mul_overflow(n, uint64_t(h.shape[i]), &n)) return false;
+  return n == h.nbytes;
+}
+
 bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
   if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq &&
-      h.auth == peers_[peer].auth_in)
+      h.auth == peers_[peer].auth_in && shape_says_nbytes(h))
     return true;
   // A message left from a peer that closed since: say what is wrong with it.
   if (peers_[peer].bye_seen && peers_[peer].dead == "peer failure: " + closed_text(peer_str(peer))) peers_[peer].dead.clear();
@@ -484,7 +496,8 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
   fail_peer(peer, peer_str(peer) + " wrote a malformed message header into this rank's slot (seq " +
                       std::to_string(h.seq) + " in the slot marked " + std::to_string(seq) + ", " +
                       std::to_string(h.nbytes) + " bytes against a bound of " + std::to_string(layout_.bound) +
-                      ", ndim " + std::to_string(h.ndim) +
+                      ", ndim " + std::to_string(h.ndim) + ", " + dtype_name(h.dtype) + " of shape " +
+                      tuple_str(h.shape, std::min<uint32_t>(h.ndim, kMaxDims)) +
                       "); it is treated as failed (a different varcomm version on that rank, or memory corruption)");
   return false;
 }

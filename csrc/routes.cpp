@@ -57,6 +57,24 @@ uint64_t pair_tag(const std::string& key, const std::string& job, int src, int d
   return t;
 }
 
+// Confidentiality. With a key, the records of rounds 1 and 2 (descriptors:
+// rdma endpoints, region addresses and keys; shm pids and fds) are encrypted
+// before the MAC is taken (encrypt-then-MAC): the store is readable by anyone
+// who reaches it, and an rdma region key read there let an outsider rewrite
+// the payload of a genuine message waiting in a slot (its header, and so its
+// pair tag, untouched), forge credits, or write into the landing area. The
+// keystream is HMAC(key, "pad" | round | rank | world | job | block counter):
+// unique per record, since the job holds every rank's fresh nonce.
+std::string keystream_xor(const std::string& key, int round, int rank, int world, const std::string& job,
+                          const std::string& in) {
+  std::string out = in, ctx = context("pad", round, rank, world, job);
+  for (size_t at = 0, block = 0; at < in.size(); at += 32, ++block) {
+    std::string pad = hmac_sha256(key, ctx + std::to_string(block));
+    for (size_t i = 0; i < 32 && at + i < in.size(); ++i) out[at + i] = char(in[at + i] ^ pad[i]);
+  }
+  return out;
+}
+
 const char* const kKeyHint =
     "set the same VARCOMM_JOB_KEY on every rank (varcomm-run does it for you; with torchrun, mpirun or srun "
     "export VARCOMM_JOB_KEY=$(openssl rand -hex 16) before launching: see the README, \"Semantics and errors\")";
@@ -95,8 +113,12 @@ std::string Setup::begin() {
   return seal(host_key() + "\n" + to_hex(random_bytes(16)), 0);
 }
 
-std::string Setup::seal(const std::string& record, int round) const {
+std::string Setup::seal(const std::string& plain, int round) const {
   const std::string& key = o_.job_key;
+  // Round 0 (host key and nonce) stays readable: the job, hence the pad, is
+  // derived from it.
+  std::string record =
+      key.empty() || round == 0 ? plain : keystream_xor(key, round, e_.rank(), e_.world(), job_, plain);
   std::string mac =
       key.empty() ? "none" : to_hex(hmac_sha256(key, context("setup", round, e_.rank(), e_.world(), job_) + record));
   return record + kMacMark + mac;
@@ -122,7 +144,7 @@ std::string Setup::unseal(int r, const std::string& sealed, int round) const {
     invalid(who + " fails authentication with this rank's job key: rank " + std::to_string(r) +
             " has another VARCOMM_JOB_KEY, or a process outside the job forged the record in the store; refused; " +
             kKeyHint);
-  return record;
+  return round == 0 ? record : keystream_xor(key, round, r, e_.world(), job_, record);
 }
 
 void Setup::derive_job(const std::vector<std::string>& round0) {

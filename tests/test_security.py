@@ -76,6 +76,19 @@ def layout_total(world, nslots, bound):
 def publish(rnd, record):
     store.set(prefix + f"setup/{rnd}/1", record + MARK + b"none")
 
+def unseal(rnd, rank, key):
+    """What a rank published, decrypted with the job key (csrc/routes.cpp keystream_xor)."""
+    import hashlib, hmac
+    world = 2
+    job = hashlib.sha256(b"".join(str(len(b)).encode() + b":" + b
+                                  for b in (bytes(store.get(prefix + f"setup/0/{r}")) for r in range(world)))).digest()
+    ctx = b"varcomm-pad1" + b"".join(b"\0" + p
+                                     for p in (str(rnd).encode(), str(rank).encode(), str(world).encode(), job))
+    body = get(f"setup/{rnd}/{rank}")
+    pad = b"".join(hmac.new(key.encode(), ctx + b"\0" + str(i).encode(), "sha256").digest()
+                   for i in range((len(body) + 31) // 32))
+    return bytes(a ^ b for a, b in zip(body, pad))
+
 if mode in ("shm", "lie", "lie-layout"):
     # Play rank 1: check in at the rendezvous as rank 1 would (bootstrap._arrive),
     # then copy the host key from rank 0's round-0 record.
@@ -118,7 +131,10 @@ if mode in ("shm", "lie", "lie-layout"):
 
 elif mode == "rdma":
     forge = sys.argv[5]
-    recs = [fields(get(f"setup/1/{r}")) for r in (0, 1)]
+    # The store shows the descriptors encrypted: this attacker learned the
+    # region keys elsewhere (off the wire, say), which the job key (given to
+    # it for that alone) stands in for. It still cannot compute a pair tag.
+    recs = [fields(unseal(1, r, sys.argv[6])) for r in (0, 1)]
     def rdma_desc(f):
         d = dict(zip(f[7::2], f[8::2]))[b"rdma"].decode()
         return dict(tok.split("=", 1) for tok in d.split())
@@ -135,6 +151,25 @@ elif mode == "rdma":
     print(__import__("json").dumps({"rc": r.returncode, "out": r.stdout + r.stderr,
                                     "keys": [int(d0["key"], 16), int(d1["key"], 16)],
                                     "hkeys": [int(d0["hkey"], 16), int(d1["hkey"], 16)]}), flush=True)
+
+elif mode == "tamper":
+    # Over a genuine message waiting in rank 1's slot 0 of rank 0's ring: a
+    # plain one-sided write of the payload only (the header and its pair tag
+    # stay the sender's), with rank 1's region key and address as published.
+    forge = sys.argv[5]
+    try:
+        f = fields(get("setup/1/1"))
+        d = dict(tok.split("=", 1) for tok in dict(zip(f[7::2], f[8::2]))[b"rdma"].decode().split())
+    except Exception as e:  # no readable descriptor: nothing to aim at
+        print(__import__("json").dumps({"rc": -1, "out": f"no rdma descriptor in the store: {e!r}"}), flush=True)
+        sys.exit(0)
+    world, nslots, bound = int(f[1]), int(f[2]), int(f[3])
+    _, rings, slot = layout_total(world, nslots, bound)
+    off = rings + 0 * slot + 256  # sender 0, slot 0, kPayloadOff
+    r = __import__("subprocess").run(
+        [forge, d["prov"], "lo", d["ep"], d["addr"], d["key"], str(off), "", struct.pack("<4d", *[666.0] * 4).hex(),
+         "raw"], capture_output=True, text=True, timeout=30)
+    print(__import__("json").dumps({"rc": r.returncode, "out": r.stdout + r.stderr}), flush=True)
 '''
 
 
@@ -233,7 +268,7 @@ def test_forged_rdma_write_is_discarded(forge):
             comm.recv(src=0, tag=1)  # until the attack is over
             comm.send(np.arange(4.0), dst=0, tag=99)
             return
-        attacker = _attacker("rdma", forge, made=True)
+        attacker = _attacker("rdma", forge, KEY, made=True)
         delivered = []
         # Keep receiving while it attacks: rxm accepts its connection only
         # while rank 0 drives progress, as a rank blocked in recv does.
@@ -256,6 +291,60 @@ def test_forged_rdma_write_is_discarded(forge):
         np.testing.assert_array_equal(comm.recv(src=1, tag=99), np.arange(4.0))
         keys = report["keys"] + report["hkeys"]
         assert len(set(keys)) == 4 and min(keys) >= 1 << 16, f"guessable rdma keys {keys}"
+
+
+@as_root
+@rdma_built
+@world(2, timeout=50)
+def test_outsider_cannot_rewrite_a_genuine_message_over_rdma(forge):
+    """With a key, over rdma: a genuine message (valid header and pair tag)
+    waits in rank 1's slot; the attacker, with only what the store shows
+    (rank 1's endpoint, region address and key), overwrites its payload with
+    one plain fi_write. Rank 1 must receive what rank 0 sent. Before the fix
+    the store showed the region key in clear, and rank 1 got [666, 666, ...]."""
+    with varcomm.init(transport="rdma", job_key=KEY, bound=4096, slots=4, timeout=30, array="numpy") as comm:
+        if comm.rank == 0:
+            comm.send(np.arange(4.0), dst=1, tag=5)  # seq 1: rank 1's slot 0 of our ring
+            comm.send(np.zeros(1), dst=1, tag=6)
+            comm.recv(src=1, tag=1)  # until the attack is over
+            return
+        comm.recv(src=0, tag=6)  # tag 5 is now in its slot, unreceived
+        attacker = _attacker("tamper", forge, made=True)
+        until = time.monotonic() + 30
+        while attacker.poll() is None and time.monotonic() < until:  # drive progress (rxm)
+            try:
+                comm.recv(src=0, tag=77, timeout=0.05)
+            except varcomm.TimeoutError:
+                pass
+        out, _ = attacker.communicate(timeout=5)
+        report = json.loads(out.strip().splitlines()[-1])
+        print("attacker:", report)
+        got = comm.recv(src=0, tag=5)
+        comm.send(np.zeros(1), dst=0, tag=1)
+        np.testing.assert_array_equal(got, np.arange(4.0), err_msg=f"payload rewritten by an outsider: {report}")
+        assert report["rc"] != 0, f"an outsider wrote into rank 1's region: {report}"
+
+
+@pytest.mark.parametrize("array", ["torch", "numpy"])
+@world(2, timeout=30)
+def test_header_whose_shape_understates_its_size_is_refused(array):
+    """A peer (a confused one, or without a key a forger) writes a header whose
+    shape and dtype say 8 bytes but whose nbytes is 32 KiB. The receiver must
+    refuse it, not copy 32 KiB into the 8-byte tensor its allocator made from
+    the shape (before: a heap overflow, SIGSEGV, on the default torch kind):
+    the header is malformed, and the pair fails naming it (Engine::sane)."""
+    with varcomm.init(transport="shm", array=array, timeout=20) as comm:
+        if comm.rank == 0:
+            buf = np.full(4096, 7.0)
+            word = (2 << 16) | (64 << 8) | 1  # float64
+            comm._c.send(1, 5, buf.ctypes.data, buf.nbytes, word, [1], 10.0, -1, buf, 0)
+            comm.barrier()
+            return
+        guard = [np.zeros(4) for _ in range(64)]
+        with pytest.raises(varcomm.PeerFailure, match=r"malformed message header.*float64 of shape \(1,\)"):
+            comm.recv(src=0, tag=5)
+        assert not any(g.any() for g in guard)
+        comm.barrier()
 
 
 @world(2, timeout=30)

