@@ -306,6 +306,7 @@ class RdmaTransport final : public Transport, public rdma::Port {
     uint64_t key = 0, raddr = 0, size = 0;
     uint64_t hello_key = 0, hello_addr = 0;  // the peer's hello array (see connected())
     int sock = -1;  // liveness connection
+    uint64_t live_token = 0;  // what its dialer sends with its rank (see live_token_)
     bool connected = false;
     Clock::time_point since;
     std::string error;
@@ -372,6 +373,11 @@ class RdmaTransport final : public Transport, public rdma::Port {
   int listen_fd_ = -1;
   std::string live_ip_;
   int live_port_ = 0;
+  // Sent with our rank when we dial a peer's liveness port, and published in
+  // our descriptor (encrypted in the store under a job key): whoever else
+  // connects first and claims our rank is not taken for us (it made a live
+  // peer look dead, or a dead one look alive).
+  uint64_t live_token_ = 0;
   std::recursive_mutex mu_;
   bool shared_ = false;
   // Credits held since (the oldest not yet posted); the thread that posts
@@ -508,6 +514,8 @@ void RdmaTransport::init(std::string provider, std::string iface, const Options&
     live_port_ = ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
   }
   live_ip_ = ipbuf;
+  std::string tok = random_bytes(sizeof live_token_);
+  std::memcpy(&live_token_, tok.data(), sizeof live_token_);
 
   std::ostringstream d;
   d << "rdma (" << info_->fabric_attr->prov_name << ", fabric " << info_->fabric_attr->name << ", domain "
@@ -652,7 +660,7 @@ std::string RdmaTransport::expose(void* base, size_t size) {
     << " key=" << fi_mr_key(region_mr_) << " addr=" << addr << " size=" << size << std::dec << " live=" << live_ip_
     << " port=" << live_port_ << std::hex << " hkey=" << fi_mr_key(hello_mr_)
     << " haddr=" << ((mr_mode_ & FI_MR_VIRT_ADDR) ? uint64_t(uintptr_t(hello_.data())) : 0) << std::dec
-    << " rank=" << rank_;
+    << " rank=" << rank_ << std::hex << " ltok=" << live_token_ << std::dec;
   return d.str();
 }
 
@@ -678,6 +686,7 @@ void RdmaTransport::connect(int peer, const std::string& descriptor) {
   p.size = std::stoull(kv["size"], nullptr, 16);
   p.hello_key = std::stoull(kv["hkey"], nullptr, 16);
   p.hello_addr = std::stoull(kv["haddr"], nullptr, 16);
+  p.live_token = std::stoull(kv["ltok"], nullptr, 16);
   p.connected = true;
   p.since = Clock::now();
   if (peer == rank_ || rank_ > peer) return;  // the higher rank accepts (accept_pending)
@@ -704,7 +713,11 @@ void RdmaTransport::connect(int peer, const std::string& descriptor) {
   int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   timeval tv{10, 0};  // bounded connect
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  int32_t me = rank_;
+  struct {
+    int32_t rank;
+    uint32_t pad;
+    uint64_t token;
+  } me{rank_, 0, live_token_};
   if (::connect(fd, reinterpret_cast<sockaddr*>(&ss), sl) != 0 ||
       send(fd, &me, sizeof me, MSG_NOSIGNAL) != ssize_t(sizeof me)) {
     p.error = "rank " + std::to_string(peer) + " unreachable: liveness connection to " + ip + ":" +
@@ -730,11 +743,17 @@ void RdmaTransport::accept_pending(int wait_ms) {
       poll(&pf, 1, int(std::min<long>(left, 100)));
       continue;
     }
-    // The dialer sends its rank right after connecting.
-    int32_t who = -1;
+    // The dialer sends its rank and its token right after connecting.
+    struct {
+      int32_t rank;
+      uint32_t pad;
+      uint64_t token;
+    } hi{-1, 0, 0};
     pollfd pf{fd, POLLIN, 0};
-    if (poll(&pf, 1, 2000) != 1 || recv(fd, &who, sizeof who, MSG_WAITALL) != ssize_t(sizeof who) || who < 0 ||
-        who >= world_ || peers_[size_t(who)].sock >= 0) {
+    int32_t who = -1;
+    if (poll(&pf, 1, 2000) != 1 || recv(fd, &hi, sizeof hi, MSG_WAITALL) != ssize_t(sizeof hi) ||
+        (who = hi.rank) < 0 || who >= world_ || !peers_[size_t(who)].connected ||
+        hi.token != peers_[size_t(who)].live_token || peers_[size_t(who)].sock >= 0) {
       close(fd);
       continue;
     }
