@@ -110,7 +110,8 @@ std::string Setup::begin() {
   round_ = 0;
   job_.clear();
   // The nonce makes this job's round-0 records, hence job_, unlike any other's.
-  return seal(host_key() + "\n" + to_hex(random_bytes(16)), 0);
+  mine0_ = seal(host_key() + "\n" + to_hex(random_bytes(16)), 0);
+  return mine0_;
 }
 
 std::string Setup::seal(const std::string& plain, int round) const {
@@ -164,6 +165,14 @@ std::optional<std::string> Setup::step(const std::vector<std::string>& sealed) {
   for (int r = 0; r < e_.world(); ++r) blobs.push_back(unseal(r, sealed[size_t(r)], round_));
   switch (round_++) {
     case 0:
+      // Round-0 records carry no job (there is none yet), so an old job's can
+      // be put back in the store: a rank that finds any record but its own
+      // fresh one there would derive an old job, hence an old keystream (a
+      // two-time pad) and old pair tags. With ours in it, the job is new.
+      if (sealed[size_t(e_.rank())] != mine0_)
+        invalid("rank " + std::to_string(e_.rank()) + "'s own set-up record of round 0 is not what it published: "
+                "another process wrote it into the store (two jobs sharing a store and prefix, or a replay); "
+                "refused");
       hosts_.clear();
       for (const std::string& b : blobs) hosts_.push_back(b.substr(0, b.rfind('\n')));
       derive_job(sealed);

@@ -67,6 +67,7 @@ class Setup {
   Engine& e_;
   const Options& o_;
   int round_ = 0;
+  std::string mine0_;  // our round-0 record, as begin() made it (step checks the store shows it)
   std::string job_;  // SHA-256 of every rank's round-0 record (which carries a fresh nonce): names this job
   std::vector<std::string> hosts_;
   PeerInfo me_;

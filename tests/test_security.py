@@ -388,3 +388,177 @@ def test_varcomm_run_gives_each_job_its_own_key():
     assert first != second  # a fresh one per job
     mine = _launch(2, {**env, "VARCOMM_JOB_KEY": KEY})  # a key the user set is kept
     assert set(mine) == {f"{len(KEY)} {hashlib.sha256(KEY.encode()).hexdigest()}"}
+
+
+@world(2, timeout=30)
+def test_unsupported_numpy_dtype_on_the_fast_path_is_refused_by_the_sender():
+    """np.clongdouble (32-byte items, buffer format 'Zg') has no dtype word:
+    8 bits hold its 256 bits as 0, so the fast path sent "complex, 0 bits".
+    Since headers' shapes must account for their bytes (Engine::sane), the
+    receiver then failed the whole pair as malformed (PeerFailure, every later
+    message lost) for what is the sender's argument error. The sender must
+    refuse it (InvalidArgument, as the general path does) and the pair stay up."""
+    with varcomm.init(transport="shm", array="numpy", timeout=20) as comm:
+        if comm.rank == 0:
+            with pytest.raises(varcomm.InvalidArgument, match="clongdouble|not supported|unsupported"):
+                comm.send(np.zeros(4, np.clongdouble), dst=1, tag=5)
+            comm.send(np.arange(3.0), dst=1, tag=6)
+            return
+        np.testing.assert_array_equal(comm.recv(src=0, tag=6), np.arange(3.0))
+
+
+@world(2, timeout=40)
+def test_replayed_round0_records_do_not_reuse_a_keystream():
+    """The store is writable by anyone who reaches it, and round-0 records are
+    authenticated without a job (there is none yet): an outsider who kept an
+    earlier job's round-0 records can put them back in the store, so every rank
+    derives that job again, and with it the same keystream for the encrypted
+    rounds (csrc/routes.cpp keystream_xor: a two-time pad; the same pair tags
+    too). Each rank must find its own fresh record in the store, else refuse."""
+    from varcomm import comm as comm_mod
+
+    with varcomm.init(transport="shm", job_key=KEY, timeout=20) as comm:
+        s = comm._store
+        old0 = [bytes(s.get(f"setup/0/{r}")) for r in range(2)]
+        old1 = bytes(s.get(f"setup/1/{comm.rank}"))
+        comm.barrier()
+
+    class Replay:  # the outsider overwrote setup/0/* with the old job's records
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set(self, k, v):
+            self.inner.set(k, v)
+
+        def get(self, k):
+            return old0[int(k.rsplit("/", 1)[1])] if k.startswith("setup/0/") else self.inner.get(k)
+
+    real = comm_mod.Communicator._setup
+
+    def replayed(self):
+        inner, self._store = self._store, Replay(self._store)
+        try:
+            real(self)
+        finally:
+            self._store = inner
+
+    comm_mod.Communicator._setup = replayed
+    try:
+        try:
+            comm = varcomm.init(transport="shm", job_key=KEY, timeout=20)
+        except varcomm.InvalidArgument as e:
+            assert "own set-up record of round 0" in str(e), e
+            time.sleep(3)  # rank 0 hosts the store: let rank 1 find its own record first
+            return
+        with comm:
+            new1 = bytes(comm._store.get(f"setup/1/{comm.rank}"))
+            comm.barrier()
+        head = len(b"varcomm-peer2 ")
+        assert new1[:head] != old1[:head], "the same keystream encrypted two jobs' records (replayed round 0)"
+    finally:
+        comm_mod.Communicator._setup = real
+
+
+@rdma_built
+@world(2, timeout=40)
+def test_rdma_descriptor_without_liveness_token_is_refused_as_malformed():
+    """A peer whose rdma descriptor has no ltok (an older varcomm, whose
+    dialer sends its rank alone) must be refused at set-up with what is wrong,
+    as a descriptor without its other fields is: not a bare "stoull" from
+    std::stoull("") escaping RdmaTransport::connect."""
+    from varcomm import comm as comm_mod
+
+    MARK = b"\nvarcomm-mac "
+
+    def strip_ltok(blob):
+        rec = blob[:blob.rfind(MARK)]
+        head = b"varcomm-peer2 "
+        out, at = [], len(head)
+        while at < len(rec):
+            colon = rec.index(b":", at)
+            n = int(rec[at:colon])
+            out.append(rec[colon + 1:colon + 1 + n])
+            at = colon + 1 + n
+        assert any(b" ltok=" in f for f in out), out
+        out = [b" ".join(t for t in f.split(b" ") if not t.startswith(b"ltok=")) for f in out]
+        return head + b"".join(str(len(f)).encode() + b":" + f for f in out) + MARK + b"none"
+
+    class Older:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set(self, k, v):
+            self.inner.set(k, v)
+
+        def get(self, k):
+            v = bytes(self.inner.get(k))
+            return strip_ltok(v) if k.startswith("setup/1/") else v
+
+    real = comm_mod.Communicator._setup
+
+    def older(self):
+        inner, self._store = self._store, Older(self._store)
+        try:
+            real(self)
+        finally:
+            self._store = inner
+
+    comm_mod.Communicator._setup = older
+    try:
+        with pytest.raises(varcomm.InvalidArgument, match="malformed descriptor"):
+            varcomm.init(transport="rdma", timeout=20)
+    finally:
+        comm_mod.Communicator._setup = real
+        time.sleep(2)  # rank 0 hosts the store
+
+
+@rdma_built
+@world(2, timeout=40)
+def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
+    """Anyone who reaches a rank's liveness port (its address is on the wire,
+    and in the store without a key) connects first and sends 1 of the 16
+    bytes of the handshake (rank, token), then nothing. The acceptor polled for
+    readability, then blocked in recv(MSG_WAITALL) for the other 15 for ever,
+    holding the transport's lock: set-up never ended. It must drop that
+    connection and take rank 0's."""
+    import re
+    import socket
+
+    from varcomm import comm as comm_mod
+
+    held = []
+
+    class Stall:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set(self, k, v):
+            if k == "setup/1/1":  # before rank 0 can read it (and dial us)
+                m = re.search(rb"live=(\S+) port=(\d+)", bytes(v))
+                s = socket.create_connection((m.group(1).decode(), int(m.group(2))))
+                s.sendall(b"\x01")
+                held.append(s)
+            self.inner.set(k, v)
+
+        def get(self, k):
+            return self.inner.get(k)
+
+    real = comm_mod.Communicator._setup
+
+    def stalled(self):
+        inner, self._store = self._store, Stall(self._store)
+        try:
+            real(self)
+        finally:
+            self._store = inner
+
+    comm_mod.Communicator._setup = stalled
+    try:
+        with varcomm.init(transport="rdma", timeout=20, array="numpy") as comm:
+            if comm.rank == 0:
+                comm.send(np.arange(3.0), dst=1)
+            else:
+                np.testing.assert_array_equal(comm.recv(src=0), np.arange(3.0))
+                assert held
+    finally:
+        comm_mod.Communicator._setup = real

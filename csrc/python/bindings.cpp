@@ -84,6 +84,11 @@ uint32_t dtype_of_format(const std::string& f, ssize_t itemsize) {
   auto w = [](uint32_t code, uint32_t bits) { return (code << 16) | (bits << 8) | 1u; };
   char c = f.empty() ? 0 : f.back();
   bool complex = f.size() >= 2 && f[f.size() - 2] == 'Z';
+  // 8 bits hold the width: a wider item (np.clongdouble, 'Zg', 32 bytes) has
+  // no dtype word (its width would read as 0, a header the receiver fails).
+  if (itemsize <= 0 || itemsize > 16)
+    throw Error(ErrorKind::Invalid, "unsupported buffer format '" + f + "' (" + std::to_string(itemsize) +
+                                        "-byte items); pass a numpy array or torch tensor of a fixed-size dtype");
   uint32_t bits = uint32_t(itemsize * 8);
   if (complex) return w(5, bits);
   switch (c) {

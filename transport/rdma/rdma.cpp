@@ -672,8 +672,12 @@ void RdmaTransport::connect(int peer, const std::string& descriptor) {
     size_t eq = tok.find('=');
     if (eq != std::string::npos) kv[tok.substr(0, eq)] = tok.substr(eq + 1);
   }
-  if (!kv.count("ep") || !kv.count("key") || !kv.count("live") || !kv.count("hkey"))
-    invalid("rank " + std::to_string(peer) + " sent a malformed descriptor: " + descriptor);
+  // Every field read below (std::stoull of a missing one throws a bare
+  // std::invalid_argument); ltok is new: an older varcomm sends none.
+  for (const char* k : {"ep", "key", "addr", "size", "live", "port", "hkey", "haddr", "ltok"})
+    if (!kv.count(k))
+      invalid("rank " + std::to_string(peer) + " sent a malformed descriptor (no " + k +
+              "; does every rank run the same varcomm version?): " + descriptor);
   if (kv["prov"] != info_->fabric_attr->prov_name)
     invalid("rank " + std::to_string(peer) + " uses provider '" + kv["prov"] + "', rank " + std::to_string(rank_) +
             " uses '" + info_->fabric_attr->prov_name + "'; set VARCOMM_FI_PROVIDER the same on every rank");
@@ -750,6 +754,10 @@ void RdmaTransport::accept_pending(int wait_ms) {
       uint64_t token;
     } hi{-1, 0, 0};
     pollfd pf{fd, POLLIN, 0};
+    // Bounded: a connection that sends part of the handshake and stalls
+    // (anyone may reach this port) would hold recv(MSG_WAITALL), and our lock, for ever.
+    timeval rt{2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &rt, sizeof rt);
     int32_t who = -1;
     if (poll(&pf, 1, 2000) != 1 || recv(fd, &hi, sizeof hi, MSG_WAITALL) != ssize_t(sizeof hi) ||
         (who = hi.rank) < 0 || who >= world_ || !peers_[size_t(who)].connected ||
