@@ -749,8 +749,21 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind, mem.device);
     if (!why.empty()) throw Error(kind, why, peer);
     int k = a->slot;
+    // A device receive the transport refuses before it enqueued anything (a
+    // stream being captured, or of another GPU): the message stays for the
+    // next receive, where it was (it used to be dropped: its slot never freed).
+    const Arrival kept = *a;
+    const auto at = a - p.ready.begin();
     p.ready.erase(a);
-    if (consume(peer, k, *hdr, out, mem, 0, &why) < 0) {
+    int got;
+    try {
+      got = consume(peer, k, *hdr, out, mem, 0, &why);
+    } catch (const Error& e) {
+      if (mem.device && !(hdr->flags & kRendezvous) && e.kind == ErrorKind::Invalid)
+        p.ready.insert(p.ready.begin() + at, kept);
+      throw;
+    }
+    if (got < 0) {
       fail_peer(peer, why);
       throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
     }
@@ -1567,9 +1580,27 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       int k = m->slot;
+      const Arrival kept = *m;
+      const auto at = m - p.ready.begin();
       p.ready.erase(m);
       std::string why;
-      int got = consume(peer, k, r.hdr, r.out, r.mem, *it, &why);
+      int got;
+      try {
+        got = consume(peer, k, r.hdr, r.out, r.mem, *it, &why);
+      } catch (const Error& e) {
+        if (!r.mem.device || (r.hdr.flags & kRendezvous) || e.kind != ErrorKind::Invalid) throw;
+        // Refused by the device transport before it enqueued anything (its
+        // stream is being captured, or is of another GPU): this receive fails
+        // as a misfit does, and the message stays for the next one (it used
+        // to be dropped, and the receive left posted took the one after it).
+        p.ready.insert(p.ready.begin() + at, kept);
+        r.error = e.what();
+        r.err = e.kind;
+        r.state = ReqState::Failed;
+        if (r.detached) recycle(*it);
+        it = p.posted.erase(it);
+        continue;
+      }
       if (got < 0) {
         fail_peer(peer, why);  // this recv with it: it is still posted
         return;

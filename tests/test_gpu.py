@@ -768,3 +768,41 @@ def test_fake_host_message_into_device_memory_does_not_wait_for_the_stream(fake_
             gpu.sync(s)
             assert gpu.get(dev, n) == _payload(1, n)
         comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_captured_recv_is_refused_and_the_message_kept(fake_cuda, nvlink_flags):
+    """A receive into device memory on a stream being captured, blocking or
+    posted (irecv), is refused (InvalidArgument, as a captured send is) and
+    the message stays for the next receive, which gets it; so do the ones
+    after it. Catches: the refused message taken off the ready list before the
+    transport refused the stream (lost, its slot never freed: the receiver
+    then waited for a message that had come; a refused irecv also stayed
+    posted and took the message after it)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    with comm:
+        if r == 0:
+            for i in range(4):
+                p = gpu.alloc(300)
+                gpu.put(p, _payload(i, 300))
+                c.send(1, 0, p, 300, U8, (300,), 30.0, s)
+            gpu.sync(s)
+        else:
+            out = gpu.alloc(BOUND)
+            time.sleep(0.3)  # the first message is in
+            g = ctypes.c_void_p()
+            for _ in range(3):
+                assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
+                with pytest.raises(varcomm.InvalidArgument, match="captured"):
+                    c.recv_into(0, 0, out, BOUND, U8, 30.0, s)
+                rid = c.irecv(0, 0, out, BOUND, U8, s)  # matched at the wait, refused there
+                with pytest.raises(varcomm.InvalidArgument, match="captured"):
+                    c.wait(rid, 10.0)
+                assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
+            for i in range(4):
+                h = c.recv_into(0, 0, out, BOUND, U8, 10.0, s)
+                gpu.sync(s)
+                assert h.nbytes == 300 and gpu.get(out, 300) == _payload(i, 300), f"message {i}"
+        comm.barrier()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -1262,3 +1263,58 @@ def test_fake_moe_float_topk_ids_are_refused(fake_cuda):
         et, tpe, h = moe_device.dispatch(comm, tok, ids, torch.ones(3, 1), 2, stream=s)
         assert int(tpe.sum()) == 3 and torch.equal(et[:3], torch.full((3, 4), float(1 - r)))
         comm.barrier()
+
+
+class _CloseTimed:
+    """A device all-to-all handle that notes when close() (which frees its workspace) returned."""
+
+    def __init__(self, h):
+        self.h, self.closed_at = h, None
+
+    def __getattr__(self, k):
+        return getattr(self.h, k)
+
+    def close(self):
+        self.h.close()
+        self.closed_at = time.monotonic()
+
+
+@world(2, timeout=120)
+def test_fake_close_frees_the_workspace_after_the_peers_kernels(fake_cuda, tmp_path_factory):
+    """A peer's receive kernel writes this rank's credit into this rank's
+    workspace (through its CUDA IPC mapping) at the end of every call. Rank 1
+    runs its kernels late (FAKE_CUDA_DELAY_US on rank 1 only); rank 0's call
+    ends once rank 1's send ran, and rank 0 closes at once. Its workspace must
+    be freed only after rank 1's kernels ran (close waits for its peers, as
+    nvlink's slots do). Catches: the workspace freed first (a late peer wrote
+    freed device memory)."""
+    if os.environ["RANK"] == "1":
+        os.environ["FAKE_CUDA_DELAY_US"] = "200000"
+    try:
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    finally:
+        os.environ.pop("FAKE_CUDA_DELAY_US", None)
+    r, s = comm.rank, gpu.stream()
+    x = FakeArray(gpu, (4, 4), "float32", s)
+    sp = FakeArray(gpu, (2,), "int64", s)
+    sp.host[...] = [2, 2]
+    out = FakeArray(gpu, (64, 4), "float32", s)
+    path = str(tmp_path_factory.mktemp("close")) if r == 0 else ""
+    if r == 0:
+        comm.send(np.frombuffer(path.encode(), dtype=np.uint8), 1)
+    else:
+        path = comm.recv(0).tobytes().decode()
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    comm._device_a2a = timed = _CloseTimed(comm._device_a2a)
+    D.synchronize(comm, s)
+    done = time.monotonic()  # this rank's kernels (and so its writes into the peer's workspace) ran
+    comm.close()
+    Path(path, f"{r}.tmp").write_text(f"{done!r} {timed.closed_at!r}")
+    os.rename(Path(path, f"{r}.tmp"), Path(path, str(r)))
+    if r == 0:
+        t0 = time.monotonic()
+        while not Path(path, "1").exists() and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        peer_done = float(Path(path, "1").read_text().split()[0])
+        assert timed.closed_at >= peer_done, \
+            f"rank 0 freed its workspace {peer_done - timed.closed_at:.3f} s before rank 1's kernels ran"

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -703,4 +704,42 @@ def test_gpu_rdma_all_to_all_entry_points_match_reference():
     with comm:
         here = torch.device("cuda", torch.cuda.current_device())
         _run_entry_points(arrays.DeviceMemory(), comm, seeded(), iters=20, max_rows=40, place=here)
+        comm.barrier()
+
+
+@world(2, timeout=120, requires=("libfabric",))
+def test_fake_rdma_captured_recv_is_refused_and_the_message_kept(fake_cuda):
+    """A receive into device memory on a stream being captured is refused
+    (InvalidArgument) and the message, host or device, stays for the next
+    receive, which gets it intact. Catches: the message dropped (its slot
+    never freed), or its chunks counted before the refusal (the next receive
+    of that slot then waited for chunks that never come)."""
+    gpu, comm = _comm(fake_cuda, slots=2)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    n = 3 * CHUNK
+    with comm:
+        if r == 0:
+            assert comm._f.send(np.frombuffer(_payload(9, 500), dtype=np.uint8).copy(), 1, 1, 30.0, 1)
+            for i in range(4):
+                p = gpu.alloc(n)
+                gpu.put(p, _payload(i, n))
+                c.send(1, 0, p, n, U8, (n,), 30.0, s)
+            gpu.sync(s)
+        else:
+            out = gpu.alloc(BOUND)
+            time.sleep(0.3)  # the first messages are in
+            g = ctypes.c_void_p()
+            for tag in (0, 0, 1, 1):
+                assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
+                with pytest.raises(varcomm.InvalidArgument, match="captured"):
+                    c.recv_into(0, tag, out, BOUND, U8, 30.0, s)
+                assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
+            h = c.recv_into(0, 1, out, BOUND, U8, 10.0, s)
+            gpu.sync(s)
+            assert h.nbytes == 500 and gpu.get(out, 500) == _payload(9, 500)
+            for i in range(4):
+                h = c.recv_into(0, 0, out, BOUND, U8, 10.0, s)
+                gpu.sync(s)
+                assert h.nbytes == n and gpu.get(out, n) == _payload(i, n), f"message {i}"
         comm.barrier()

@@ -762,9 +762,17 @@ class Communicator:
         self._closed = True
         if os.getpid() != self._pid:  # a forked child: the communicator is its parent's (the core lets it be)
             return
-        for dev in (self._device_p2p, self._device_a2a):  # kernels' waits end, streams drain, before the engine goes
-            if dev is not None:
-                dev.close()
+        # Device all-to-all / point-to-point: this rank's kernels run to their
+        # end (or are aborted: a dead peer, 10 s) before it says it left, and its
+        # workspace is freed only once every peer left too: a peer's receive
+        # kernel writes its credits into this rank's workspace through CUDA IPC
+        # (freed at once, a late peer wrote freed device memory).
+        devices = [dev for dev in (self._device_p2p, self._device_a2a) if dev is not None]
+        for dev in devices:
+            try:
+                dev.synchronize(None, _CLOSE_FLUSH_S)
+            except VarcommError:  # failed, timed out or aborted: close frees it all the same
+                pass
         if self._orphans:
             self._settle_orphans()  # those whose message is in; the rest fail with the close
         store_down = getattr(self, "_store_down", False)
@@ -781,7 +789,7 @@ class Communicator:
             # 0 hosts the store. Progress meanwhile so their writes complete.
             keep_store = self._owner is not None and self.rank == 0
             rdma = self._c.close_waits_for_peers
-            if (keep_store or rdma) and not store_down:
+            if (keep_store or rdma or devices) and not store_down:
                 deadline = time.monotonic() + (30 if keep_store else 10)
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
@@ -795,6 +803,8 @@ class Communicator:
                         break
                     time.sleep(0.005)
         finally:
+            for dev in devices:  # kernels' waits end, streams drain, before the engine goes
+                dev.close()
             if self._fallback is not None:
                 self._fallback.close()
             self._c.close()

@@ -360,6 +360,10 @@ class RdmaGpuTransport final : public Transport {
       throw Error(ErrorKind::PeerFailure, "recv from rank " + std::to_string(peer) + " failed: peer failure: " +
                                               host_->peer_error(peer), peer);
     const size_t nch = chunks(h->nbytes, chunk_);
+    if (n && dst && !is_host(dst)) {  // refused before this message's chunks are counted (it stays for the next receive)
+      CtxScope scope(d_, ctx_);
+      check_stream(s, "recv");
+    }
     const uint64_t base = rbase_[j], all = base + nch;
     rbase_[j] = all;
     if (!n || !dst) {  // dropped unread, or empty: the credit once every chunk has landed
