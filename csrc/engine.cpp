@@ -748,22 +748,12 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
     ErrorKind kind;
     std::string why = misfit(peer, *hdr, out_cap, out_dtype, &kind, mem.device);
     if (!why.empty()) throw Error(kind, why, peer);
+    // A device receive refused for its stream keeps the message, claimed and
+    // pulled nothing: refused before consume.
+    refuse_device_recv(peer, *hdr, mem);
     int k = a->slot;
-    // A device receive the transport refuses before it enqueued anything (a
-    // stream being captured, or of another GPU): the message stays for the
-    // next receive, where it was (it used to be dropped: its slot never freed).
-    const Arrival kept = *a;
-    const auto at = a - p.ready.begin();
     p.ready.erase(a);
-    int got;
-    try {
-      got = consume(peer, k, *hdr, out, mem, 0, &why);
-    } catch (const Error& e) {
-      if (mem.device && !(hdr->flags & kRendezvous) && e.kind == ErrorKind::Invalid)
-        p.ready.insert(p.ready.begin() + at, kept);
-      throw;
-    }
-    if (got < 0) {
+    if (consume(peer, k, *hdr, out, mem, 0, &why) < 0) {
       fail_peer(peer, why);
       throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
     }
@@ -1454,6 +1444,16 @@ int Engine::consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, 
   return 1;
 }
 
+void Engine::refuse_device_recv(int peer, const MsgHeader& h, Mem mem) {
+  if (!mem.device || !h.nbytes) return;  // (an empty message takes no stream work to refuse)
+  Peer& p = peers_[peer];
+  // The transport consume() enqueues on: the pair's device route, else (a
+  // host message, staged by its sender) our local one.
+  Transport* t = p.tdev ? p.tdev.get() : (h.flags & kDevicePayload) ? nullptr : local_dev_.get();
+  if (!t) device_transport(peer);  // throws: no device route
+  t->refuse_stream(mem.stream, "recv");
+}
+
 void Engine::set_device_transport(int peer, std::shared_ptr<Transport> t) {
   std::lock_guard<std::mutex> g(mu_);
   check_fits(peer, *t, peers_.at(peer).layout);
@@ -1579,21 +1579,14 @@ void Engine::progress_recvs(int peer) {
         it = p.posted.erase(it);
         continue;
       }
-      int k = m->slot;
-      const Arrival kept = *m;
-      const auto at = m - p.ready.begin();
-      p.ready.erase(m);
-      std::string why;
-      int got;
+      // Refused for its stream (being captured, another GPU's): this receive
+      // fails as a misfit does, before anything is claimed or pulled, and the
+      // message stays for the next one (dropped, the receive left posted took
+      // the one after it; a rendezvous one's claim and pull failed the pair).
       try {
-        got = consume(peer, k, r.hdr, r.out, r.mem, *it, &why);
+        refuse_device_recv(peer, r.hdr, r.mem);
       } catch (const Error& e) {
-        if (!r.mem.device || (r.hdr.flags & kRendezvous) || e.kind != ErrorKind::Invalid) throw;
-        // Refused by the device transport before it enqueued anything (its
-        // stream is being captured, or is of another GPU): this receive fails
-        // as a misfit does, and the message stays for the next one (it used
-        // to be dropped, and the receive left posted took the one after it).
-        p.ready.insert(p.ready.begin() + at, kept);
+        if (e.kind != ErrorKind::Invalid) throw;
         r.error = e.what();
         r.err = e.kind;
         r.state = ReqState::Failed;
@@ -1601,6 +1594,10 @@ void Engine::progress_recvs(int peer) {
         it = p.posted.erase(it);
         continue;
       }
+      int k = m->slot;
+      p.ready.erase(m);
+      std::string why;
+      int got = consume(peer, k, r.hdr, r.out, r.mem, *it, &why);
       if (got < 0) {
         fail_peer(peer, why);  // this recv with it: it is still posted
         return;

@@ -335,6 +335,11 @@ class Engine {
   // now streams into dst for request `id`. -1: the copy failed, *why says why
   // (the caller fails the peer).
   int consume(int peer, int slot, const MsgHeader& h, void* dst, Mem mem, uint64_t id = 0, std::string* why = nullptr);
+  // A receive into device memory whose stream the device transport refuses
+  // (being captured, another GPU's) or that has no device route: throws
+  // Invalid before the message is claimed or taken off p.ready (it stays for
+  // the next receive; nothing was pulled, counted or credited).
+  void refuse_device_recv(int peer, const MsgHeader& h, Mem mem);
   // A rendezvous head this rank cannot copy from the sender itself: its data
   // must stream in, which needs a request (the request-free paths step aside).
   bool streams_in(int peer, const MsgHeader& h) const;

@@ -129,6 +129,10 @@ class Transport {
                                        const void* payload, size_t n, uint64_t seq, uintptr_t stream) {
     throw std::logic_error(name() + " transport cannot send device memory");
   }
+  // Receiver: refuses `stream` for a receive into device memory (it is being
+  // captured, or is another GPU's) by throwing Invalid; called before the
+  // message is claimed or taken off the ready list, so a refusal consumes nothing.
+  virtual void refuse_stream(uintptr_t stream, const char* op) {}
   // Receiver: on `stream`, wait for message `seq`'s data in our own slot at
   // `payload_off` (local region offset), copy n bytes to dst (device or
   // host), then write `seq` to the sender's credit word at `credit_off` of

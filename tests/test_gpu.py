@@ -806,3 +806,40 @@ def test_fake_captured_recv_is_refused_and_the_message_kept(fake_cuda, nvlink_fl
                 gpu.sync(s)
                 assert h.nbytes == 300 and gpu.get(out, 300) == _payload(i, 300), f"message {i}"
         comm.barrier()
+
+
+@world(2, timeout=120)
+def test_fake_captured_recv_of_a_rendezvous_message_keeps_it(fake_cuda, nvlink_flags):
+    """A host message sent by rendezvous (shm with CMA, over eager_max)
+    received into device memory on a stream being captured, blocking or
+    posted (irecv), is refused (InvalidArgument) before anything is claimed:
+    the message, and its sender's send, stay for the next receive, which gets
+    it. Catches: the stream checked only after the head was claimed and its
+    data pulled (the message dropped, its sender's send failed; a refused irecv
+    raised out of an unrelated wait and stayed posted, taking the next one)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2, eager_max=1024, cma="on")
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    with comm:
+        if r == 0:
+            ws = [comm.isend(np.frombuffer(_payload(i, 5000), dtype=np.uint8).copy(), 1) for i in range(2)]
+            for w in ws:
+                w.wait()
+        else:
+            if comm.route_info(0)["cma"] != "on":
+                pytest.skip("no CMA here: a host rendezvous cannot land in device memory")
+            out = gpu.alloc(BOUND)
+            time.sleep(0.3)  # the first head is in
+            g = ctypes.c_void_p()
+            assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
+            with pytest.raises(varcomm.InvalidArgument, match="captured"):
+                c.recv_into(0, 0, out, BOUND, U8, 30.0, s)
+            rid = c.irecv(0, 0, out, BOUND, U8, s)
+            with pytest.raises(varcomm.InvalidArgument, match="captured"):
+                c.wait(rid, 10.0)
+            assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
+            for i in range(2):
+                h = c.recv_into(0, 0, out, BOUND, U8, 10.0, s)
+                gpu.sync(s)
+                assert h.nbytes == 5000 and gpu.get(out, 5000) == _payload(i, 5000), f"message {i}"
+        comm.barrier()

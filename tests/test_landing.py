@@ -269,8 +269,9 @@ def test_queued_send_moves_while_its_sender_keeps_receiving(form):
             for _ in range(count - sent):
                 comm.send(np.zeros(16, np.uint8), 1, tag=2)
             got.wait(30)
-            # (~150 here with the fix, all 1500 without: a margin for a loaded machine)
-            assert told_after < count * 3 // 4, f"rank 0 had rank 1's message only after {told_after} of {count}"
+            # (~150 here with the fix, all 1500 without: a margin for a loaded machine,
+            # where 1270 was seen with three other jobs on the 2 cores)
+            assert told_after < count * 9 // 10, f"rank 0 had rank 1's message only after {told_after} of {count}"
         comm.barrier()
 
 

@@ -655,3 +655,36 @@ def test_sends_still_queued_when_their_receiver_closed_fail(transport):
             w.wait()
             raise AssertionError(f"send {t} completed: rank 1 closed before it was written")
     comm.close()
+
+
+class _SyncRaises:
+    """A device all-to-all handle whose synchronize raises what is not a VarcommError."""
+
+    def __init__(self):
+        self.closed = False
+
+    def synchronize(self, stream, timeout):
+        raise RuntimeError("CUDA error")
+
+    def close(self):
+        self.closed = True
+
+
+@world(2, timeout=60)
+def test_close_frees_everything_when_the_device_drain_raises():
+    """close() drains the device all-to-all's kernels first; when that raises
+    something other than a VarcommError (a RuntimeError, ^C), close raises it
+    but still frees the device handle and the core. Catches: the drain outside
+    close's try/finally (the handle and the core never freed, and close, marked
+    done, could not be called again)."""
+    comm = varcomm.init()
+    comm.barrier()
+    if comm.rank == 0:  # the store's host: it closes normally (and waits for rank 1 to go)
+        comm.close()
+        return
+    dev = comm._device_a2a = _SyncRaises()
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        comm.close()
+    assert dev.closed, "the device handle was not freed"
+    with pytest.raises(varcomm.ClosedError):
+        comm.send(np.zeros(4, np.uint8), 0)

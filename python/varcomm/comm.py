@@ -768,15 +768,15 @@ class Communicator:
         # kernel writes its credits into this rank's workspace through CUDA IPC
         # (freed at once, a late peer wrote freed device memory).
         devices = [dev for dev in (self._device_p2p, self._device_a2a) if dev is not None]
-        for dev in devices:
-            try:
-                dev.synchronize(None, _CLOSE_FLUSH_S)
-            except VarcommError:  # failed, timed out or aborted: close frees it all the same
-                pass
-        if self._orphans:
-            self._settle_orphans()  # those whose message is in; the rest fail with the close
         store_down = getattr(self, "_store_down", False)
-        try:
+        try:  # (whatever the drain raises, ^C too, the finally frees the devices and the core)
+            for dev in devices:
+                try:
+                    dev.synchronize(None, _CLOSE_FLUSH_S)
+                except VarcommError:  # failed, timed out or aborted: close frees it all the same
+                    pass
+            if self._orphans:
+                self._settle_orphans()  # those whose message is in; the rest fail with the close
             try:
                 if not store_down:
                     self._store.set(f"left/{self.rank}", "1")

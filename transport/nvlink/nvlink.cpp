@@ -349,6 +349,10 @@ class NvlinkTransport : public Transport {
     if (host_dst) check(d_.StreamSynchronize(s), "cuStreamSynchronize (recv into host memory)");
   }
 
+  void refuse_stream(uintptr_t stream, const char* op) override {
+    CtxScope scope(d_, ctx_);
+    check_stream(reinterpret_cast<CUstream>(stream), op);
+  }
   uintptr_t copy_async(void* dst, const void* src, size_t n, uintptr_t stream, bool mark) override {
     return reinterpret_cast<uintptr_t>(cu::copy_async(d_, ctx_, ordinal_, "nvlink", dst, src, n, stream, mark));
   }

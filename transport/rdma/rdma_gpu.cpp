@@ -416,6 +416,10 @@ class RdmaGpuTransport final : public Transport {
     credit_from_stream(peer, j, credit_off, seq, s);
   }
 
+  void refuse_stream(uintptr_t stream, const char* op) override {
+    CtxScope scope(d_, ctx_);
+    check_stream(reinterpret_cast<CUstream>(stream), op);
+  }
  private:
   struct Remote {
     bool connected = false, dead = false;

@@ -343,7 +343,7 @@ def _report(
     stopped = [r for r, c in sorted(codes.items()) if c != 0 and r not in own_failures]
     if stopped and (own_failures or interrupted):
         why = "after the failure" if own_failures else "on signal"
-        lines.append(f"stopped ranks {','.join(map(str, stopped))} {why}")
+        lines.append(f"stopped rank{'s' if len(stopped) > 1 else ''} {','.join(map(str, stopped))} {why}")
     if interrupted and result == 0:
         result = 128 + interrupted[0]
         lines.insert(0, f"interrupted by {_signal_name(interrupted[0])}")
