@@ -323,6 +323,7 @@ def test_timeout_names_the_late_peer_and_leaves_the_communicator_usable(transpor
 def test_dead_peer_raises_peer_failure(transport):
     comm = _init(transport, bound=BOUND, slots=4, timeout=60)
     r, n = comm.rank, comm.world_size
+    comm.barrier()  # every rank is set up (rank 2 gone earlier failed the others' gloo set-up instead)
     if r == 2:
         os._exit(3)  # dies without closing
     t0 = time.monotonic()
