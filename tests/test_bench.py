@@ -250,3 +250,10 @@ def test_rdma_device_benchmark_runs_on_the_stand_in(hmem: str) -> None:
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith(("| 1000 ", "| 64K "))]
     assert len(rows) == 2, r.stdout
     assert float(rows[0][2].split()[0]) > 0 and float(rows[1][4]) > 0, r.stdout
+
+
+def test_help_names_every_subcommand() -> None:
+    """`varcomm-bench --help` lists moe too (it has its own parser, and was missing there)."""
+    text = cli._parser().format_help()
+    for name in ("p2p", "varlen", "alltoall", "all", "moe"):
+        assert f"\n    {name} " in text or f"\n  {name} " in text, (name, text)

@@ -298,7 +298,9 @@ def _a2a_opts(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="varcomm-bench", description="varcomm microbenchmarks against their baselines.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="also:\n  moe       MoE dispatch + combine on GPUs against their baselines "
+                                       "(its own options: varcomm-bench moe --help)")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     sub.required = True
     helps = {"p2p": "two ranks: ping-pong latency, uni- and bidirectional bandwidth",
