@@ -462,10 +462,6 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   return "";
 }
 
-// A header is copied out of the slot once and checked before anything uses
-// it: the peer writes our region (mapped, or by the fallback's frames), so a
-// header that would make us read past its slot, build a shape longer than
-// kMaxDims, or lose track of the slot fails the peer instead.
 // A message's shape and dtype must account for its nbytes exactly: a receiver
 // sizes its new array by them and copies nbytes into it (a header that
 // understated them wrote past the array's end: a forged or lying one). Not
@@ -478,12 +474,18 @@ static bool shape_says_nbytes(const MsgHeader& h) {
   return n == h.nbytes;
 }
 
+// A header is copied out of the slot once and checked before anything uses
+// it: the peer writes our region (mapped, or by the fallback's frames), so a
+// header that would make us read past its slot or past a new array sized by
+// its shape, build a shape longer than kMaxDims, or lose track of the slot
+// fails the peer instead.
 bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
   if (h.ndim <= uint32_t(kMaxDims) && payload_bytes(h) <= layout_.bound && h.seq == seq &&
       h.auth == peers_[peer].auth_in && shape_says_nbytes(h))
     return true;
   // A message left from a peer that closed since: say what is wrong with it.
-  if (peers_[peer].bye_seen && peers_[peer].dead == "peer failure: " + closed_text(peer_str(peer))) peers_[peer].dead.clear();
+  Peer& q = peers_[peer];
+  if (q.bye_seen && q.dead == "peer failure: " + closed_text(peer_str(peer))) q.dead.clear();
   if (h.auth != peers_[peer].auth_in) {
     // Noticed as genuine, then overwritten in place: that message is lost.
     forged_++;
@@ -811,14 +813,14 @@ int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint
         drive_sends();
         if (slow) check_peer(peer, false);
         // (Also without a check: the peer's goodbye, seen by progress_recvs.)
-        // What the check delivered before the peer failed is still ours.
         if (!p.dead.empty()) {
+          // What the check delivered before the peer failed is still ours.
           if (int m = match_direct(peer, tag, out, out_cap, out_dtype, hdr, mem, claim)) {
             result = m;
             return true;
           }
+          throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
         }
-        if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, "recv from " + peer_str(peer) + " failed: " + p.dead, peer);
         return false;
       },
       deadline);

@@ -770,6 +770,29 @@ def test_fake_host_message_into_device_memory_does_not_wait_for_the_stream(fake_
         comm.barrier()
 
 
+def refused_while_captured(gpu: FakeGpu, c, s: int, out: int, cap: int, tag: int = 0, posted: bool = True) -> None:
+    """A receive from rank 0 into device `out` on stream `s` while `s` is
+    being captured is refused (InvalidArgument), blocking and (`posted`) as an
+    irecv matched at its wait; the capture ends after."""
+    g = ctypes.c_void_p()
+    assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
+    with pytest.raises(varcomm.InvalidArgument, match="captured"):
+        c.recv_into(0, tag, out, cap, U8, 30.0, s)
+    if posted:
+        rid = c.irecv(0, tag, out, cap, U8, s)
+        with pytest.raises(varcomm.InvalidArgument, match="captured"):
+            c.wait(rid, 10.0)
+    assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
+
+
+def received_in_order(gpu: FakeGpu, c, s: int, out: int, cap: int, n: int, seeds, tag: int = 0) -> None:
+    """The next messages from rank 0 (tag) are _payload(i, n) for i in seeds, in order."""
+    for i in seeds:
+        h = c.recv_into(0, tag, out, cap, U8, 10.0, s)
+        gpu.sync(s)
+        assert h.nbytes == n and gpu.get(out, n) == _payload(i, n), f"message {i}"
+
+
 @world(2, timeout=120)
 def test_fake_captured_recv_is_refused_and_the_message_kept(fake_cuda, nvlink_flags):
     """A receive into device memory on a stream being captured, blocking or
@@ -792,19 +815,9 @@ def test_fake_captured_recv_is_refused_and_the_message_kept(fake_cuda, nvlink_fl
         else:
             out = gpu.alloc(BOUND)
             time.sleep(0.3)  # the first message is in
-            g = ctypes.c_void_p()
             for _ in range(3):
-                assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
-                with pytest.raises(varcomm.InvalidArgument, match="captured"):
-                    c.recv_into(0, 0, out, BOUND, U8, 30.0, s)
-                rid = c.irecv(0, 0, out, BOUND, U8, s)  # matched at the wait, refused there
-                with pytest.raises(varcomm.InvalidArgument, match="captured"):
-                    c.wait(rid, 10.0)
-                assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
-            for i in range(4):
-                h = c.recv_into(0, 0, out, BOUND, U8, 10.0, s)
-                gpu.sync(s)
-                assert h.nbytes == 300 and gpu.get(out, 300) == _payload(i, 300), f"message {i}"
+                refused_while_captured(gpu, c, s, out, BOUND)
+            received_in_order(gpu, c, s, out, BOUND, 300, range(4))
         comm.barrier()
 
 
@@ -830,16 +843,6 @@ def test_fake_captured_recv_of_a_rendezvous_message_keeps_it(fake_cuda, nvlink_f
                 pytest.skip("no CMA here: a host rendezvous cannot land in device memory")
             out = gpu.alloc(BOUND)
             time.sleep(0.3)  # the first head is in
-            g = ctypes.c_void_p()
-            assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
-            with pytest.raises(varcomm.InvalidArgument, match="captured"):
-                c.recv_into(0, 0, out, BOUND, U8, 30.0, s)
-            rid = c.irecv(0, 0, out, BOUND, U8, s)
-            with pytest.raises(varcomm.InvalidArgument, match="captured"):
-                c.wait(rid, 10.0)
-            assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
-            for i in range(2):
-                h = c.recv_into(0, 0, out, BOUND, U8, 10.0, s)
-                gpu.sync(s)
-                assert h.nbytes == 5000 and gpu.get(out, 5000) == _payload(i, 5000), f"message {i}"
+            refused_while_captured(gpu, c, s, out, BOUND)
+            received_in_order(gpu, c, s, out, BOUND, 5000, range(2))
         comm.barrier()

@@ -31,7 +31,7 @@ import test_gpu
 import varcomm
 from conftest import same_bytes
 from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns
-from test_gpu import U8, FakeGpu, _payload, nvlink_built
+from test_gpu import U8, FakeGpu, _payload, nvlink_built, received_in_order, refused_while_captured
 from test_gpu_alltoall import FAKE, _fake, _on, _run_entry_points
 from varcomm import arrays, dtypes
 from varcomm.collectives import alltoall as A
@@ -729,17 +729,8 @@ def test_fake_rdma_captured_recv_is_refused_and_the_message_kept(fake_cuda):
         else:
             out = gpu.alloc(BOUND)
             time.sleep(0.3)  # the first messages are in
-            g = ctypes.c_void_p()
             for tag in (0, 0, 1, 1):
-                assert gpu.lib.cuStreamBeginCapture_v2(ctypes.c_void_p(s), 2) == 0  # RELAXED
-                with pytest.raises(varcomm.InvalidArgument, match="captured"):
-                    c.recv_into(0, tag, out, BOUND, U8, 30.0, s)
-                assert gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(g)) == 0
-            h = c.recv_into(0, 1, out, BOUND, U8, 10.0, s)
-            gpu.sync(s)
-            assert h.nbytes == 500 and gpu.get(out, 500) == _payload(9, 500)
-            for i in range(4):
-                h = c.recv_into(0, 0, out, BOUND, U8, 10.0, s)
-                gpu.sync(s)
-                assert h.nbytes == n and gpu.get(out, n) == _payload(i, n), f"message {i}"
+                refused_while_captured(gpu, c, s, out, BOUND, tag, posted=False)
+            received_in_order(gpu, c, s, out, BOUND, 500, [9], tag=1)
+            received_in_order(gpu, c, s, out, BOUND, n, range(4))
         comm.barrier()

@@ -11,6 +11,7 @@ read a rank's memory anyway, is the attacker only where the test says so
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -407,6 +408,39 @@ def test_unsupported_numpy_dtype_on_the_fast_path_is_refused_by_the_sender():
         np.testing.assert_array_equal(comm.recv(src=0, tag=6), np.arange(3.0))
 
 
+@contextlib.contextmanager
+def _setup_store(rewrite=lambda k, v: v, on_set=lambda k, v: None):
+    """Communicator set-up meets an outsider at the store: a get of key k
+    returns rewrite(k, value), and on_set(k, v) runs before each set."""
+    from varcomm import comm as comm_mod
+
+    class Rewritten:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def set(self, k, v):
+            on_set(k, v)
+            self.inner.set(k, v)
+
+        def get(self, k):
+            return rewrite(k, bytes(self.inner.get(k)))
+
+    real = comm_mod.Communicator._setup
+
+    def patched(self):
+        inner, self._store = self._store, Rewritten(self._store)
+        try:
+            real(self)
+        finally:
+            self._store = inner
+
+    comm_mod.Communicator._setup = patched
+    try:
+        yield
+    finally:
+        comm_mod.Communicator._setup = real
+
+
 @world(2, timeout=40)
 def test_replayed_round0_records_do_not_reuse_a_keystream():
     """The store is writable by anyone who reaches it, and round-0 records are
@@ -415,48 +449,25 @@ def test_replayed_round0_records_do_not_reuse_a_keystream():
     derives that job again, and with it the same keystream for the encrypted
     rounds (csrc/routes.cpp keystream_xor: a two-time pad; the same pair tags
     too). Each rank must find its own fresh record in the store, else refuse."""
-    from varcomm import comm as comm_mod
-
     with varcomm.init(transport="shm", job_key=KEY, timeout=20) as comm:
         s = comm._store
         old0 = [bytes(s.get(f"setup/0/{r}")) for r in range(2)]
         old1 = bytes(s.get(f"setup/1/{comm.rank}"))
         comm.barrier()
 
-    class Replay:  # the outsider overwrote setup/0/* with the old job's records
-        def __init__(self, inner):
-            self.inner = inner
-
-        def set(self, k, v):
-            self.inner.set(k, v)
-
-        def get(self, k):
-            return old0[int(k.rsplit("/", 1)[1])] if k.startswith("setup/0/") else self.inner.get(k)
-
-    real = comm_mod.Communicator._setup
-
-    def replayed(self):
-        inner, self._store = self._store, Replay(self._store)
-        try:
-            real(self)
-        finally:
-            self._store = inner
-
-    comm_mod.Communicator._setup = replayed
-    try:
+    # the outsider overwrote setup/0/* with the old job's records
+    with _setup_store(lambda k, v: old0[int(k.rsplit("/", 1)[1])] if k.startswith("setup/0/") else v):
         try:
             comm = varcomm.init(transport="shm", job_key=KEY, timeout=20)
         except varcomm.InvalidArgument as e:
             assert "own set-up record of round 0" in str(e), e
             time.sleep(3)  # rank 0 hosts the store: let rank 1 find its own record first
             return
-        with comm:
-            new1 = bytes(comm._store.get(f"setup/1/{comm.rank}"))
-            comm.barrier()
-        head = len(b"varcomm-peer2 ")
-        assert new1[:head] != old1[:head], "the same keystream encrypted two jobs' records (replayed round 0)"
-    finally:
-        comm_mod.Communicator._setup = real
+    with comm:
+        new1 = bytes(comm._store.get(f"setup/1/{comm.rank}"))
+        comm.barrier()
+    head = len(b"varcomm-peer2 ")
+    assert new1[:head] != old1[:head], "the same keystream encrypted two jobs' records (replayed round 0)"
 
 
 @rdma_built
@@ -466,8 +477,6 @@ def test_rdma_descriptor_without_liveness_token_is_refused_as_malformed():
     dialer sends its rank alone) must be refused at set-up with what is wrong,
     as a descriptor without its other fields is: not a bare "stoull" from
     std::stoull("") escaping RdmaTransport::connect."""
-    from varcomm import comm as comm_mod
-
     MARK = b"\nvarcomm-mac "
 
     def strip_ltok(blob):
@@ -483,32 +492,11 @@ def test_rdma_descriptor_without_liveness_token_is_refused_as_malformed():
         out = [b" ".join(t for t in f.split(b" ") if not t.startswith(b"ltok=")) for f in out]
         return head + b"".join(str(len(f)).encode() + b":" + f for f in out) + MARK + b"none"
 
-    class Older:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def set(self, k, v):
-            self.inner.set(k, v)
-
-        def get(self, k):
-            v = bytes(self.inner.get(k))
-            return strip_ltok(v) if k.startswith("setup/1/") else v
-
-    real = comm_mod.Communicator._setup
-
-    def older(self):
-        inner, self._store = self._store, Older(self._store)
-        try:
-            real(self)
-        finally:
-            self._store = inner
-
-    comm_mod.Communicator._setup = older
     try:
-        with pytest.raises(varcomm.InvalidArgument, match="malformed descriptor"):
-            varcomm.init(transport="rdma", timeout=20)
+        with _setup_store(lambda k, v: strip_ltok(v) if k.startswith("setup/1/") else v):
+            with pytest.raises(varcomm.InvalidArgument, match="malformed descriptor"):
+                varcomm.init(transport="rdma", timeout=20)
     finally:
-        comm_mod.Communicator._setup = real
         time.sleep(2)  # rank 0 hosts the store
 
 
@@ -524,41 +512,20 @@ def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
     import re
     import socket
 
-    from varcomm import comm as comm_mod
-
     held = []
 
-    class Stall:
-        def __init__(self, inner):
-            self.inner = inner
+    def stall(k, v):
+        if k == "setup/1/1":  # before rank 0 can read it (and dial us)
+            m = re.search(rb"live=(\S+) port=(\d+)", bytes(v))
+            s = socket.create_connection((m.group(1).decode(), int(m.group(2))))
+            s.sendall(b"\x01")
+            held.append(s)
 
-        def set(self, k, v):
-            if k == "setup/1/1":  # before rank 0 can read it (and dial us)
-                m = re.search(rb"live=(\S+) port=(\d+)", bytes(v))
-                s = socket.create_connection((m.group(1).decode(), int(m.group(2))))
-                s.sendall(b"\x01")
-                held.append(s)
-            self.inner.set(k, v)
-
-        def get(self, k):
-            return self.inner.get(k)
-
-    real = comm_mod.Communicator._setup
-
-    def stalled(self):
-        inner, self._store = self._store, Stall(self._store)
-        try:
-            real(self)
-        finally:
-            self._store = inner
-
-    comm_mod.Communicator._setup = stalled
-    try:
-        with varcomm.init(transport="rdma", timeout=20, array="numpy") as comm:
-            if comm.rank == 0:
-                comm.send(np.arange(3.0), dst=1)
-            else:
-                np.testing.assert_array_equal(comm.recv(src=0), np.arange(3.0))
-                assert held
-    finally:
-        comm_mod.Communicator._setup = real
+    with _setup_store(on_set=stall):
+        comm = varcomm.init(transport="rdma", timeout=20, array="numpy")
+    with comm:
+        if comm.rank == 0:
+            comm.send(np.arange(3.0), dst=1)
+        else:
+            np.testing.assert_array_equal(comm.recv(src=0), np.arange(3.0))
+            assert held

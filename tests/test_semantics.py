@@ -205,7 +205,11 @@ def test_a_barrier_whose_store_host_died_raises_peer_failure(transport):
     """Rank 0 hosts the rendezvous store and dies: rank 1's barrier fails
     with PeerFailure saying the store stopped answering (it raised torch's
     DistNetworkError, "Broken pipe", which names no rank and is no varcomm
-    error), and the communicator still closes."""
+    error), and the communicator still closes, without writing to the store
+    again: that write failed too, and torch printed a second C++ stack trace
+    ("sendBytes failed ... Broken pipe", some 20 lines) on stderr."""
+    import tempfile
+
     comm = varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30)
     comm.barrier()
     if comm.rank == 0:
@@ -217,27 +221,6 @@ def test_a_barrier_whose_store_host_died_raises_peer_failure(transport):
     with pytest.raises(varcomm.PeerFailure, match="store stopped answering"):
         comm.barrier()
     assert time.monotonic() - t0 < 10
-    comm.close()
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@world(2, timeout=90, expect_exit={0: None})
-def test_close_after_the_store_was_lost_leaves_the_store_alone(transport):
-    """Once a barrier found the store's host gone, close() does not write to
-    the store again: that write failed too, and torch printed a second C++
-    stack trace ("sendBytes failed ... Broken pipe", some 20 lines) on stderr
-    of every surviving rank, after varcomm had already raised PeerFailure."""
-    import tempfile
-
-    comm = varcomm.init(transport=transport, bound=BOUND, slots=2, timeout=30)
-    comm.barrier()
-    if comm.rank == 0:
-        comm.recv(1)
-        os._exit(0)
-    comm.send(np.zeros(1), 0)
-    time.sleep(0.5)
-    with pytest.raises(varcomm.PeerFailure, match="store stopped answering"):
-        comm.barrier()
     with tempfile.TemporaryFile() as err:
         saved = os.dup(2)
         os.dup2(err.fileno(), 2)

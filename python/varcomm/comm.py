@@ -89,7 +89,8 @@ class P2PWork:
                 self._comm._settle_orphans()
             # Before finish: what finish does on the current stream (a strided
             # copy in, see _then) reads what the posting stream writes.
-            _order_after(self._stream)
+            if self._stream is not None:
+                _order_after(self._stream)
             finish = self._finish
             if finish is not None:
                 self._finish = None
@@ -203,6 +204,7 @@ class Communicator:
         self._owner = owner
         self._pid = os.getpid()
         self._closed = False
+        self._store_down = False  # a call found the store's host gone: close() leaves the store alone
         # Dropped receives whose message still has to be copied on (P2PWork settle):
         # run by the calls that follow (recv, irecv, isend, any wait, barrier, close).
         self._orphans: list[tuple[int, Callable[[], Any]]] = []
@@ -739,7 +741,7 @@ class Communicator:
     def _store_lost(self, what: str, e: Exception) -> PeerFailure:
         """The store stopped answering: its host (rank 0 under varcomm-run,
         the agent under torchrun) exited, or the network to it is down."""
-        self._store_down = True  # close() then leaves it alone (each failed call is a C++ stack trace from torch)
+        self._store_down = True  # (each later call to it would print a C++ stack trace from torch)
         dead = [why for r in range(self.world_size) if r != self.rank and (why := self._c.peer_error(r))]
         return PeerFailure(f"{what}: the rendezvous store stopped answering ({e}); "
                            + ("; ".join(dead) if dead else "the process that hosts it has most likely exited"))
@@ -768,7 +770,7 @@ class Communicator:
         # kernel writes its credits into this rank's workspace through CUDA IPC
         # (freed at once, a late peer wrote freed device memory).
         devices = [dev for dev in (self._device_p2p, self._device_a2a) if dev is not None]
-        store_down = getattr(self, "_store_down", False)
+        store_down = self._store_down
         try:  # (whatever the drain raises, ^C too, the finally frees the devices and the core)
             for dev in devices:
                 try:
@@ -783,7 +785,8 @@ class Communicator:
             except (RuntimeError, OSError):  # the store's host died: close without it
                 store_down = True
             self._c.goodbye()
-            self._flush(time.monotonic() + _CLOSE_FLUSH_S, store_down)
+            if not store_down:  # (else its peers are gone with it: nothing to wait for)
+                self._flush(time.monotonic() + _CLOSE_FLUSH_S)
             # Every rank waits for the others (or their deaths) before tearing its
             # transports down: peers may still be writing into our region, and rank
             # 0 hosts the store. Progress meanwhile so their writes complete.
@@ -809,12 +812,9 @@ class Communicator:
                 self._fallback.close()
             self._c.close()
 
-    def _flush(self, deadline: float, store_down: bool = False) -> None:
+    def _flush(self, deadline: float) -> None:
         """Drive queued sends until written, `deadline`, or every receiver left
-        has closed (it receives nothing more) or died (the core fails those).
-        `store_down`: the store is gone, so are its peers: nothing to wait for."""
-        if store_down:
-            return
+        has closed (it receives nothing more) or died (the core fails those)."""
         checked = 0.0
         while pending := self._c.unflushed():
             now = time.monotonic()

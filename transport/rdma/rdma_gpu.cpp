@@ -360,7 +360,9 @@ class RdmaGpuTransport final : public Transport {
       throw Error(ErrorKind::PeerFailure, "recv from rank " + std::to_string(peer) + " failed: peer failure: " +
                                               host_->peer_error(peer), peer);
     const size_t nch = chunks(h->nbytes, chunk_);
-    if (n && dst && !is_host(dst)) {  // refused before this message's chunks are counted (it stays for the next receive)
+    // (Into device memory: the stream is refused before this message's chunks
+    // are counted, so a refused message stays for the next receive.)
+    if (n && dst && !is_host(dst)) {
       CtxScope scope(d_, ctx_);
       check_stream(s, "recv");
     }
@@ -400,8 +402,7 @@ class RdmaGpuTransport final : public Transport {
       }
       return host_->write_u64(peer, credit_off, seq);
     }
-    CtxScope scope(d_, ctx_);
-    check_stream(s, "recv");
+    CtxScope scope(d_, ctx_);  // (its stream checked above)
     const CUdeviceptr flag = devptr(landed(j));
     for (size_t c = 0; c < nch; ++c) {
       size_t at = c * chunk_;

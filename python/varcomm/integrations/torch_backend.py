@@ -343,13 +343,9 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
             # the Work's own: dropped unwaited, it still fills output (it was left unwritten)
             w = cast(_a2a.AllToAllWork, w)._then(copy_in)
-
-        def finish(timeout: float | None) -> None:
-            w.wait(timeout)
-
         # poll: is_completed() turns True once every pair's data is in (without
         # it a loop polling is_completed() never ended: it stayed False until wait)
-        return VarcommWork(finish, w.is_completed, [output])
+        return VarcommWork(w.wait, w.is_completed, [output])
 
     # torch calls it by both names (dist.all_to_all_single; functional collectives)
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # torch's stub overloads it
@@ -372,11 +368,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
 
         if any(d is not o for o, d in zip(output_tensors, dsts)):
             w = cast(_a2a.AllToAllWork, w)._then(copy_in)  # as all_to_all_single's
-
-        def finish(timeout: float | None) -> None:
-            w.wait(timeout)
-
-        return VarcommWork(finish, w.is_completed, list(output_tensors))
+        return VarcommWork(w.wait, w.is_completed, list(output_tensors))
 
     # ---- everything else: gloo (CPU) or NCCL (CUDA) ------------------------------
     # Each collective is delegated here, in Python, rather than left to torch's
