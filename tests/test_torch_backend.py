@@ -675,3 +675,26 @@ def test_varcomm_distributed_works_on_torchs_varcomm_default_group():
     finally:
         dist.destroy_process_group()
     assert not vdist.is_initialized()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "varcomm"])
+@world(2, timeout=90)
+def test_varcomm_init_after_torch_distributed_uses_its_store(backend):
+    """varcomm.init() after init_process_group (nccl or gloo first, as in
+    Megatron, or varcomm) takes torch's default store, rank and size: it bound
+    MASTER_PORT again and failed with "a store already answers there"."""
+    dist.init_process_group(backend)
+    try:
+        c = varcomm.init()
+        try:
+            r = dist.get_rank()
+            assert (c.rank, c.world_size) == (r, 2)
+            if r == 0:
+                c.send(torch.arange(4.0), 1)
+            else:
+                assert c.recv(0).tolist() == [0.0, 1.0, 2.0, 3.0]
+            dist.barrier()  # torch's group still works beside it
+        finally:
+            c.close()
+    finally:
+        dist.destroy_process_group()

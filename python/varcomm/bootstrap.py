@@ -371,6 +371,20 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
                               "says why") from None
 
 
+def torch_default_group() -> tuple[Store, int, int] | None:
+    """(store, rank, world_size) of torch.distributed's default group where this
+    process initialized one, else None: binding MASTER_PORT again would find
+    that group's store already there."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return _get_default_store(), dist.get_rank(), dist.get_world_size()
+
+
 def make_store(p: Placement, store: Store | None, timeout: float | None, init_timeout: float | None = None,
                prefix: str | None = None) -> tuple[Store, TCPStore | None]:
     """(store, owner): a prefix store unique to this communicator, once every

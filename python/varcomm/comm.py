@@ -888,6 +888,9 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
 
     rank/world_size default to the launcher's environment (varcomm-run, torchrun,
     mpirun, srun); `store` defaults to a TCPStore at MASTER_ADDR:MASTER_PORT.
+    Where torch.distributed is initialized already (any backend: nccl, gloo,
+    varcomm) and neither rank nor store is given, its default group's store,
+    rank and size are used: its rank 0 hosts MASTER_PORT's store already.
     prefix: with store=, the key prefix of this communicator (else an instance count).
     options: any field of varcomm.options.Options, by name; each defaults to its
     VARCOMM_* variable, then to its default (README "Options and environment"):
@@ -904,6 +907,10 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
     An unknown option raises TypeError; a bad value, InvalidArgument.
     """
     opts = Options.resolve(keyword_origin="init", **options)
+    if store is None and rank is None and world_size is None:
+        group = bootstrap.torch_default_group()
+        if group is not None:
+            store, rank, world_size = group
     return connect(opts, rank, world_size, store, prefix)
 
 
