@@ -40,11 +40,11 @@ test: build lint
 
 # The main job, then a short run of the benchmark suite (bench/, package
 # varcomm_bench: p2p, varlen, alltoall) with its baselines, writing
-# bench/results/demo.{png,json}.
+# build/demo.{png,json} (untracked: bench/results/demo.png is a recorded run).
 demo: build
 	$(PY) -m varcomm.run -n 2 --timeout 300 examples/demo.py
 	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m varcomm_bench all --quick -c \
-		--plot bench/results/demo.png --json bench/results/demo.json
+		--plot build/demo.png --json build/demo.json
 
 # The recorded point-to-point sweep: bench/results/p2p-<date>.{json,md}.
 bench: build
