@@ -508,7 +508,10 @@ def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
     bytes of the handshake (rank, token), then nothing. The acceptor polled for
     readability, then blocked in recv(MSG_WAITALL) for the other 15 for ever,
     holding the transport's lock: set-up never ended. It must drop that
-    connection and take rank 0's."""
+    connection and take rank 0's. Then a crowd of strangers, silent or
+    partial, connects first: each held the acceptor for its whole 2 s
+    handshake limit, one after another (12 of them: 24 s); they must be
+    waited on together."""
     import re
     import socket
 
@@ -517,12 +520,17 @@ def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
     def stall(k, v):
         if k == "setup/1/1":  # before rank 0 can read it (and dial us)
             m = re.search(rb"live=(\S+) port=(\d+)", bytes(v))
-            s = socket.create_connection((m.group(1).decode(), int(m.group(2))))
-            s.sendall(b"\x01")
-            held.append(s)
+            for i in range(12):
+                s = socket.create_connection((m.group(1).decode(), int(m.group(2))))
+                if i % 2:
+                    s.sendall(b"\x01")
+                held.append(s)
 
+    t0 = time.monotonic()
     with _setup_store(on_set=stall):
         comm = varcomm.init(transport="rdma", timeout=20, array="numpy")
+    took = time.monotonic() - t0
+    assert took < 12, f"set-up took {took:.1f} s beside 12 stalled strangers"
     with comm:
         if comm.rank == 0:
             comm.send(np.arange(3.0), dst=1)

@@ -371,6 +371,12 @@ class RdmaTransport final : public Transport, public rdma::Port {
   uint64_t stream_chunk_ = 0;   // option rdma_chunk: host messages over twice this stream in such chunks
   size_t max_ride_ = 0;         // credits per message write: rma_iov_limit - 1, at most kMaxRide
   int listen_fd_ = -1;
+  struct Handshake {
+    int fd;
+    Clock::time_point until;
+    bool partial;  // some of its 16 bytes came
+  };
+  std::vector<Handshake> handshaking_;  // liveness connections accepted, their rank and token not yet read
   std::string live_ip_;
   int live_port_ = 0;
   // Sent with our rank when we dial a peer's liveness port, and published in
@@ -581,6 +587,8 @@ void RdmaTransport::close_all() {
     p.sock = -1;
   }
   if (listen_fd_ >= 0) close(listen_fd_);
+  for (const Handshake& h : handshaking_) close(h.fd);
+  handshaking_.clear();
   for (Op& op : ops_)
     if (op.mr) fi_close(&op.mr->fid), op.mr = nullptr;
   if (region_mr_) fi_close(&region_mr_->fid);
@@ -736,38 +744,51 @@ void RdmaTransport::connect(int peer, const std::string& descriptor) {
 
 void RdmaTransport::accept_pending(int wait_ms) {
   auto deadline = Clock::now() + std::chrono::milliseconds(wait_ms);
+  // The dialer sends its rank and its token right after connecting. Anyone
+  // may reach this port, so no connection is waited on by itself: each
+  // waits here, non-blocking, for its 16 bytes (up to kHandshakeMs), while
+  // the others, and new ones, are served. (One at a time, every silent
+  // stranger held the loop, and our lock, for the whole handshake limit.)
+  constexpr int kHandshakeMs = 2000;
+  struct Hi {
+    int32_t rank;
+    uint32_t pad;
+    uint64_t token;
+  };
   for (;;) {
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) {
-      bool missing = false;
-      for (int q = 0; q < rank_; q++) missing |= peers_[size_t(q)].connected && peers_[size_t(q)].sock < 0;
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (!missing || left <= 0) return;
-      pollfd pf{listen_fd_, POLLIN, 0};
-      poll(&pf, 1, int(std::min<long>(left, 100)));
-      continue;
+    auto now = Clock::now();
+    for (int fd; (fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0;)
+      handshaking_.push_back({fd, now + std::chrono::milliseconds(kHandshakeMs), false});
+    for (size_t i = 0; i < handshaking_.size();) {
+      int fd = handshaking_[i].fd;
+      Hi hi{-1, 0, 0};
+      ssize_t k = recv(fd, &hi, sizeof hi, MSG_PEEK | MSG_DONTWAIT);
+      bool complete = k == ssize_t(sizeof hi);
+      bool waiting = (k > 0 && !complete) || (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
+      if (waiting && now < handshaking_[i].until) {
+        handshaking_[i++].partial = k > 0;
+        continue;
+      }
+      handshaking_[i] = handshaking_.back();
+      handshaking_.pop_back();
+      int32_t who = hi.rank;
+      if (!complete || recv(fd, &hi, sizeof hi, MSG_DONTWAIT) != ssize_t(sizeof hi) || who < 0 ||
+          who >= world_ || !peers_[size_t(who)].connected || hi.token != peers_[size_t(who)].live_token ||
+          peers_[size_t(who)].sock >= 0) {
+        close(fd);
+        continue;
+      }
+      set_keepalive(fd, timeout_s_);
+      peers_[size_t(who)].sock = fd;
     }
-    // The dialer sends its rank and its token right after connecting.
-    struct {
-      int32_t rank;
-      uint32_t pad;
-      uint64_t token;
-    } hi{-1, 0, 0};
-    pollfd pf{fd, POLLIN, 0};
-    // Bounded: a connection that sends part of the handshake and stalls
-    // (anyone may reach this port) would hold recv(MSG_WAITALL), and our lock, for ever.
-    timeval rt{2, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &rt, sizeof rt);
-    int32_t who = -1;
-    if (poll(&pf, 1, 2000) != 1 || recv(fd, &hi, sizeof hi, MSG_WAITALL) != ssize_t(sizeof hi) ||
-        (who = hi.rank) < 0 || who >= world_ || !peers_[size_t(who)].connected ||
-        hi.token != peers_[size_t(who)].live_token || peers_[size_t(who)].sock >= 0) {
-      close(fd);
-      continue;
-    }
-    set_keepalive(fd, timeout_s_);
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-    peers_[size_t(who)].sock = fd;
+    bool missing = false;
+    for (int q = 0; q < rank_; q++) missing |= peers_[size_t(q)].connected && peers_[size_t(q)].sock < 0;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (!missing || left <= 0) return;
+    std::vector<pollfd> pf{{listen_fd_, POLLIN, 0}};
+    for (const Handshake& h : handshaking_)  // a partial one stays readable: looked at again on the next round
+      if (!h.partial) pf.push_back({h.fd, POLLIN, 0});
+    poll(pf.data(), pf.size(), int(std::min<long>(left, 100)));
   }
 }
 
