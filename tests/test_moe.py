@@ -272,3 +272,42 @@ def test_a_dtype_or_width_mismatch_in_dispatch_is_told_in_the_tokens_terms():
         assert ei.value.peer == 1 - r
         et, _, h = dispatch(comm, torch.ones(3, 4), torch.full((3, 1), 1 - r), torch.ones(3, 1), 2)  # pairs up
         assert torch.equal(combine(comm, et, h), torch.ones(3, 4))
+
+
+@world(2, timeout=60)
+def test_mistaken_argument_types_are_refused_to_the_peer_too():
+    """A float num_experts, numpy tokens, no topk_weights or numpy expert
+    outputs on one rank raised torch's own error (NotImplementedError,
+    AttributeError), which was not refused to the peer: its call paired with
+    this rank's next and took that step's tokens, with no error. Now each is
+    InvalidArgument naming the argument, the peer's same call fails naming
+    this rank, and the next step pairs up."""
+    with varcomm.init(timeout=30) as comm:
+        r, E, T = comm.rank, 4, 2
+        mistakes = [dict(num_experts=float(E)), dict(tokens="numpy"), dict(topk_weights=None), dict(outputs="numpy")]
+        for step, wrong in enumerate(mistakes + [{}]):
+            tokens = torch.full((T, 3), float(100 * step + r))
+            ids = torch.full((T, 1), E - 1 if r == 0 else 0)  # each rank's tokens go to the other's expert
+            mine = wrong if r == 1 else {}
+            args = (tokens.numpy() if mine.get("tokens") else tokens, ids,
+                    None if "topk_weights" in mine else torch.ones(T, 1), mine.get("num_experts", E))
+            if "outputs" not in wrong:
+                if r == 1 and wrong:
+                    with pytest.raises(varcomm.InvalidArgument, match="num_experts must be an int|torch.Tensor"):
+                        dispatch(comm, *args)
+                    continue
+                if r == 0 and wrong:
+                    with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
+                        dispatch(comm, *args)
+                    continue
+            et, _, h = dispatch(comm, *args)
+            assert set(et[:, 0].tolist()) == {float(100 * step + 1 - r)}, (step, et)
+            if "outputs" in wrong:
+                if r == 1:
+                    with pytest.raises(varcomm.InvalidArgument, match="expert_outputs must be a torch.Tensor"):
+                        combine(comm, et.numpy(), h)
+                else:
+                    with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
+                        combine(comm, et, h)
+                continue
+            assert torch.equal(combine(comm, et, h), tokens)

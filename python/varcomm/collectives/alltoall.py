@@ -28,6 +28,7 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, c
 import numpy as np
 
 from .. import _C, arrays, dtypes
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, VarcommError
 from . import alltoall_device
 
 if TYPE_CHECKING:
@@ -169,18 +170,24 @@ def _in_step(fn: _F) -> _F:
     out) refuses it to every peer too (the core's AllToAll::refuse): they fail
     that same call at once, naming this rank, where they would otherwise pair
     their next call with this rank's next, and take each other's data.
-    Nested entry points (moe.dispatch around all_to_all_v) refuse once."""
+    Nested entry points (moe.dispatch around all_to_all_v) refuse once. Any
+    exception before the core took the number refuses, not only the
+    InvalidArgument of a check: an argument no check foresaw (a numpy array
+    where a tensor goes) fails inside torch with its own error."""
     @functools.wraps(fn)
     def call(comm: Communicator, *args: Any, **kw: Any) -> Any:
         before = comm._c.collectives
         try:
             return fn(comm, *args, **kw)
-        except InvalidArgument as e:
-            if comm._c.collectives == before and not getattr(e, "_refused_to_peers", False) \
+        except Exception as e:
+            # (A closed communicator or a failed peer: nothing to refuse through.)
+            failure = isinstance(e, VarcommError) and not isinstance(e, InvalidArgument)
+            if comm._c.collectives == before and not failure and not getattr(e, "_refused_to_peers", False) \
                     and not _device_protocol(fn.__name__, args, kw):
                 tag = kw.get("tag")
                 _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0)
-                e._refused_to_peers = True  # type: ignore[attr-defined]
+                with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
+                    e._refused_to_peers = True  # type: ignore[attr-defined]
             raise
     return cast(_F, call)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from .. import arrays
@@ -215,6 +216,14 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     ``topk_ids`` on the GPU: the device-routed form (moe_device.dispatch): no
     count reaches the host, ``expert_tokens`` is bound-sized and expert-major,
     ``tokens_per_expert`` is on the device."""
+    for name, t in (("tokens", tokens), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(f"moe.dispatch: {name} must be a torch.Tensor, not {type(t).__name__} "
+                                  "(torch.as_tensor(...) it)")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
+        raise InvalidArgument(f"moe.dispatch: num_experts must be an int, not {type(num_experts).__name__} "
+                              f"({num_experts!r})")
+    num_experts = int(num_experts)
     if topk_ids.is_cuda:
         from . import moe_device
 
@@ -245,6 +254,9 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
     original order. ``expert_outputs`` [R, H'] rows match dispatch's
     ``expert_tokens`` rows (H' may differ from H). Differentiable in
     ``expert_outputs`` and in ``topk_weights``."""
+    if not isinstance(expert_outputs, torch.Tensor):
+        raise InvalidArgument(f"moe.combine: expert_outputs must be a torch.Tensor, not "
+                              f"{type(expert_outputs).__name__} (torch.as_tensor(...) it)")
     if not (expert_outputs.dtype.is_floating_point or expert_outputs.dtype.is_complex):
         # The weights are applied in the outputs' dtype: 0.5 became 0, every token's sum 0.
         raise InvalidArgument(f"combine: expert_outputs are {expert_outputs.dtype}, and the topk_weights would be "
