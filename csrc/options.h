@@ -16,6 +16,7 @@ struct Options {
   int slots = 8;                 // ring depth per sending peer
   int spin_us = 50;              // busy-poll before yielding; 0 when ranks outnumber cores
   std::string transport = "auto";  // auto | shm | rdma | fallback
+  std::string a2a_algorithm = "auto";  // auto (one-phase) | one-phase | two-phase: the same on every rank (set-up)
   std::string rdma_provider;     // libfabric provider spec; "" = rdma_default_providers() in order
   std::string rdma_iface;        // libfabric domain; "" = the provider's first non-loopback one
   double peer_timeout = 5;       // seconds of silence before an rdma peer counts as gone

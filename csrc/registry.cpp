@@ -55,13 +55,14 @@ const TransportFactory* find_transport(const std::string& name) {
 }
 
 std::string PeerInfo::encode() const {
-  std::string out = "varcomm-peer2 ";
+  std::string out = "varcomm-peer3 ";
   put(out, host);
   put(out, std::to_string(layout.world));
   put(out, std::to_string(layout.nslots));
   put(out, std::to_string(layout.bound));
   put(out, std::to_string(layout.landing));
   put(out, transport);
+  put(out, a2a_algorithm);
   put(out, std::to_string(desc.size()));
   for (auto& kv : desc) {
     put(out, kv.first);
@@ -71,7 +72,7 @@ std::string PeerInfo::encode() const {
 }
 
 PeerInfo PeerInfo::decode(const std::string& blob, int rank) {
-  static const std::string magic = "varcomm-peer2 ";
+  static const std::string magic = "varcomm-peer3 ";
   if (blob.compare(0, magic.size(), magic) != 0)
     throw Error(ErrorKind::Invalid, "rank " + std::to_string(rank) + " runs another varcomm version (set-up record)");
   PeerInfo p;
@@ -84,6 +85,7 @@ PeerInfo PeerInfo::decode(const std::string& blob, int rank) {
     p.layout.bound = std::stoull(take(blob, at, rank));
     p.layout.landing = std::stoull(take(blob, at, rank));
     p.transport = take(blob, at, rank);
+    p.a2a_algorithm = take(blob, at, rank);
     size_t n = std::stoull(take(blob, at, rank));
     for (size_t i = 0; i < n; ++i) {
       std::string k = take(blob, at, rank);

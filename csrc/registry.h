@@ -24,6 +24,7 @@ struct PeerInfo {
   std::string host;  // host_key(): equal iff two ranks can share memory
   Layout layout;
   std::string transport;  // its Options::transport: routes are chosen alike only when every rank has the same
+  std::string a2a_algorithm;  // its Options::a2a_algorithm: an all-to-all pairs up only where every rank has the same
   std::map<std::string, std::string> desc;  // transport name -> Transport::expose() result
 
   bool has(const std::string& transport) const { return desc.count(transport) != 0; }

@@ -190,6 +190,14 @@ std::optional<std::string> Setup::step(const std::vector<std::string>& sealed) {
           invalid("rank " + std::to_string(r) + " was started with transport='" + p.transport + "' but rank " +
                   std::to_string(e_.rank()) + " with transport='" + o_.transport +
                   "': every rank must pass the same transport= (VARCOMM_TRANSPORT)");
+        // A one-phase rank takes a two-phase rank's descriptors for chunks
+        // (and the reverse): every all-to-all would fail, and leave the two
+        // out of step for good.
+        auto two_phase = [](const std::string& a) { return a == "two-phase"; };
+        if (two_phase(p.a2a_algorithm) != two_phase(o_.a2a_algorithm))
+          invalid("rank " + std::to_string(r) + " was started with a2a_algorithm='" + p.a2a_algorithm +
+                  "' but rank " + std::to_string(e_.rank()) + " with a2a_algorithm='" + o_.a2a_algorithm +
+                  "': every rank must pass the same a2a_algorithm= (VARCOMM_A2A_ALGORITHM)");
       }
       return seal(connect_peers(), 2);
     case 2:
@@ -206,6 +214,7 @@ void Setup::open_transports() {
   me_.host = hosts_[size_t(rank)];
   me_.layout = e_.layout();
   me_.transport = o_.transport;
+  me_.a2a_algorithm = o_.a2a_algorithm;
   bool any_remote = std::any_of(hosts_.begin(), hosts_.end(), [&](const std::string& h) { return h != me_.host; });
   const std::string& forced = o_.transport;
   const TransportFactory* forced_f = find_transport(forced);

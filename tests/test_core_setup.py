@@ -2,6 +2,8 @@
 check that refuses a descriptor naming another region, and Status."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,27 @@ def test_setup_refuses_ranks_started_with_different_transports():
         with pytest.raises(varcomm.InvalidArgument, match="every rank must pass the same transport="):
             x.setup_step(outs)
         x.close()
+
+
+@world(1)
+def test_setup_refuses_ranks_started_with_different_a2a_algorithms():
+    """A one-phase rank took a two-phase rank's descriptors for chunks: the
+    first all-to-all failed with a wrong MessageTooLarge and every later one
+    timed out (the ranks out of step for good). Refused at set-up now; auto is
+    one-phase, so it pairs with one-phase."""
+    pairs = [("two-phase", "auto", True), ("one-phase", "two-phase", True), ("auto", "one-phase", False)]
+    for a, b, refused in pairs:
+        cs = [_C.Comm(0, 2, core_options(a2a_algorithm=a)), _C.Comm(1, 2, core_options(a2a_algorithm=b))]
+        outs = [x.setup_begin() for x in cs]
+        outs = [x.setup_step(outs) for x in cs]
+        for x in cs:
+            if refused:
+                with pytest.raises(varcomm.InvalidArgument, match="every rank must pass the same a2a_algorithm="):
+                    x.setup_step(outs)
+            else:  # (two communicators of one process cannot go on to map each other: only the check is asked)
+                with contextlib.suppress(varcomm.PeerFailure):
+                    x.setup_step(outs)
+            x.close()
 
 
 @world(1)

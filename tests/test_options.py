@@ -22,7 +22,7 @@ PACKAGE = ROOT / "python" / "varcomm"
 CORE_KEYS = {"bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
              "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags",
              "nvlink_kernel_max", "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma", "landing",
-             "shm_stores"}
+             "shm_stores", "a2a_algorithm"}
 
 
 # ---------------------------------------------------------------------------

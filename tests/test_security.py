@@ -55,7 +55,7 @@ def get(key):
     return blob[:at] if at >= 0 else blob
 
 def fields(rec):
-    head = b"varcomm-peer2 "
+    head = b"varcomm-peer3 "
     assert rec.startswith(head), rec[:40]
     out, at = [], len(head)
     while at < len(rec):
@@ -100,7 +100,7 @@ if mode in ("shm", "lie", "lie-layout"):
     publish(0, host_key + b"\n" + os.urandom(16).hex().encode())
     f = fields(get("setup/1/0"))
     world, nslots, bound = int(f[1]), int(f[2]), int(f[3])
-    descs = dict(zip(f[7::2], f[8::2]))
+    descs = dict(zip(f[8::2], f[9::2]))
     # "lie": descriptor and control block claim 64x the memfd; "lie-layout":
     # they are honest, the published layout (what rank 0 writes by) lies.
     claimed = bound * 64 if mode.startswith("lie") else bound
@@ -117,7 +117,7 @@ if mode in ("shm", "lie", "lie-layout"):
     # the last field: where the region is mapped (for CMA); refused before anyone reads it
     descs[b"shm"] = f"{pid}:{fd}:{total}:{start}:{nslots}:{mapped}:0:0".encode()
     # landing 0: the attacker region has no landing area (its control block says 0 too)
-    rec = b"varcomm-peer2 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), b"0", f[5]))
+    rec = b"varcomm-peer3 " + b"".join(put(x) for x in (f[0], f[1], f[2], str(claimed).encode(), b"0", f[5], f[6]))
     rec += put(str(len(descs)).encode()) + b"".join(put(k) + put(v) for k, v in sorted(descs.items()))
     publish(1, rec)
     get("setup/2/0")
@@ -137,7 +137,7 @@ elif mode == "rdma":
     # it for that alone) stands in for. It still cannot compute a pair tag.
     recs = [fields(unseal(1, r, sys.argv[6])) for r in (0, 1)]
     def rdma_desc(f):
-        d = dict(zip(f[7::2], f[8::2]))[b"rdma"].decode()
+        d = dict(zip(f[8::2], f[9::2]))[b"rdma"].decode()
         return dict(tok.split("=", 1) for tok in d.split())
     d0, d1 = rdma_desc(recs[0]), rdma_desc(recs[1])
     world, nslots, bound = int(recs[0][1]), int(recs[0][2]), int(recs[0][3])
@@ -160,7 +160,7 @@ elif mode == "tamper":
     forge = sys.argv[5]
     try:
         f = fields(get("setup/1/1"))
-        d = dict(tok.split("=", 1) for tok in dict(zip(f[7::2], f[8::2]))[b"rdma"].decode().split())
+        d = dict(tok.split("=", 1) for tok in dict(zip(f[8::2], f[9::2]))[b"rdma"].decode().split())
     except Exception as e:  # no readable descriptor: nothing to aim at
         print(__import__("json").dumps({"rc": -1, "out": f"no rdma descriptor in the store: {e!r}"}), flush=True)
         sys.exit(0)
@@ -466,7 +466,7 @@ def test_replayed_round0_records_do_not_reuse_a_keystream():
     with comm:
         new1 = bytes(comm._store.get(f"setup/1/{comm.rank}"))
         comm.barrier()
-    head = len(b"varcomm-peer2 ")
+    head = len(b"varcomm-peer3 ")
     assert new1[:head] != old1[:head], "the same keystream encrypted two jobs' records (replayed round 0)"
 
 
@@ -481,7 +481,7 @@ def test_rdma_descriptor_without_liveness_token_is_refused_as_malformed():
 
     def strip_ltok(blob):
         rec = blob[:blob.rfind(MARK)]
-        head = b"varcomm-peer2 "
+        head = b"varcomm-peer3 "
         out, at = [], len(head)
         while at < len(rec):
             colon = rec.index(b":", at)

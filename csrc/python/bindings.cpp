@@ -151,7 +151,7 @@ Options options_from_dict(const py::dict& d) {
       "bound", "slots", "spin_us", "transport", "rdma_provider", "rdma_iface", "peer_timeout", "rdma_strict",
       "rdma_eager_credits", "liveness_addr", "debug", "nvlink", "cuda_device", "nvlink_flags", "nvlink_kernel_max",
       "eager_max", "max_message", "job_key", "rdma_chunk", "rdma_hmem", "cma", "landing",
-      "shm_stores"};
+      "shm_stores", "a2a_algorithm"};
   std::set<std::string> seen;
   for (auto kv : d) {
     std::string k = py::str(kv.first);
@@ -203,6 +203,8 @@ Options options_from_dict(const py::dict& d) {
   one_of("cma", o.cma, {"auto", "on", "off", "chunks"});
   get("shm_stores", &o.shm_stores);
   one_of("shm_stores", o.shm_stores, {"auto", "ordinary", "streaming"});
+  get("a2a_algorithm", &o.a2a_algorithm);
+  one_of("a2a_algorithm", o.a2a_algorithm, {"auto", "one-phase", "two-phase"});
   one_of("transport", o.transport, {"auto", "shm", "rdma", "fallback"});
   one_of("nvlink", o.nvlink, {"auto", "on", "off"});
   one_of("nvlink_flags", o.nvlink_flags, {"device", "host"});

@@ -254,6 +254,7 @@ class CoreOptions(TypedDict):
     rdma_hmem: str
     cma: str
     shm_stores: str
+    a2a_algorithm: str
 
 
 class _Declared:
@@ -412,7 +413,7 @@ class Options(_Declared):
                             "is written (0: no limit; GPU memory is also held to the receiver's bound)", "0 (none)")
     a2a_algorithm: str = _opt("VARCOMM_A2A_ALGORITHM", _choice("auto", "one-phase", "two-phase"), "auto",
                               "all-to-all: `one-phase` (shapes travel with the data), `two-phase` (counts first); "
-                              "`auto`: one-phase")
+                              "`auto`: one-phase. The same on every rank (set-up refuses ranks that differ)")
     torch_nccl: bool = _opt("VARCOMM_TORCH_NCCL", _BOOL, True,
                             "torch backend: run CUDA tensors' collectives on NCCL", "`1`")
     job_key: str = _opt("VARCOMM_JOB_KEY", _TEXT, "",
@@ -442,7 +443,7 @@ class Options(_Declared):
             "landing": self.landing,
             "max_message": self.max_message, "job_key": self.job_key,
             "rdma_chunk": self.rdma_chunk, "rdma_hmem": self.rdma_hmem, "cma": self.cma,
-            "shm_stores": self.shm_stores,
+            "shm_stores": self.shm_stores, "a2a_algorithm": self.a2a_algorithm,
         }
 
 
