@@ -366,6 +366,89 @@ def test_fake_errors_are_reported_and_the_path_stays_usable(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_a_call_one_rank_refuses_or_raises_early_keeps_the_ranks_in_step(fake_cuda):
+    """Device all-to-alls that fail on one rank's host leave every rank in
+    step. (1) rank 1's out has another dtype: rank 1 raised InvalidArgument
+    and launched nothing, so rank 0's call waited for a chunk that never came
+    (its kernels timed out, and the device path failed for good). Now rank 1
+    launches the call empty: rank 0 gets MessageMismatch naming it, 0 rows
+    from it. (2) out too small on rank 1 only: its error was raised by its
+    next call before that call was launched, so rank 0's next call paired with
+    rank 1's one after. Now the next call is launched first, then raises the
+    earlier call's error. In both, the call after pairs up."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 8
+
+    def call(step, out_dtype="float32", out_rows=8):
+        x = FakeArray(gpu, (4, W), "float32", s)
+        x.host[...] = 100 * step + r
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (out_rows, W), out_dtype, s)
+        _, oso = comm.all_to_all_v(x, sp, out=out)
+        return x, sp, out, oso
+
+    def paired(step):
+        keep = call(step)
+        D.synchronize(comm, s)
+        assert _host(keep[3])[0].tolist() == [2, 2]
+        assert keep[2].host[:4, 0].tolist() == [100 * step, 100 * step, 100 * step + 1, 100 * step + 1]
+
+    with comm:
+        paired(0)  # sets up
+        if r == 1:
+            with pytest.raises(varcomm.InvalidArgument, match="must agree in dtype"):
+                call(1, out_dtype="int32")
+        else:
+            keep = call(1)
+            with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused its part of this call"):
+                D.synchronize(comm, s)
+            assert _host(keep[3])[0].tolist() == [2, 0]
+        paired(2)
+        keep = call(3, out_rows=3 if r == 1 else 8)  # rank 1: rank 1's own 2 rows do not fit after rank 0's
+        D.synchronize(comm, s) if r == 0 else time.sleep(0.5)  # rank 1: its error is recorded, not raised
+        if r == 1:
+            with pytest.raises(varcomm.MessageTooLarge, match=r"do not fit out .*call 4\)"):
+                keep = call(4)
+        else:
+            keep = call(4)
+        D.synchronize(comm, s)
+        paired(5)
+
+
+@world(2, timeout=120)
+def test_fake_moe_argument_errors_on_one_rank_are_refused_to_the_other(fake_cuda):
+    """moe_device.dispatch with float topk_ids, and moe.combine with integer
+    expert outputs, on rank 1 only: rank 0's same call fails with
+    MessageMismatch naming rank 1 (its kernels waited for rank 1's chunk until
+    the timeout, and the device path failed for good), and the next dispatch
+    and combine pair up."""
+    from varcomm.collectives import moe, moe_device
+
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    with comm:
+        ids = torch.full((3, 1), 1 - r)
+        tok = torch.full((3, 4), float(r))
+        if r == 1:
+            with pytest.raises(varcomm.InvalidArgument, match="integer"):
+                moe_device.dispatch(comm, tok, ids.double() + 0.7, torch.ones(3, 1), 2, stream=s)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused its part"):
+                moe_device.dispatch(comm, tok, ids, torch.ones(3, 1), 2, stream=s)
+        et, tpe, h = moe_device.dispatch(comm, tok, ids, torch.ones(3, 1), 2, stream=s)
+        assert int(tpe.sum()) == 3 and torch.equal(et[:3], torch.full((3, 4), float(1 - r)))
+        if r == 1:
+            with pytest.raises(varcomm.InvalidArgument, match="floating-point expert outputs"):
+                moe.combine(comm, et.long(), h)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused its part"):
+                moe.combine(comm, et, h)
+        assert torch.equal(moe.combine(comm, et, h), tok)
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_receiver_does_not_trust_the_senders_header(fake_cuda):
     """Rank 1 plays a buggy peer: instead of calling, it writes rank 0's slot
     for it through its IPC mapping, first with rows over the slot (out has
@@ -1176,8 +1259,13 @@ def _cuda_like(shape, dtype=torch.float32, device=0) -> _CudaLike:
 class _StubHandle:
     def __init__(self) -> None:
         self.launches = 0
+        self.refused: list[int] = []  # the streams of calls refused (launched empty)
 
     def launch(self, *args) -> None:
+        self.launches += 1
+
+    def refuse(self, stream, timeout) -> None:
+        self.refused.append(stream)
         self.launches += 1
 
 
@@ -1198,9 +1286,10 @@ def fake_torch_streams(monkeypatch) -> None:
 @pytest.mark.parametrize("which", ["x", "splits", "out", "out_splits_offsets"])
 def test_torch_tensor_on_another_gpu_is_refused(which, fake_torch_streams):
     """A torch CUDA tensor on another GPU than the communicator's is refused
-    before any launch, naming the tensor, both devices and what to do (the
-    kernels would address it through the wrong device). Verified on the CPU
-    stand-in only (tensors that say they are on cuda:1)."""
+    before its data is launched, naming the tensor, both devices and what to
+    do (the kernels would address it through the wrong device); the call is
+    launched empty on its stream, so the peers stay in step. Verified on the
+    CPU stand-in only (tensors that say they are on cuda:1)."""
     comm = _stub_comm(device=0)
     args = {"x": _cuda_like((4, 2)), "splits": _cuda_like((2,), torch.int64),
             "out": _cuda_like((8, 2)), "out_splits_offsets": _cuda_like((2, 2), torch.int64)}
@@ -1208,7 +1297,7 @@ def test_torch_tensor_on_another_gpu_is_refused(which, fake_torch_streams):
     with pytest.raises(varcomm.InvalidArgument, match=rf"{which} is on cuda:1 but .* runs on cuda:0: move it there"):
         D.all_to_all_vdev(comm, args["x"], args["splits"], out=args["out"],
                           out_splits_offsets=args["out_splits_offsets"], stream=5)
-    assert comm._device_a2a.launches == 0
+    assert comm._device_a2a.refused == [5] and comm._device_a2a.launches == 1
 
 
 def test_explicit_stream_records_torch_tensors(fake_torch_streams):

@@ -1282,6 +1282,17 @@ void bind_device_a2a(py::module_& m) {
            py::arg("ne"), py::arg("in_layout"), py::arg("out_layout"), py::arg("dtype"), py::arg("row_bytes"),
            py::arg("x"), py::arg("x_rows"), py::arg("splits"), py::arg("splits_bytes"), py::arg("out"),
            py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"))
+      // This rank's part of the next call refused on the host: launched with no
+      // data, so every rank's call numbers stay in step (receivers: MessageMismatch).
+      .def("refuse",
+           [](DeviceA2AHandle& h, uintptr_t stream, std::optional<double> timeout) {
+             DeviceA2ACall c;
+             c.refused = true;
+             c.stream = stream;
+             c.timeout = timeout_of(timeout);
+             h.a->launch(c);
+           },
+           py::arg("stream"), py::arg("timeout"))
       // Point-to-point on a handle set up for it: x/out, the row count (rows: one int; recv: int64 out).
       .def("launch_p2p",
            [](DeviceA2AHandle& h, bool send, int peer, uint32_t dtype, uint64_t row_bytes, uintptr_t data,
@@ -1300,6 +1311,7 @@ void bind_device_a2a(py::module_& m) {
            py::arg("send"), py::arg("peer"), py::arg("dtype"), py::arg("row_bytes"), py::arg("data"),
            py::arg("rows_cap"), py::arg("rows"), py::arg("rows_bytes"), py::arg("stream"), py::arg("timeout"))
       .def("check", [](DeviceA2AHandle& h) { h.a->check(); })
+      .def_property_readonly("launches", [](DeviceA2AHandle& h) { return h.a->launches(); })
       .def("alloc", [](DeviceA2AHandle& h, uint64_t n) { return h.a->alloc(n); }, py::arg("nbytes"))
       .def("free", [](DeviceA2AHandle& h, uintptr_t p, uintptr_t stream) { h.a->free(p, stream); }, py::arg("ptr"),
            py::arg("stream"))

@@ -96,6 +96,7 @@ struct DeviceA2A::Impl {
   std::map<uintptr_t, CUevent> ran;
   std::optional<uintptr_t> last;  // the stream of the last all-to-all launch
   bool last_captured = false;     // ... which was captured (it runs at replay: nothing to wait for now)
+  uint64_t launches = 0;          // all-to-all calls launched (refused ones too)
   bool closed = false;
   struct Pending {
     uintptr_t p, stream;
@@ -249,6 +250,10 @@ struct DeviceA2A::Impl {
                                              " rows but its per-expert counts add up to " + std::to_string(r.c) +
                                              call + ": it received 0 rows from it (a peer of another build, or "
                                              "memory corrupted on the way)",
+                     int(r.a));
+      case a2a::kErrPeerRefused:  // the host path's words (AllToAll::refuse)
+        return Error(ErrorKind::Mismatch, rk(r.a) + " refused its part of this call before it started (its own "
+                                             "error says why)" + call + ": 0 rows from it",
                      int(r.a));
       case a2a::kErrPeerSplits:  // a call the peer refused (the host path's MessageMismatch too)
         return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input" + call +
@@ -502,6 +507,7 @@ a2a::Args args_of(const DeviceA2ACall& c, int rank, int world, uint64_t cap, CUd
   a.in_layout = c.in_layout;
   a.out_layout = c.out_layout;
   a.splits_bytes = c.splits_bytes;
+  a.refused = c.refused;
   a.dtype = c.dtype;
   a.cap = cap;
   a.row_bytes = c.row_bytes;
@@ -549,7 +555,20 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
   if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
-  m.raise_recorded();
+  // Failed for good (a timeout, an abort): no call numbers to keep in step.
+  // Otherwise what earlier calls recorded is raised once this call is
+  // enqueued (below): raised first, this rank's call never ran while its
+  // peers' did, and every later call paired with their next.
+  if (__atomic_load_n(&m.err->hard, __ATOMIC_ACQUIRE)) {
+    if (c.refused) return;  // (the caller raises its own error)
+    m.raise_recorded();
+  }
+  // Only what was recorded before this launch: this call's own errors
+  // (recorded as soon as its kernels ran) wait for the next look, however
+  // fast they ran.
+  a2a::ErrorEntry peek{};
+  uint64_t lapped = 0;
+  const bool earlier = !c.refused && (m.next_entry(&peek, &lapped) || lapped);
   if (c.ne < 1 || c.ne > unsigned(a2a::kMaxLocal))
     throw Error(ErrorKind::Invalid, "device all-to-all: experts per rank must be in [1, " +
                                         std::to_string(a2a::kMaxLocal) + "], not " + std::to_string(c.ne));
@@ -583,6 +602,13 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   if (!capturing) m.ran_on(c.stream);
   m.last = c.stream;
   m.last_captured = capturing;
+  ++m.launches;
+  if (earlier) m.raise_recorded();  // (a refusal raises its own error: these wait for the next look)
+}
+
+uint64_t DeviceA2A::launches() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->launches;
 }
 
 void DeviceA2A::synchronize(std::optional<uintptr_t> stream, std::optional<double> timeout) {

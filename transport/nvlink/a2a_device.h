@@ -40,6 +40,10 @@ struct DeviceA2ACall {
   uintptr_t out_splits_offsets = 0;  // int64 [2, world * ne]
   uintptr_t stream = 0;
   std::optional<double> timeout;  // seconds a kernel spins on a peer; none: until the host aborts
+  // The host refused this rank's part (an argument error): the call runs
+  // only to keep call numbers in step; every receiver gets 0 rows and
+  // MessageMismatch naming this rank. x, splits and the outputs are unused.
+  bool refused = false;
 };
 
 class DeviceA2A {
@@ -65,6 +69,9 @@ class DeviceA2A {
   // is dropped for a later one), else a hard error (timeout, abort,
   // overlapping calls), which stays.
   void check();
+  // All-to-all calls launched so far (refused ones too): whether a call that
+  // raised was enqueued before it did (then its peers are in step with it).
+  uint64_t launches() const;
   // Waits (host) until `stream` ran everything enqueued so far (none: until
   // every call launched outside a capture ran, through events: the streams
   // themselves may be gone); a dead peer meanwhile aborts the kernels'

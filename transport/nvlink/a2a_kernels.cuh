@@ -49,7 +49,9 @@ constexpr u64 kStateBytes = 64;
 constexpr int kThreads = 256;        // threads per block of both kernels
 
 // Slot status, written by the sender with the flag.
-enum : u64 { kOk = 0, kOverCapacity = 1, kBadSplits = 2, kSenderFailed = 3 };
+// kRefused: the sender's host refused its part of the call (an argument
+// error) and launched it only to keep every rank's call numbers in step.
+enum : u64 { kOk = 0, kOverCapacity = 1, kBadSplits = 2, kSenderFailed = 3, kRefused = 4 };
 
 // The error record (host-mapped memory, one page per communicator). Codes
 // below kHard are per call: the exchange itself completed (every flag and
@@ -73,6 +75,7 @@ enum : u64 {
   kErrPeerSplits = 6, // a: src whose splits were bad (receiver side)
   kErrPeerTooLarge = 7,  // a: src, b: rows, c: bytes, d: capacity (receiver side)
   kErrPeerCounts = 8,    // a: src, b: its rows, c: its per-expert counts' sum (saturated)
+  kErrPeerRefused = 9,   // a: src whose host refused the call (receiver side)
   kHard = 16,
   kErrTimeout = 16,   // a: peer, b: 0 waiting for its credit (send) / 1 for its data (recv)
   kErrAborted = 17,   // the host aborted the wait (a dead peer, close)
@@ -118,6 +121,8 @@ struct Args {
   unsigned peer;                       // point-to-point kernels: the other rank
   unsigned in_layout, out_layout;
   unsigned splits_bytes;               // 4 or 8: int32 or int64 splits
+  unsigned refused;                    // 1: this rank's host refused the call: x, splits, out and
+                                       // out_splits_offsets are not touched, every receiver gets kRefused
   unsigned dtype;                      // dtype word of x and out
   u64 cap;                             // payload bytes of every slot (same on every rank)
   u64 row_bytes;
@@ -339,6 +344,10 @@ VC_HD inline void send_phase0(const Args& a, SendShared& sh, unsigned d) {
     sh.status = kSenderFailed;
     return;
   }
+  if (a.refused) {
+    sh.status = kRefused;
+    return;
+  }
   const u64 W = a.world, ne = a.ne;
   u64 rows = 0;
   i64 next = 0;  // kInPrefix: the first row of piece (d, e)
@@ -442,13 +451,14 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
   const unsigned W = a.world, ne = a.ne;
   for (unsigned q = 0; q < W; ++q)
     if (!wait_geq(a, reinterpret_cast<const u64*>(slot_of(a, int(q)) + kFlag), sh.call, sh.call, int(q), 1)) {
-      for (unsigned e = 0; e < ne; ++e) {
+      for (unsigned e = 0; e < ne && !a.refused; ++e) {
         const u64 i = a.out_layout == kOutExpertMajor ? u64(e) * W + s : u64(s) * ne + e;
         a.out_splits_offsets[i] = 0;
         a.out_splits_offsets[u64(W) * ne + i] = 0;
       }
       return;
     }
+  if (a.refused) return;  // every chunk was waited for (its credit goes back): nothing is placed, nothing reported
   u64* c = sh.src_row;  // source q's counts while q is looked at (src_row is written at the end)
   for (unsigned e = 0; e < ne; ++e) sh.col[e] = sh.pre[e] = sh.cnt[e] = 0;
   u64 placed = 0, before_s = 0;  // rows taken so far; of the taken sources before s
@@ -461,6 +471,7 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
     if (q == s) {  // each source's problem is reported by its own block
       if (st == kOverCapacity) report(a, kErrPeerTooLarge, sh.call, q, rows, sat_mul(rows, rb), a.cap);
       if (st == kBadSplits) report(a, kErrPeerSplits, sh.call, q, 0, 0, 0);
+      if (st == kRefused) report(a, kErrPeerRefused, sh.call, q, 0, 0, 0);
     }
     if (ok && (dt != a.dtype || rb != a.row_bytes)) {
       if (q == s) report(a, kErrMismatch, sh.call, q, dt, rb, mine);

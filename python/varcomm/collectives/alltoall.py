@@ -176,18 +176,22 @@ def _in_step(fn: _F) -> _F:
     where a tensor goes) fails inside torch with its own error."""
     @functools.wraps(fn)
     def call(comm: Communicator, *args: Any, **kw: Any) -> Any:
-        before = comm._c.collectives
+        before, device_before = comm._c.collectives, alltoall_device.launched(comm)
         try:
             return fn(comm, *args, **kw)
         except Exception as e:
+            if _device_protocol(fn.__name__, args, kw):  # its own refusal: an empty launch
+                alltoall_device.refuse_unlaunched(comm, e, device_before, args[0] if args else None,
+                                                  kw.get("stream"), kw.get("timeout"))
+                raise
             # (A closed communicator or a failed peer: nothing to refuse through.)
             failure = isinstance(e, VarcommError) and not isinstance(e, InvalidArgument)
-            if comm._c.collectives == before and not failure and not getattr(e, "_refused_to_peers", False) \
-                    and not _device_protocol(fn.__name__, args, kw):
-                tag = kw.get("tag")
-                _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0)
-                with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
-                    e._refused_to_peers = True  # type: ignore[attr-defined]
+            if failure or comm._c.collectives != before or getattr(e, "_refused_to_peers", False):
+                raise
+            tag = kw.get("tag")
+            _C.all_to_all_refuse(comm._c, int(tag) if type(tag) is int else 0)
+            with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
+                e._refused_to_peers = True  # type: ignore[attr-defined]
             raise
     return cast(_F, call)
 

@@ -21,9 +21,12 @@ allocated.
 
 Errors are found by the kernels and recorded in host-mapped memory; the
 host raises them at ``DeviceWork.synchronize()``, at ``synchronize(comm)``,
-or at the next device all-to-all call, whichever comes first, one per look
-and in call order (each names its call; calls enqueued before the host
-looked keep theirs):
+or at the next device all-to-all call (once that call is enqueued: the
+ranks stay in step), whichever comes first, one per look and in call order
+(each names its call; calls enqueued before the host looked keep theirs).
+A call this rank refuses on the host (an argument error) is launched empty,
+so that its receivers stay in step (MessageMismatch naming this rank, 0 rows
+from it):
 
 * a chunk over its receiver's slot (the bound): nothing of it is sent, the
   receiver gets 0 rows from that source; MessageTooLarge on both;
@@ -61,14 +64,18 @@ capture.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import numpy as np
 
 from .. import _C, arrays, dtypes
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, VarcommError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -338,12 +345,83 @@ def _splits(comm: Communicator, splits: Any, n: int, what: str, stream: int | No
 def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any, splits_len: int,
             out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None, async_op: bool,
             out_rows: int | None = None) -> Any:
+    h = _handle(comm)  # (set up on first use: a collective, before anything is refused)
+    before = launched(comm)
+    try:
+        return _checked_launch(comm, h, ne, in_layout, out_layout, x, splits, splits_len, out, out_splits_offsets,
+                               stream, timeout, async_op, out_rows)
+    except Exception as e:
+        refuse_unlaunched(comm, e, before, x, stream, timeout)
+        raise
+
+
+def refuse_unlaunched(comm: Communicator, e: BaseException, calls_before: int, like: Any, stream: int | None,
+                      timeout: float | None) -> None:
+    """After `e` left a device entry point: where no device call was launched
+    since `calls_before` (an argument error, or an earlier call's error raised
+    before this one could start), refuse the call to the peers (an empty
+    launch, refuse()), so that they stay in step. (Closed or failed for good:
+    refuse() launches nothing.)"""
+    if not getattr(e, "_refused_to_peers", False) and launched(comm) == calls_before:
+        refuse(comm, like, stream, timeout)
+        with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
+            e._refused_to_peers = True  # type: ignore[attr-defined]
+
+
+def refusing(fn: _F) -> _F:
+    """A device entry point (comm first, its input second) whose argument
+    errors are refused to the peers, so their call pairs with nothing rather
+    than with this rank's next call."""
+    @functools.wraps(fn)
+    def call(comm: Communicator, *args: Any, **kw: Any) -> Any:
+        before = launched(comm)
+        try:
+            return fn(comm, *args, **kw)
+        except Exception as e:
+            refuse_unlaunched(comm, e, before, args[0] if args else None, kw.get("stream"), kw.get("timeout"))
+            raise
+    return cast(_F, call)
+
+
+def launched(comm: Communicator) -> int:
+    """Device all-to-all calls this rank launched so far (refused ones too)."""
+    h = comm._device_a2a
+    return 0 if h is None else int(h.launches)
+
+
+def refuse(comm: Communicator, like: Any = None, stream: int | None = None, timeout: float | None = None) -> None:
+    """This rank refused its part of the next device call on the host (an
+    argument error): the call is launched with no data, so every rank's call
+    numbers stay in step; its receivers get 0 rows from this rank and
+    MessageMismatch naming it, at their next look (synchronize, or their next
+    call). On the stream given, else like's (the call's input), else the
+    default stream. Best effort: where the device path is not set up or has
+    failed, nothing is launched (the caller raises its own error either way)."""
+    try:
+        h = _handle(comm)
+        s = stream
+        if s is None and like is not None:
+            try:
+                s = _describe(comm, like, "x", None).stream
+            except Exception:  # (what was refused may be that very argument)
+                s = None
+        try:
+            _C.check_timeout(timeout)
+        except Exception:
+            timeout = None
+        h.refuse(int(s or 0), comm._timeout if timeout is None else timeout)
+    except VarcommError:
+        pass
+
+
+def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any,
+                    splits_len: int, out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None,
+                    async_op: bool, out_rows: int | None) -> Any:
     n = comm.world_size
     xd = _describe(comm, x, "x", stream)
     if len(xd.shape) == 0:
         raise InvalidArgument("x must have at least one dimension (rows are split along dim 0)")
     sd, sb = _splits(comm, splits, splits_len, "splits", stream)
-    h = _handle(comm)
     rb = xd.row_bytes
     s = stream if stream is not None else xd.stream if xd.stream is not None else 0
     if out is None:

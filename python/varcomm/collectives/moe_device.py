@@ -126,6 +126,7 @@ class _Combine(torch.autograd.Function):
         return gout, None
 
 
+@D.refusing
 def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              num_experts: int, *, stream: int | None = None, alloc: Alloc | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, DeviceMoEHandle]:
@@ -164,6 +165,7 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     return expert_tokens, h.tokens_per_expert, h
 
 
+@D.refusing
 def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: DeviceMoEHandle) -> torch.Tensor:
     """Every expert output back to its token's rank, reduced:
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``. ``expert_outputs``
