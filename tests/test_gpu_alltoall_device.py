@@ -1191,6 +1191,41 @@ def test_fake_p2p_device_size_and_graph_replay(fake_cuda):
         comm.barrier()
 
 
+@world(2, timeout=120)
+def test_fake_p2p_send_after_an_unraised_error_is_still_sent(fake_cuda):
+    """send_rows over the slot (recorded, not raised: no synchronize), then a
+    good send_rows: it raised the earlier error before it was launched, so the
+    receiver's recv_rows waited for a message never sent (its kernel timed
+    out, the path failed for good). Now it is sent, then raises the error."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 4
+    cap = BOUND // (W * 4)
+    with comm:
+        D.setup_p2p(comm)
+        x = FakeArray(gpu, (cap + 1, W), "float32", s)
+        x.host[...] = 5.0
+        rows = FakeArray(gpu, (1,), "int64", s)
+        out = FakeArray(gpu, (cap, W), "float32", s)
+        got = FakeArray(gpu, (1,), "int64", s)
+        if r == 0:
+            rows.host[0] = cap + 1
+            D.send_rows(comm, x, rows, 1)
+            time.sleep(0.5)  # its error is recorded
+            three = FakeArray(gpu, (1,), "int64", s)
+            three.host[0] = 3
+            with pytest.raises(varcomm.MessageTooLarge, match="over the device slot capacity"):
+                D.send_rows(comm, x, three, 1)
+            D.synchronize(comm, s)
+        else:
+            D.recv_rows(comm, out, got, 0)
+            with pytest.raises(varcomm.VarcommError, match="received 0 rows"):
+                D.synchronize(comm, s)
+            D.recv_rows(comm, out, got, 0)
+            D.synchronize(comm, s)
+            assert got.host[0] == 3 and (out.host[:3] == 5.0).all()
+        comm.barrier()
+
+
 @world(2, timeout=180, requires=GPU_REQ)
 def test_gpu_p2p_device_size_graph_replay():
     """send_rows / recv_rows captured in a CUDA graph on both ranks, replayed

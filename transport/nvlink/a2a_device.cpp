@@ -531,7 +531,7 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
   if (m.closed) throw Error(ErrorKind::Closed, "device point-to-point: the communicator is closed");
-  m.raise_recorded();
+  if (__atomic_load_n(&m.err->hard, __ATOMIC_ACQUIRE)) m.raise_recorded();
   if (peer < 0 || peer >= m.world)
     throw Error(ErrorKind::Invalid, "peer " + std::to_string(peer) + " out of range [0, " +
                                         std::to_string(m.world) + ")");
@@ -540,6 +540,10 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
   a2a::Args a = args_of(c, m.rank, m.world, cap_, m.ws, m.peer_ws, m.err_dev);
   a.ne = 1;
   a.peer = unsigned(peer);
+  // What earlier kernels recorded is raised once this one is enqueued, as for the all-to-all (launch).
+  a2a::ErrorEntry peek{};
+  uint64_t lapped = 0;
+  const bool earlier = m.next_entry(&peek, &lapped) || lapped;
   Ctx scope(m.d, m.ctx);
   CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
   m.check(m.d.StreamIsCapturing(reinterpret_cast<CUstream>(c.stream), &cs), "cuStreamIsCapturing");
@@ -549,6 +553,7 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
                            reinterpret_cast<CUstream>(c.stream), params, nullptr),
           send ? "cuLaunchKernel(p2p send)" : "cuLaunchKernel(p2p recv)");
   if (cs == CU_STREAM_CAPTURE_STATUS_NONE) m.ran_on(c.stream);
+  if (earlier) m.raise_recorded();
 }
 
 void DeviceA2A::launch(const DeviceA2ACall& c) {
