@@ -531,6 +531,14 @@ def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
         comm = varcomm.init(transport="rdma", timeout=20, array="numpy")
     took = time.monotonic() - t0
     assert took < 12, f"set-up took {took:.1f} s beside 12 stalled strangers"
+    for s in held:  # dropped by the acceptor once its peers had come (they were kept open for good)
+        s.settimeout(5)
+        try:
+            assert s.recv(1) == b"", "a stranger got bytes from the liveness port"
+        except ConnectionResetError:  # (closed with the stranger's byte unread)
+            pass
+        except TimeoutError:
+            raise AssertionError("a stranger's connection to the liveness port is still open after set-up") from None
     with comm:
         if comm.rank == 0:
             comm.send(np.arange(3.0), dst=1)

@@ -755,10 +755,22 @@ void RdmaTransport::accept_pending(int wait_ms) {
     uint32_t pad;
     uint64_t token;
   };
+  // At most this many wait at once: a flood of strangers costs the oldest
+  // its place, not our file descriptors.
+  constexpr size_t kMaxHandshakes = 64;
   for (;;) {
     auto now = Clock::now();
-    for (int fd; (fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0;)
+    int fd;
+    while ((fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0) {
+      if (handshaking_.size() >= kMaxHandshakes) {
+        close(handshaking_.front().fd);
+        handshaking_.erase(handshaking_.begin());
+      }
       handshaking_.push_back({fd, now + std::chrono::milliseconds(kHandshakeMs), false});
+    }
+    // Out of descriptors (EMFILE): the listener stays readable, so it is
+    // left out of the poll below, not spun on.
+    const bool listen_ok = errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
     for (size_t i = 0; i < handshaking_.size();) {
       int fd = handshaking_[i].fd;
       Hi hi{-1, 0, 0};
@@ -783,9 +795,13 @@ void RdmaTransport::accept_pending(int wait_ms) {
     }
     bool missing = false;
     for (int q = 0; q < rank_; q++) missing |= peers_[size_t(q)].connected && peers_[size_t(q)].sock < 0;
+    if (!missing) {  // every rank that dials us has: whoever still waits is a stranger
+      for (const Handshake& h : handshaking_) close(h.fd);
+      handshaking_.clear();
+    }
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (!missing || left <= 0) return;
-    std::vector<pollfd> pf{{listen_fd_, POLLIN, 0}};
+    std::vector<pollfd> pf{{listen_ok ? listen_fd_ : -1, POLLIN, 0}};
     for (const Handshake& h : handshaking_)  // a partial one stays readable: looked at again on the next round
       if (!h.partial) pf.push_back({h.fd, POLLIN, 0});
     poll(pf.data(), pf.size(), int(std::min<long>(left, 100)));
