@@ -698,3 +698,28 @@ def test_varcomm_init_after_torch_distributed_uses_its_store(backend):
             c.close()
     finally:
         dist.destroy_process_group()
+
+
+@world(3, timeout=90)
+def test_varcomm_init_after_subgroups_on_some_ranks():
+    """Ranks 0 and 1 use a varcomm subgroup (a communicator rank 2 never
+    makes) before varcomm.init(): init's keys in torch's store were named by
+    every communicator the process had made, so the ranks looked for each
+    other under different prefixes and never met."""
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        g = dist.new_group([0, 1])
+        if r < 2:
+            dist.all_reduce(torch.ones(1), group=g)  # (the subgroup's communicator is made on first use)
+        c = varcomm.init(init_timeout=20)
+        try:
+            assert (c.rank, c.world_size) == (r, 3)
+            if r == 0:
+                c.send(torch.arange(3.0), 2)
+            elif r == 2:
+                assert c.recv(0).tolist() == [0.0, 1.0, 2.0]
+        finally:
+            c.close()
+    finally:
+        dist.destroy_process_group()

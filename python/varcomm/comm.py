@@ -882,6 +882,9 @@ def _prefix_of(out: Any, st: Status) -> Any:
     return arrays.prefix_view(out, st.nbytes, st.shape)
 
 
+_torch_store_inits = 0  # init() calls that joined through torch.distributed's default store
+
+
 def init(rank: int | None = None, world_size: int | None = None, store: Store | None = None, *,
          prefix: str | None = None, **options: Any) -> Communicator:
     """Join the job and connect to every peer.
@@ -911,6 +914,10 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
         group = bootstrap.torch_default_group()
         if group is not None:
             store, rank, world_size = group
+            if prefix is None:  # counting init() calls only: ranks may have made other communicators (subgroups)
+                global _torch_store_inits
+                _torch_store_inits += 1
+                prefix = f"varcomm/init/{_torch_store_inits}/"
     return connect(opts, rank, world_size, store, prefix)
 
 
