@@ -284,7 +284,8 @@ def test_mistaken_argument_types_are_refused_to_the_peer_too():
     this rank, and the next step pairs up."""
     with varcomm.init(timeout=30) as comm:
         r, E, T = comm.rank, 4, 2
-        mistakes = [dict(num_experts=float(E)), dict(tokens="numpy"), dict(topk_weights=None), dict(outputs="numpy")]
+        mistakes = [dict(num_experts=float(E)), dict(tokens="numpy"), dict(topk_weights=None), dict(outputs="numpy"),
+                    dict(outputs="no handle")]
         for step, wrong in enumerate(mistakes + [{}]):
             tokens = torch.full((T, 3), float(100 * step + r))
             ids = torch.full((T, 1), E - 1 if r == 0 else 0)  # each rank's tokens go to the other's expert
@@ -303,9 +304,12 @@ def test_mistaken_argument_types_are_refused_to_the_peer_too():
             et, _, h = dispatch(comm, *args)
             assert set(et[:, 0].tolist()) == {float(100 * step + 1 - r)}, (step, et)
             if "outputs" in wrong:
-                if r == 1:
+                if r == 1 and wrong["outputs"] == "numpy":
                     with pytest.raises(varcomm.InvalidArgument, match="expert_outputs must be a torch.Tensor"):
                         combine(comm, et.numpy(), h)
+                elif r == 1:  # (it was taken for the device form's handle: AttributeError, not refused)
+                    with pytest.raises(varcomm.InvalidArgument, match="handle must be the third value"):
+                        combine(comm, et, None)
                 else:
                     with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
                         combine(comm, et, h)

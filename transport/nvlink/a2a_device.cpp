@@ -602,12 +602,12 @@ void DeviceA2A::launch(const DeviceA2ACall& c) {
   void* params[] = {&a};
   m.check(m.d.LaunchKernel(m.send, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
           "cuLaunchKernel(send)");
+  ++m.launches;  // (counted once its send is enqueued: a refusal after this would be a second call)
   m.check(m.d.LaunchKernel(m.recv, unsigned(m.world), 1, 1, a2a::kThreads, 1, 1, 0, s, params, nullptr),
           "cuLaunchKernel(recv)");
   if (!capturing) m.ran_on(c.stream);
   m.last = c.stream;
   m.last_captured = capturing;
-  ++m.launches;
   if (earlier) m.raise_recorded();  // (a refusal raises its own error: these wait for the next look)
 }
 

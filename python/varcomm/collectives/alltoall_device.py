@@ -364,8 +364,9 @@ def refuse_unlaunched(comm: Communicator, e: BaseException, calls_before: int, l
     refuse() launches nothing.)"""
     if not getattr(e, "_refused_to_peers", False) and launched(comm) == calls_before:
         refuse(comm, like, stream, timeout)
-        with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
-            e._refused_to_peers = True  # type: ignore[attr-defined]
+        if launched(comm) != calls_before:  # (none where the device path is not there, or failed)
+            with contextlib.suppress(AttributeError):  # (an exception type without a __dict__)
+                e._refused_to_peers = True  # type: ignore[attr-defined]
 
 
 def refusing(fn: _F) -> _F:

@@ -262,6 +262,11 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
         raise InvalidArgument(f"combine: expert_outputs are {expert_outputs.dtype}, and the topk_weights would be "
                               "cast to it (0.5 -> 0); pass floating-point expert outputs (expert_outputs.float())")
     if not isinstance(handle, MoEHandle):
+        from .moe_device import DeviceMoEHandle
+
+        if not isinstance(handle, DeviceMoEHandle):
+            raise InvalidArgument(f"combine: handle must be the third value dispatch returned, not "
+                                  f"{type(handle).__name__}")
         from . import moe_device
 
         return moe_device.combine(comm, expert_outputs, handle)
