@@ -723,3 +723,36 @@ def test_varcomm_init_after_subgroups_on_some_ranks():
             c.close()
     finally:
         dist.destroy_process_group()
+
+
+@world(2, timeout=60)
+def test_float_bool_and_str_ranks_are_refused_by_varcomm_distributed_and_batches():
+    """varcomm.distributed and the backend's batch_isend_irecv took int(peer):
+    dst=1.7, "1" and True reached rank 1, src=0.5 received from rank 0. Each
+    is InvalidArgument naming the argument, as comm.send and dist.send say."""
+    import varcomm.distributed as vdist
+
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        for bad in (1.7 - r, str(1 - r), bool(1 - r)):
+            with pytest.raises(varcomm.InvalidArgument, match="(dst|src) must be an int rank"):
+                if r == 0:
+                    vdist.send(torch.ones(2), dst=bad)
+                else:
+                    vdist.recv(src=bad)
+            with pytest.raises(varcomm.InvalidArgument, match="group_dst must be an int rank"):
+                vdist.send(torch.ones(2), group_dst=bad)
+            with pytest.raises(varcomm.InvalidArgument, match="P2POp (group_)?peer must be an int rank"):
+                op = dist.P2POp(dist.isend if r == 0 else dist.irecv, torch.ones(2), 1 - r)
+                op.peer = bad
+                if hasattr(op, "group_peer"):
+                    op.group_peer = bad
+                dist.batch_isend_irecv([op])
+        dist.barrier()  # nothing was sent
+        if r == 0:
+            vdist.send(torch.arange(2.0), dst=1)
+        else:
+            assert vdist.recv(src=0).tolist() == [0.0, 1.0]
+    finally:
+        dist.destroy_process_group()

@@ -307,11 +307,7 @@ class Communicator:
         return self._c.device_transport_for(peer)
 
     def _check_peer(self, peer: int, what: str) -> None:
-        if isinstance(peer, bool):  # an int to Python, but never meant as a rank
-            raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not a bool ({peer!r})")
-        if not isinstance(peer, (int, np.integer)):
-            raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not {type(peer).__name__} "
-                                  f"({peer!r})")
+        rank_int(peer, what)
         if not 0 <= peer < self.world_size:
             raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.world_size})")
         if self._closed:
@@ -880,6 +876,17 @@ def _check_capture() -> None:
 
 def _prefix_of(out: Any, st: Status) -> Any:
     return arrays.prefix_view(out, st.nbytes, st.shape)
+
+
+def rank_int(value: Any, what: str) -> int:
+    """A rank argument as an int: an int or numpy integer; a bool, float, str
+    or tensor is refused, naming the argument (int() would truncate 1.7 to 1)."""
+    if isinstance(value, bool):  # an int to Python, but never meant as a rank
+        raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not a bool ({value!r})")
+    if not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{what} must be an int rank (numpy integers too), not {type(value).__name__} "
+                              f"({value!r})")
+    return int(value)
 
 
 _torch_store_inits = 0  # init() calls that joined through torch.distributed's default store

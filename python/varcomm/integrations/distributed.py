@@ -40,7 +40,7 @@ import torch.distributed as _tdist
 from .. import bootstrap
 from ..arrays import Array, Splits
 from ..collectives import alltoall as _a2a
-from ..comm import Communicator, P2PWork, connect
+from ..comm import Communicator, P2PWork, connect, rank_int
 from ..comm import P2POp as _C2POp
 from ..errors import InvalidArgument, MessageMismatch, MessageTooLarge
 from ..options import Options
@@ -178,12 +178,12 @@ def _peer(group: Group | None, peer: int | None, group_peer: int | None, what: s
     if group_peer is not None:
         if peer is not None:
             raise ValueError(f"pass {what} or group_{what}, not both")
-        return comm, int(group_peer)
+        return comm, rank_int(group_peer, f"group_{what}")
     if peer is None:
         raise ValueError(f"{what} is required (receiving from any source is not supported)")
     if group is None:
-        return comm, int(peer)
-    return comm, _tdist.get_group_rank(group, int(peer))
+        return comm, rank_int(peer, what)
+    return comm, _tdist.get_group_rank(group, rank_int(peer, what))
 
 
 # ---------------------------------------------------------------------------

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from .. import _C, bootstrap
 from ..collectives import alltoall as _a2a
-from ..comm import Communicator, P2POp, connect
+from ..comm import Communicator, P2POp, connect, rank_int
 from ..errors import InvalidArgument, MessageMismatch, MessageTooLarge, VarcommError
 from ..options import Options
 
@@ -576,7 +576,9 @@ def strided_stand_in(t: torch.Tensor, what: str) -> torch.Tensor:
 def _group_peer(op: dist.P2POp, group: dist.ProcessGroup) -> int:
     """A P2POp's peer as a rank of its group (torch before 2.6 has only the global peer)."""
     peer = getattr(op, "group_peer", None)
-    return int(peer) if peer is not None else dist.get_group_rank(group, op.peer)
+    if peer is not None:
+        return rank_int(peer, "P2POp group_peer")
+    return dist.get_group_rank(group, rank_int(op.peer, "P2POp peer"))
 
 
 def _name_backend(obj: Any, global_ranks: list[int], group_id: str, on_options: bool = False) -> None:
