@@ -20,6 +20,8 @@ using Clock = std::chrono::steady_clock;
 // enough to report a dead peer within a second, rare enough to stay off the
 // fast path (it reads /proc or a socket).
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);
+// The longest close() waits for messages still streaming in from live peers.
+constexpr auto kCloseStreams = std::chrono::seconds(5);
 // How long a sender waits for a receiver that claimed a rendezvous head to
 // answer (its copy takes a syscall's time: 1 GiB in well under a second).
 constexpr auto kClaimWait = std::chrono::seconds(5);
@@ -117,6 +119,34 @@ std::vector<int> Engine::unflushed() {
 void Engine::goodbye() {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return;
+  // Messages still streaming in (a dropped irecv(out=) is filled only so)
+  // are taken to their end first, not failed with their receives: until
+  // their sender's goodbye (which it writes after every chunk) or its
+  // failure, for at most kCloseStreams. A sender whose own send had
+  // completed may have closed before all its chunks were processed here.
+  // After the goodbye, while chunks still come in (their completions may
+  // be read after its own).
+  auto got = [this] {
+    uint64_t n = 0;
+    for (auto& p : peers_)
+      for (auto& kv : p.streams) n += kv.second.got + 1;  // (+1: a stream that ends counts as progress)
+    return n;
+  };
+  const auto until = Clock::now() + kCloseStreams;
+  for (;;) {
+    const uint64_t before = got();
+    progress_locked();
+    const bool moved = got() != before;
+    bool waiting = false;
+    for (int q = 0; q < world_; ++q) {
+      Peer& p = peers_[q];
+      if (p.streams.empty() || !p.dead.empty()) continue;
+      if (!p.bye_seen) check_peer(q, false);
+      waiting |= p.dead.empty() && !p.streams.empty() && (!p.bye_seen || moved);
+    }
+    if (!waiting || Clock::now() > until) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   leaving_ = true;
   for (int q = 0; q < world_; ++q) {
     Peer& p = peers_[q];

@@ -688,3 +688,27 @@ def test_close_frees_everything_when_the_device_drain_raises():
     assert dev.closed, "the device handle was not freed"
     with pytest.raises(varcomm.ClosedError):
         comm.send(np.zeros(4, np.uint8), 0)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_dropped_irecv_out_of_a_streamed_message_is_filled_by_close(transport):
+    """irecv(out=) of a message streamed through the slots (over the bound,
+    CMA off), dropped at once, and the sender closes when its send is done:
+    the receiver's close() failed the stream with chunks still in its slots
+    (rdma: up to a quarter of out never written, and the send had succeeded).
+    By the end of close() out holds the whole message."""
+    n = 2_000_000
+    msg = torch.arange(n, dtype=torch.float32)
+    comm = varcomm.init(transport=transport, bound=64 * 1024, cma="off", landing=0, timeout=30)
+    if comm.rank == 0:
+        big, small = comm.isend(msg, dst=1), comm.isend(torch.tensor([7.0]), dst=1)
+        small.wait()
+        big.wait()
+        comm.close()
+        return
+    out = torch.full((n,), -1.0)
+    comm.irecv(src=0, out=out)  # the Work is dropped here
+    assert comm.recv(src=0).tolist() == [7.0]
+    comm.close()
+    assert int((out != msg).sum()) == 0, f"{int((out == -1).sum())} of {n} elements never written"

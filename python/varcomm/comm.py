@@ -773,6 +773,11 @@ class Communicator:
                     dev.synchronize(None, _CLOSE_FLUSH_S)
                 except VarcommError:  # failed, timed out or aborted: close frees it all the same
                     pass
+            # The core first takes messages still streaming in to their end (a
+            # dropped irecv(out=) is filled so), then says goodbye; only then
+            # "left": senders stop flushing to a rank that left, and a sender
+            # that tears its endpoint down with our data unread loses it.
+            self._c.goodbye()
             if self._orphans:
                 self._settle_orphans()  # those whose message is in; the rest fail with the close
             try:
@@ -780,7 +785,6 @@ class Communicator:
                     self._store.set(f"left/{self.rank}", "1")
             except (RuntimeError, OSError):  # the store's host died: close without it
                 store_down = True
-            self._c.goodbye()
             if not store_down:  # (else its peers are gone with it: nothing to wait for)
                 self._flush(time.monotonic() + _CLOSE_FLUSH_S)
             # Every rank waits for the others (or their deaths) before tearing its
