@@ -417,6 +417,37 @@ def test_fake_a_call_one_rank_refuses_or_raises_early_keeps_the_ranks_in_step(fa
 
 
 @world(2, timeout=120)
+def test_fake_ranks_out_of_step_are_told_not_fed_each_others_rows(fake_cuda):
+    """Rank 0 runs a MoE dispatch (all_to_all_vdev_2d) where rank 1 runs a
+    combine (all_to_all_vdev_2d_offset), as after an error one rank skipped a
+    call: the rows were of the same dtype and width, so each took the other's
+    chunk as its own call's (silently wrong tokens). Now both raise
+    MessageMismatch naming the peer and both calls, 0 rows from it; the next
+    matching calls pair up."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W, E = comm.rank, gpu.stream(), 4, 2
+    with comm:
+        x = FakeArray(gpu, (8, W), "float32", s)
+        x.host[...] = 10 * r + 1
+        sp = FakeArray(gpu, (2 * E,), "int64", s)
+        sp.host[...] = [1, 1, 1, 1]  # 4 rows: one per (rank, expert)
+        so = FakeArray(gpu, (2, 2 * E), "int64", s)
+        so.host[...] = [[1, 1, 1, 1], [0, 2, 1, 3]]  # (what a dispatch of the same rows returns: counts, offsets)
+        if r == 0:
+            out, oso = D.all_to_all_vdev_2d(comm, x, sp, E)
+        else:
+            out, oso = D.all_to_all_vdev_2d_offset(comm, x, so, E, out_rows=8)
+        theirs = "all_to_all_vdev_2d_offset" if r == 0 else "all_to_all_vdev_2d"
+        with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r} ran {theirs} .*out of step"):
+            D.synchronize(comm, s)
+        assert int(_host(oso)[0].sum()) == 2  # its own rows only
+        out, oso = D.all_to_all_vdev_2d(comm, x, sp, E)
+        D.synchronize(comm, s)
+        assert _host(oso)[0].tolist() == [1, 1, 1, 1]
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_moe_argument_errors_on_one_rank_are_refused_to_the_other(fake_cuda):
     """moe_device.dispatch with float topk_ids, and moe.combine with integer
     expert outputs, on rank 1 only: rank 0's same call fails with

@@ -251,6 +251,23 @@ struct DeviceA2A::Impl {
                                              call + ": it received 0 rows from it (a peer of another build, or "
                                              "memory corrupted on the way)",
                      int(r.a));
+      case a2a::kErrPeerCall: {
+        auto what = [](uint64_t k) {
+          const unsigned in = unsigned(k & 15), out = unsigned(k >> 4 & 15), ne = unsigned(k >> 8);
+          std::string name = in == a2a::kInOffsets ? "all_to_all_vdev_2d_offset (a MoE combine)"
+                             : ne > 1             ? "all_to_all_vdev_2d (a MoE dispatch)"
+                                                  : "all_to_all_vdev";
+          if (out != (in == a2a::kInOffsets ? unsigned(a2a::kOutRankMajor) : unsigned(a2a::kOutExpertMajor)))
+            name += " (layout " + std::to_string(out) + ")";
+          return name + ", " + std::to_string(ne) + " expert" + (ne == 1 ? "" : "s") + " per rank";
+        };
+        return Error(ErrorKind::Mismatch, rk(r.a) + " ran " + what(r.b) + " where " + me + " ran " + what(r.c) +
+                                             call + ": the ranks are out of step (0 rows from it). Every rank must "
+                                             "make the same device calls in the same order, after an error too: a "
+                                             "call that raised was still made (a refused one empty), unless the "
+                                             "error says the device path failed",
+                     int(r.a));
+      }
       case a2a::kErrPeerRefused:  // the host path's words (AllToAll::refuse)
         return Error(ErrorKind::Mismatch, rk(r.a) + " refused its part of this call before it started (its own "
                                              "error says why)" + call + ": 0 rows from it",

@@ -76,6 +76,7 @@ enum : u64 {
   kErrPeerTooLarge = 7,  // a: src, b: rows, c: bytes, d: capacity (receiver side)
   kErrPeerCounts = 8,    // a: src, b: its rows, c: its per-expert counts' sum (saturated)
   kErrPeerRefused = 9,   // a: src whose host refused the call (receiver side)
+  kErrPeerCall = 10,     // a: src, b: its call_kind, c: ours (another kind of call: out of step)
   kHard = 16,
   kErrTimeout = 16,   // a: peer, b: 0 waiting for its credit (send) / 1 for its data (recv)
   kErrAborted = 17,   // the host aborted the wait (a dead peer, close)
@@ -106,6 +107,10 @@ VC_HD inline u64 ws_slot(int world, u64 cap, int src) { return ws_slots(world) +
 VC_HD inline u64 ws_bytes(int world, u64 cap) { return ws_slot(world, cap, world); }
 // In a slot's control block.
 constexpr u64 kFlag = 0, kRows = 8, kDtype = 16, kRowBytes = 24, kStatus = 32, kCounts = 64;
+// Which call wrote the chunk (call_kind): its layouts and experts per rank,
+// so a rank out of step (its combine met by a peer's dispatch) is told, not
+// taken for rows. (40 and 48 are the point-to-point workspace's counters.)
+constexpr u64 kKind = 56;
 
 // Input and output layouts of the pieces (rank, local expert) of the 2-D form.
 enum : unsigned {
@@ -305,6 +310,8 @@ VC_HD inline void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n
     copy_words<unsigned char>(dst, src, n, t, nt, coherent);
 }
 
+VC_HD inline u64 call_kind(const Args& a) { return u64(a.in_layout) | u64(a.out_layout) << 4 | u64(a.ne) << 8; }
+
 VC_HD inline i64 split_at(const Args& a, u64 i) {
   return a.splits_bytes == 4 ? i64(static_cast<const int*>(a.splits)[i]) : static_cast<const i64*>(a.splits)[i];
 }
@@ -409,6 +416,7 @@ VC_HD inline void send_phase2(const Args& a, const SendShared& sh, unsigned d) {
   *word(slot, kDtype) = a.dtype;
   *word(slot, kRowBytes) = a.row_bytes;
   *word(slot, kStatus) = sh.status;
+  *word(slot, kKind) = call_kind(a);
   for (unsigned e = 0; e < a.ne; ++e) *word(slot, kCounts + 8 * e) = sh.go ? sh.cnt[e] : 0;
   fence_system();
   store_release(word(slot, kFlag), sh.call);
@@ -472,6 +480,13 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
       if (st == kOverCapacity) report(a, kErrPeerTooLarge, sh.call, q, rows, sat_mul(rows, rb), a.cap);
       if (st == kBadSplits) report(a, kErrPeerSplits, sh.call, q, 0, 0, 0);
       if (st == kRefused) report(a, kErrPeerRefused, sh.call, q, 0, 0, 0);
+    }
+    if (ok) {
+      const u64 kind = ctl(a, int(q), kKind);
+      if (kind != call_kind(a)) {
+        if (q == s) report(a, kErrPeerCall, sh.call, q, kind, call_kind(a), 0);
+        ok = false;
+      }
     }
     if (ok && (dt != a.dtype || rb != a.row_bytes)) {
       if (q == s) report(a, kErrMismatch, sh.call, q, dt, rb, mine);

@@ -26,7 +26,10 @@ ranks stay in step), whichever comes first, one per look and in call order
 (each names its call; calls enqueued before the host looked keep theirs).
 A call this rank refuses on the host (an argument error) is launched empty,
 so that its receivers stay in step (MessageMismatch naming this rank, 0 rows
-from it):
+from it). As errors surface later on the peers than on the rank that caused
+them, every rank must go on making the same calls after an error; a chunk
+from another kind of call (a combine met by a dispatch: ranks out of step)
+is MessageMismatch naming both calls. Per call:
 
 * a chunk over its receiver's slot (the bound): nothing of it is sent, the
   receiver gets 0 rows from that source; MessageTooLarge on both;
