@@ -372,3 +372,23 @@ def test_point_to_point_tags_stay_out_of_the_collective_space():
 
 
 A2A_TAG = 1 << 41
+
+
+@world(2, timeout=60)
+def test_batch_exact_without_a_tensor_or_on_an_isend_is_refused():
+    """P2POp(comm.irecv, None, src, exact=True) was taken (exact checks the
+    message against a tensor there is none of; recv(exact=True) without out
+    refuses), and exact=True on an isend was ignored. Both are refused before
+    anything is posted."""
+    with varcomm.init(timeout=20) as comm:
+        peer = 1 - comm.rank
+        with pytest.raises(varcomm.InvalidArgument, match=r"ops\[1\]: exact=True checks the message"):
+            comm.batch_isend_irecv([varcomm.P2POp(comm.isend, torch.ones(2), peer),
+                                    varcomm.P2POp(comm.irecv, None, peer, exact=True)])
+        with pytest.raises(varcomm.InvalidArgument, match=r"ops\[0\]: exact=True is for an irecv"):
+            comm.batch_isend_irecv([varcomm.P2POp(comm.isend, torch.ones(2), peer, exact=True)])
+        out = torch.zeros(2)
+        for w in comm.batch_isend_irecv([varcomm.P2POp(comm.isend, torch.full((2,), float(comm.rank)), peer),
+                                         varcomm.P2POp(comm.irecv, out, peer, exact=True)]):
+            w.wait()
+        assert out.tolist() == [float(peer)] * 2  # nothing was posted by the refused batches

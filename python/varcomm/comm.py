@@ -613,7 +613,13 @@ class Communicator:
             if fn is Communicator.irecv:
                 if op.tensor is not None:
                     arrays.describe_recv(arrays.native(op.tensor, f"ops[{i}].tensor"))
+                elif op.exact:
+                    raise InvalidArgument(f"ops[{i}]: exact=True checks the message against the irecv's tensor: "
+                                          "pass one (a buffer of the expected dtype and size)")
                 continue
+            if op.exact:
+                raise InvalidArgument(f"ops[{i}]: exact=True is for an irecv (its message must fill its tensor), "
+                                      "not an isend")
             if op.tensor is None:
                 raise InvalidArgument(f"ops[{i}]: an isend needs a tensor")
             tensor = arrays.native(op.tensor, f"ops[{i}].tensor")
