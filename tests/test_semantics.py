@@ -590,3 +590,14 @@ def test_recv_exact_refuses_a_message_that_does_not_fill_out_and_keeps_it(transp
         assert np.array_equal(got, np.arange(4, dtype=np.float32) + 1) and np.shares_memory(got, out)
     comm.barrier()
     comm.close()
+
+
+@world(1)
+def test_a_meta_tensor_is_refused_for_what_it_is():
+    """A meta tensor (no data) was refused with "this build has no GPU
+    transport", even in builds that have one."""
+    with varcomm.init(timeout=5) as comm:
+        for call in (lambda: comm.send(torch.empty(3, device="meta"), 0),
+                     lambda: comm.recv(0, out=torch.empty(3, device="meta"))):
+            with pytest.raises(varcomm.InvalidArgument, match="meta tensor: it has no data"):
+                call()

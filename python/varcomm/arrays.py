@@ -126,6 +126,17 @@ def values(x: Any) -> Any:
     return x
 
 
+def _not_host(x: Any, what: str) -> InvalidArgument:
+    """Why a torch tensor that is not in host memory reached a host-memory path."""
+    kind = x.device.type
+    if kind == "meta":
+        return InvalidArgument(f"{what} is a meta tensor: it has no data to send or receive into")
+    if kind == "cuda":
+        return InvalidArgument(f"{what} on {x.device}: this build has no GPU transport (varcomm.build_info() says "
+                               "what it has); move it to CPU, or rebuild with nvcc")
+    return InvalidArgument(f"{what} on {x.device}: varcomm moves host and CUDA memory only; move it to CPU")
+
+
 def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
     """(pointer, nbytes, dtype word, shape, keepalive) of a host array: its values.
 
@@ -134,7 +145,7 @@ def describe_host(x: Any) -> tuple[int, int, int, tuple[int, ...], Any]:
     if is_torch(x):
         _strided(x, "tensor")
         if not x.is_cpu:  # is_cpu, not device.type: the ping-pong path cannot afford a device object
-            raise InvalidArgument(f"tensor on {x.device}: this build has no GPU transport; move it to CPU")
+            raise _not_host(x, "tensor")
         x = values(x)
         if not x.is_contiguous():
             x = x.contiguous()
@@ -154,7 +165,7 @@ def host_array(x: Any, what: str) -> Any:
     if is_torch(x):
         _strided(x, what)
         if not x.is_cpu:
-            raise InvalidArgument(f"{what} on {x.device}: this build has no GPU transport")
+            raise _not_host(x, what)
         x = values(x)
         return x if x.is_contiguous() else x.contiguous()
     if isinstance(x, np.ndarray):
@@ -206,7 +217,7 @@ def describe_out(out: Any) -> tuple[int, int, int]:
     if is_torch(out):
         _check_out_bits(out)
         if not out.is_cpu:
-            raise InvalidArgument(f"out on {out.device}: this build has no GPU transport")
+            raise _not_host(out, "out")
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix")
         # An empty tensor has data_ptr 0, which the core reads as "no out":
