@@ -756,3 +756,20 @@ def test_float_bool_and_str_ranks_are_refused_by_varcomm_distributed_and_batches
             assert vdist.recv(src=0).tolist() == [0.0, 1.0]
     finally:
         dist.destroy_process_group()
+
+
+@world(3, timeout=60)
+def test_a_rank_outside_a_group_is_told_so():
+    """vdist.send(..., group=g) on a rank that is not in g said "group -100 is
+    not on the varcomm backend: make it with new_group()", which it was."""
+    import varcomm.distributed as vdist
+
+    dist.init_process_group("varcomm")
+    try:
+        g = dist.new_group([1, 2])
+        if dist.get_rank() == 0:
+            with pytest.raises(ValueError, match="not a member of the group"):
+                vdist.send(torch.ones(1), dst=2, group=g)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -161,6 +161,9 @@ def get_comm(group: Group | None = None) -> Communicator:
                            "or torch.distributed.init_process_group('varcomm')")
     if isinstance(group, _tb.VarcommProcessGroup):
         return group.comm
+    if group is _tdist.GroupMember.NON_GROUP_MEMBER:  # type: ignore[comparison-overlap]  # new_group() gives ranks outside it this
+        raise ValueError("this rank is not a member of the group (new_group() returned it GroupMember."
+                         "NON_GROUP_MEMBER): only the group's ranks may use it")
     raise ValueError(f"group {group!r} is not on the varcomm backend: make it with new_group() (or a DeviceMesh) "
                      "after init_process_group()")
 
