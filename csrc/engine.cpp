@@ -119,6 +119,9 @@ std::vector<int> Engine::unflushed() {
 void Engine::goodbye() {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return;
+  // First: a peer's goodbye seen from here on leaves our posted receives to
+  // fail with the close (ClosedError), not with that peer (check_goodbye).
+  leaving_ = true;
   // Messages still streaming in (a dropped irecv(out=) is filled only so)
   // are taken to their end first, not failed with their receives: until
   // their sender's goodbye (which it writes after every chunk) or its
@@ -147,7 +150,6 @@ void Engine::goodbye() {
     if (!waiting || Clock::now() > until) break;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  leaving_ = true;
   for (int q = 0; q < world_; ++q) {
     Peer& p = peers_[q];
     if (q == rank_ || !p.t || p.bye) continue;

@@ -712,3 +712,23 @@ def test_a_dropped_irecv_out_of_a_streamed_message_is_filled_by_close(transport)
     assert comm.recv(src=0).tolist() == [7.0]
     comm.close()
     assert int((out != msg).sum()) == 0, f"{int((out == -1).sum())} of {n} elements never written"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60)
+def test_a_receive_pending_when_both_close_fails_with_closed(transport):
+    """Rank 1 closes, rank 0 20 ms later with a receive from it pending: the
+    Work fails with ClosedError (README: whoever closed first). With the
+    stream drain at the start of close, rank 0 saw rank 1's goodbye before it
+    counted itself as leaving and failed the Work with PeerFailure."""
+    comm = varcomm.init(transport=transport, timeout=20)
+    if comm.rank == 0:
+        w = comm.irecv(src=1, out=torch.zeros(4))
+        comm.barrier()
+        time.sleep(0.02)
+        comm.close()
+        with pytest.raises(varcomm.ClosedError):
+            w.wait()
+    else:
+        comm.barrier()
+        comm.close()

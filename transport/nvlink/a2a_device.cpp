@@ -256,7 +256,7 @@ struct DeviceA2A::Impl {
           const unsigned in = unsigned(k & 15), out = unsigned(k >> 4 & 15), ne = unsigned(k >> 8);
           std::string name = in == a2a::kInOffsets ? "all_to_all_vdev_2d_offset (a MoE combine)"
                              : ne > 1             ? "all_to_all_vdev_2d (a MoE dispatch)"
-                                                  : "all_to_all_vdev";
+                                                  : "all_to_all_vdev (or a MoE dispatch with 1 expert per rank)";
           if (out != (in == a2a::kInOffsets ? unsigned(a2a::kOutRankMajor) : unsigned(a2a::kOutExpertMajor)))
             name += " (layout " + std::to_string(out) + ")";
           return name + ", " + std::to_string(ne) + " expert" + (ne == 1 ? "" : "s") + " per rank";

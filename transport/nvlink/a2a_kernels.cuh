@@ -18,7 +18,7 @@
 //   [state: epoch | blocks done | last call with an error | broken | (unused) |
 //    errors numbered | send blocks started]
 //   [credits: one u64 per peer] [per source s: slot s]
-//   slot s = [ctl: flag, rows, dtype, row_bytes, status, pad | counts[kA2AMaxLocal]] [payload: cap bytes]
+//   slot s = [ctl: flag, rows, dtype, row_bytes, status, (40, 48: point-to-point counters), call kind | counts[kA2AMaxLocal]] [payload: cap bytes]
 // Rank d's slot s is where rank s writes its chunk for d; rank s's credits[d]
 // is where d says it consumed that chunk. All words only grow by call
 // number (the epoch), so nothing is ever reset between calls and a captured
