@@ -22,6 +22,8 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);
 // The longest close() waits for messages still streaming in from live peers.
 constexpr auto kCloseStreams = std::chrono::seconds(5);
+// ... and for one whose sender wrote nothing more for this long.
+constexpr auto kCloseStreamStall = std::chrono::seconds(1);
 // How long a sender waits for a receiver that claimed a rendezvous head to
 // answer (its copy takes a syscall's time: 1 GiB in well under a second).
 constexpr auto kClaimWait = std::chrono::seconds(5);
@@ -136,10 +138,15 @@ void Engine::goodbye() {
     return n;
   };
   const auto until = Clock::now() + kCloseStreams;
+  auto last_moved = Clock::now();
   for (;;) {
     const uint64_t before = got();
     progress_locked();
     const bool moved = got() != before;
+    if (moved) last_moved = Clock::now();
+    // A sender that stopped (computing, not in a varcomm call) moves nothing:
+    // do not hold close for it.
+    if (Clock::now() - last_moved > kCloseStreamStall) break;
     bool waiting = false;
     for (int q = 0; q < world_; ++q) {
       Peer& p = peers_[q];
