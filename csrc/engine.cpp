@@ -126,11 +126,10 @@ void Engine::goodbye() {
   leaving_ = true;
   // Messages still streaming in (a dropped irecv(out=) is filled only so)
   // are taken to their end first, not failed with their receives: until
-  // their sender's goodbye (which it writes after every chunk) or its
-  // failure, for at most kCloseStreams. A sender whose own send had
-  // completed may have closed before all its chunks were processed here.
-  // After the goodbye, while chunks still come in (their completions may
-  // be read after its own).
+  // their sender's goodbye (which it writes after every chunk; past it only
+  // while chunks still move, as their completions may be read after its
+  // own) or its failure, for at most kCloseStreams. A sender whose own send
+  // had completed may have closed before all its chunks were processed here.
   auto got = [this] {
     uint64_t n = 0;
     for (auto& p : peers_)

@@ -781,8 +781,7 @@ void RdmaTransport::accept_pending(int wait_ms) {
         handshaking_[i++].partial = k > 0;
         continue;
       }
-      handshaking_[i] = handshaking_.back();
-      handshaking_.pop_back();
+      handshaking_.erase(handshaking_.begin() + ptrdiff_t(i));  // (in arrival order: the front is the oldest)
       int32_t who = hi.rank;
       if (!complete || recv(fd, &hi, sizeof hi, MSG_DONTWAIT) != ssize_t(sizeof hi) || who < 0 ||
           who >= world_ || !peers_[size_t(who)].connected || hi.token != peers_[size_t(who)].live_token ||

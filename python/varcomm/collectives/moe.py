@@ -262,13 +262,11 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
         raise InvalidArgument(f"combine: expert_outputs are {expert_outputs.dtype}, and the topk_weights would be "
                               "cast to it (0.5 -> 0); pass floating-point expert outputs (expert_outputs.float())")
     if not isinstance(handle, MoEHandle):
-        from .moe_device import DeviceMoEHandle
-
-        if not isinstance(handle, DeviceMoEHandle):
-            raise InvalidArgument(f"combine: handle must be the third value dispatch returned, not "
-                                  f"{type(handle).__name__}")
         from . import moe_device
 
+        if not isinstance(handle, moe_device.DeviceMoEHandle):
+            raise InvalidArgument(f"combine: handle must be the third value dispatch returned, not "
+                                  f"{type(handle).__name__}")
         return moe_device.combine(comm, expert_outputs, handle)
     if expert_outputs.shape[0] != handle.perm.numel():
         raise InvalidArgument(f"expert_outputs has {expert_outputs.shape[0]} rows; dispatch delivered "
