@@ -942,7 +942,9 @@ def _expert(e: int, rows: torch.Tensor) -> torch.Tensor:
 def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
     """moe_device.dispatch/combine (routing on the device, all_to_all_vdev_2d
     underneath) on torch tensors with an explicit stream: y and the gradients
-    of tokens, expert computation and topk_weights equal one process's."""
+    of tokens, expert computation and topk_weights equal one process's; in
+    the second step about a third of the (token, k) pairs are masked (-1,
+    DeepEP's dropped pair): not sent, adding 0 to y and taking no gradient."""
 
     @world(n, timeout=180)
     def body():
@@ -957,6 +959,8 @@ def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
                 g = torch.Generator().manual_seed(seed * 10 + it)
                 toks = [torch.randn(T, H, generator=g) for _ in range(n)]
                 ids = [torch.randint(0, E, (T, K), generator=g) for _ in range(n)]
+                if it == 1:
+                    ids = [torch.where(torch.rand(T, K, generator=g) < 0.35, -1, i) for i in ids]
                 if it == 2:
                     ids = [torch.zeros(T, K, dtype=torch.int64) for _ in range(n)]  # all to expert 0 (rank 0)
                 ws = [torch.rand(T, K, generator=g) for _ in range(n)]
@@ -977,8 +981,8 @@ def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
                 # one process
                 tok_ref = toks[r].clone().requires_grad_(True)
                 w_ref = ws[r].clone().requires_grad_(True)
-                per = torch.stack([torch.stack([_expert(int(ids[r][t, k]), tok_ref[t]) for k in range(K)])
-                                   for t in range(T)])
+                per = torch.stack([torch.stack([_expert(int(ids[r][t, k]), tok_ref[t]) if ids[r][t, k] >= 0
+                                                else torch.zeros(H) for k in range(K)]) for t in range(T)])
                 y_ref = (per * w_ref[..., None]).sum(1)
                 (y_ref * (1 + torch.arange(H))).sum().backward()
                 assert torch.allclose(y, y_ref, atol=1e-5), (seed, it)
@@ -989,6 +993,37 @@ def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
             comm.barrier()
 
     body()
+
+
+@world(2, timeout=120)
+def test_fake_moe_topk_ids_out_of_range_are_named_and_nothing_is_sent(fake_cuda):
+    """topk_ids outside [-1, E) on rank 1 (not read on the host): rank 1's
+    dispatch raises InvalidArgument counting them, rank 0's MessageMismatch
+    naming rank 1, nothing of rank 1's reaches rank 0 (before, the routing's
+    scatter indexed out of range: a device-side assert on a GPU, which ends the
+    CUDA context), and the next dispatch pairs up."""
+    from varcomm.collectives import moe_device
+
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    E = 4
+    with comm:
+        tok = torch.full((3, 4), float(r + 1))
+        good = torch.tensor([[0, 3], [2, -1], [1, 2]])
+        ids = torch.tensor([[0, 4], [2, -2], [1, 2]]) if r == 1 else good
+        w = torch.ones(3, 2)
+        if r == 1:
+            with pytest.raises(varcomm.InvalidArgument, match=r"on rank 1: 2 topk_ids lie outside \[0, num_experts\)"):
+                moe_device.dispatch(comm, tok, ids, w, E, stream=s)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match=r"rank 1 passed send_splits .*topk_ids"):
+                et, tpe, h = moe_device.dispatch(comm, tok, ids, w, E, stream=s)
+        et, tpe, h = moe_device.dispatch(comm, tok, good, w, E, stream=s)
+        # rank r owns experts 2r, 2r + 1: each rank routes experts 0, 1 once and 2 twice, 3 once (rank 0's own row)
+        assert tpe.tolist() == ([2, 2] if r == 0 else [4, 2]), tpe.tolist()
+        y = moe_device.combine(comm, et, h)
+        assert torch.equal(y, tok * torch.tensor([[2.0], [1.0], [2.0]]))  # a masked pair adds 0
+        comm.barrier()
 
 
 @world(2, timeout=120, expect_exit={1: None})

@@ -44,6 +44,8 @@ def _inputs(seed: int, rank: int, it: int, E: int, K: int, H: int, skew: str):
     else:
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
             torch.zeros(0, K, dtype=torch.int64)
+    if skew == "masked":  # DeepEP's -1: a dropped (token, k) pair, about a third of them
+        ids = torch.where(torch.rand(ids.shape, generator=g) < 0.35, -1, ids)
     weights = torch.rand(T, K, generator=g)
     return tokens, ids.reshape(T, K), weights
 
@@ -59,7 +61,7 @@ def test_dispatch_combine_match_reference(transport, n):
         with varcomm.init(transport=transport, bound=1 << 20, timeout=60) as comm:
             r = comm.rank
             per = E // n
-            for it, skew in enumerate(["uniform", "zipf", "one", "empty", "uniform"]):
+            for it, skew in enumerate(["uniform", "zipf", "one", "empty", "masked", "uniform"]):
                 tokens, ids, w = _inputs(seed, r, it, E, K, H, skew)
                 et, tpe, handle = dispatch(comm, tokens, ids, w, E)
                 # reference: rows for local expert e, by source rank, then (token, k) order
@@ -77,23 +79,25 @@ def test_dispatch_combine_match_reference(transport, n):
                 # experts: a per-expert deterministic map, so the combined result is checkable
                 scale = torch.repeat_interleave(torch.arange(r * per, (r + 1) * per, dtype=torch.float32) + 1, tpe)
                 y = combine(comm, et * scale[:, None], handle)
-                ref = (w[..., None] * tokens[:, None, :] * (ids[..., None].float() + 1)).sum(1)
+                ref = (w[..., None] * tokens[:, None, :] * (ids[..., None].float() + 1)).sum(1)  # -1 adds 0
                 _close(y, ref, 1e-6)
 
     body()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("skew", ["uniform", "masked"])
 @world(3, timeout=120)
-def test_autograd_through_dispatch_and_combine(transport):
+def test_autograd_through_dispatch_and_combine(transport, skew):
     """Gradients wrt tokens, weights and expert outputs equal those of the same
-    computation done locally (fp64, so they must agree to 1e-12)."""
+    computation done locally (fp64, so they must agree to 1e-12); a masked
+    (-1) pair is not sent and takes no gradient."""
     seed = seeded()
     E, K, H = 6, 2, 5
     with varcomm.init(transport=transport, bound=1 << 20, timeout=60) as comm:
         r, n = comm.rank, comm.world_size
         per = E // n
-        tokens, ids, w = _inputs(seed, r, 0, E, K, H, "uniform")
+        tokens, ids, w = _inputs(seed, r, 0, E, K, H, skew)
         tokens = tokens.double().requires_grad_(True)
         w = w.double().requires_grad_(True)
         scale = torch.arange(1, E + 1, dtype=torch.float64)
@@ -104,7 +108,7 @@ def test_autograd_through_dispatch_and_combine(transport):
         # local reference: same function, no communication
         t2 = tokens.detach().clone().requires_grad_(True)
         w2 = w.detach().clone().requires_grad_(True)
-        ref = (w2[..., None] * torch.tanh(t2)[:, None, :] * scale[ids][..., None]).sum(1)
+        ref = (w2[..., None] * torch.tanh(t2)[:, None, :] * torch.where(ids >= 0, scale[ids], 0)[..., None]).sum(1)
         (ref ** 2).sum().backward()
         _close(y.detach(), ref.detach(), 1e-12)
         _close(tokens.grad, t2.grad, 1e-12)
@@ -140,8 +144,11 @@ def test_bf16_tokens_and_argument_errors():
         assert torch.equal(y, 2 * tokens)
         with pytest.raises(varcomm.InvalidArgument, match="multiple"):
             dispatch(comm, tokens, ids, w, 3)
-        with pytest.raises(varcomm.InvalidArgument, match=r"\[0, 4\)"):
-            dispatch(comm, tokens, ids + 4, w, 4)
+        with pytest.raises(varcomm.InvalidArgument, match=r"\[0, 4\), or be -1 .*got 4 \(2 such\)"):
+            dispatch(comm, tokens, ids.index_put((torch.tensor([0, 1]), torch.tensor([0, 0])), torch.tensor([4, 7])),
+                     w, 4)
+        with pytest.raises(varcomm.InvalidArgument, match=r"got -2 \(1 such\)"):
+            dispatch(comm, tokens, ids.index_put((torch.tensor([2]), torch.tensor([1])), torch.tensor([-2])), w, 4)
         # Integer outputs would take the weights in their dtype (0.5 -> 0: every sum 0).
         with pytest.raises(varcomm.InvalidArgument, match="floating-point expert outputs"):
             combine(comm, et.to(torch.int64), h)

@@ -1238,6 +1238,9 @@ void bind_device_a2a(py::module_& m) {
     return "varcomm was built without the nvlink transport";
 #endif
   });
+#ifdef VARCOMM_HAVE_CUDA
+  m.attr("A2A_BAD_IDS_MARKER") = kA2ABadIdsMarker;
+#endif
   py::class_<DeviceA2AHandle>(m, "DeviceAllToAll")
       // Collective: every rank constructs it with the same cap (bytes per source slot).
       .def(py::init([](py::object comm, int device, uint64_t cap, std::optional<double> timeout) {

@@ -167,6 +167,7 @@ class Comm:
 
 # ---- collectives (csrc/collectives.h)
 COLL_TAG_BASE: int
+A2A_BAD_IDS_MARKER: int  # builds with nvlink: moe_device's split marker for bad topk_ids (a2a_device.h)
 MAX_COLL_TAG: int
 
 class AllToAll:

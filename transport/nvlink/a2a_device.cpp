@@ -240,6 +240,11 @@ struct DeviceA2A::Impl {
                                               ": dropped (0 rows from it); pass a larger out",
                      int(r.a));
       case a2a::kErrBadSplits:
+        if (r.c >= kA2ABadIdsMarker && r.c < kA2ABadIdsMarker * 2)
+          return Error(ErrorKind::Invalid, "moe.dispatch on " + me + ": " + std::to_string(r.c - kA2ABadIdsMarker) +
+                                               " topk_ids lie outside [0, num_experts) and are not -1 (a masked "
+                                               "pair)" + call + ": nothing was sent (0 rows to every rank); fix the "
+                                               "router's expert ids");
         return Error(ErrorKind::Invalid, me + "'s send_splits for " + rk(r.a) + " give rows [" +
                                              std::to_string(int64_t(r.b)) + ", " +
                                              std::to_string(int64_t(r.b + r.c)) + ") of an input of " +
@@ -273,8 +278,8 @@ struct DeviceA2A::Impl {
                                              "error says why)" + call + ": 0 rows from it",
                      int(r.a));
       case a2a::kErrPeerSplits:  // a call the peer refused (the host path's MessageMismatch too)
-        return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input" + call +
-                                             ": 0 rows from it", int(r.a));
+        return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input (in moe.dispatch: topk_ids "
+                                             "outside [-1, num_experts))" + call + ": 0 rows from it", int(r.a));
       case a2a::kErrTimeout:
         return Error(ErrorKind::Timeout, me + "'s device all-to-all kernel timed out waiting for " + rk(r.a) +
                                              (r.b ? "'s data" : "'s credit (it has not consumed the last call)") +

@@ -74,12 +74,18 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, place: Any) -> torch.Tens
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, k) pairs routed to an expert, sorted by expert (stable), and
+    the rows for each rank. A -1 is a masked pair (DeepEP's convention, a
+    dropped token): not sent, and it adds nothing in combine."""
     flat = topk_ids.reshape(-1).to(torch.int64)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
-        raise InvalidArgument(f"topk_ids must lie in [0, {num_experts})")
+    if flat.numel() and (int(flat.min()) < -1 or int(flat.max()) >= num_experts):
+        bad = flat[(flat < -1) | (flat >= num_experts)]
+        raise InvalidArgument(f"topk_ids must lie in [0, {num_experts}), or be -1 for a masked (dropped) "
+                              f"(token, k) pair; got {int(bad[0])} ({bad.numel()} such)")
     order = torch.sort(flat, stable=True).indices
+    order = order[int((flat < 0).sum()):]  # the -1s sort first
     per_rank = num_experts // n
-    splits = torch.bincount(flat // per_rank, minlength=n).tolist()
+    splits = torch.bincount(flat[order] // per_rank, minlength=n).tolist()
     return flat, order, splits
 
 
@@ -160,7 +166,7 @@ class _Combine(torch.autograd.Function):
                 recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any) -> torch.Tensor:
         y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
         back, _ = _all_to_all_v(comm, y, recv_splits, place)  # [T*K, H'] in send (expert-sorted) order
-        tk = torch.empty_like(back)
+        tk = back.new_zeros((T * K,) + tuple(back.shape[1:]))  # masked (-1) pairs stay 0
         tk[order] = back  # (t, k) order
         ctx.comm = comm
         ctx.meta = (order, send_splits, perm, place, expert_outputs.device)
@@ -206,7 +212,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
              num_experts: int) -> tuple[torch.Tensor, torch.Tensor, MoEHandle | DeviceMoEHandle]:
     """Send each (token, k) to the rank owning expert ``topk_ids[token, k]``.
 
-    tokens [T, H] (any fixed-size dtype), topk_ids [T, K] ints in [0, E),
+    tokens [T, H] (any fixed-size dtype), topk_ids [T, K] ints in [0, E) or
+    -1 for a masked pair (not sent; it adds 0 in combine, as in DeepEP),
     topk_weights [T, K] (kept for combine). Returns ``expert_tokens`` [R, H]
     grouped by local expert (rows for local expert 0 first, ...; within an
     expert, by source rank then by (token, k)), ``tokens_per_expert`` [E/n]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .. import _C
 from ..errors import InvalidArgument
 from . import alltoall_device as D
 
@@ -55,6 +56,7 @@ class DeviceMoEHandle:
     topk_weights: torch.Tensor
     stream: int | None
     alloc: Alloc
+    dropped: torch.Tensor  # [T*K] bool, (t, k) order: pairs not sent (a -1, or an id outside [0, E))
 
 
 def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
@@ -82,6 +84,11 @@ def _combine_rows(comm: Communicator, x: torch.Tensor, so: torch.Tensor, ne: int
     _after(comm, x, stream)
 
 
+def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> None:
+    """Zero the rows where the bool mask `rows` is set, on the device (no sync)."""
+    x.masked_fill_(rows.reshape((-1,) + (1,) * (x.dim() - 1)), 0)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tokens: torch.Tensor, h: DeviceMoEHandle, x: torch.Tensor, rows: int) -> Any:
@@ -96,6 +103,7 @@ class _Dispatch(torch.autograd.Function):
         h: DeviceMoEHandle = ctx.h
         back = h.alloc((h.order.numel(),) + ctx.hidden, grad.dtype)
         _combine_rows(h.comm, grad.contiguous(), h.splits_offsets, h.experts_per_rank, back, h.stream, h.alloc)
+        _zero_rows(back, h.dropped.index_select(0, h.order))  # never sent: nothing came back
         gtok = torch.zeros((h.num_tokens,) + ctx.hidden, dtype=grad.dtype, device=grad.device)
         gtok.index_add_(0, h.order // h.topk, back)
         return gtok, None, None, None
@@ -110,6 +118,7 @@ class _Combine(torch.autograd.Function):
                       h.stream, h.alloc)
         tk = torch.empty_like(back)
         tk[h.order] = back  # (t, k) order
+        _zero_rows(tk, h.dropped)  # masked pairs add 0 (their rows of back were never written)
         ctx.h = h
         ctx.rows = expert_outputs.shape[0]
         return tk.reshape((h.num_tokens, h.topk) + trailing)
@@ -135,8 +144,11 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     routing on the device. Returns the bound-sized expert-major rows (local
     expert 0's rows from every source first, then expert 1's, ...), the rows
     per local expert ([E/n] int64, on the device), and the handle for
-    combine. ``topk_ids`` must lie in [0, num_experts): it is not read on
-    the host, so it is not checked there."""
+    combine. ``topk_ids`` lie in [0, num_experts), or are -1 for a masked
+    (dropped) pair: not sent, it adds 0 in combine (DeepEP's convention).
+    They are not read on the host: an id outside [-1, num_experts) makes the
+    kernels record an error naming it (raised by the next call or
+    ``D.synchronize``) and send nothing, rather than index out of range."""
     n = comm.world_size
     if num_experts <= 0 or num_experts % n:
         raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of the world size {n}")
@@ -153,13 +165,22 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     K = topk_ids.shape[1]
     al = _alloc_like(tokens, alloc)
     flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.sort(flat, stable=True).indices
+    routed = (flat >= 0) & (flat < num_experts)
+    # Pairs not sent sort last under the key E, past every expert's rows.
+    key = torch.where(routed, flat, num_experts)
+    order = torch.sort(key, stable=True).indices
     x = tokens.detach().index_select(0, order // K).contiguous()
-    splits = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    splits.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    splits = counts[:num_experts]
+    # An id outside [-1, E) is a routing bug, not a mask: expert 0's count
+    # carries a marker the send kernel refuses (a split past the input: nothing
+    # is sent) and the host names as bad topk_ids (a2a_device.h kA2ABadIdsMarker).
+    bad = (flat < -1).sum() + (flat >= num_experts).sum()
+    splits[:1].copy_(torch.where(bad > 0, _C.A2A_BAD_IDS_MARKER + bad, splits[:1]))
     rows = n * D.capacity_rows(comm, H * tokens.element_size())
     oso = al((2, num_experts), torch.int64)
-    h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al)
+    h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al, ~routed)
     expert_tokens = _Dispatch.apply(tokens, h, x, rows)  # type: ignore[no-untyped-call]  # unannotated in torch
     h.tokens_per_expert = oso[0].reshape(ne, n).sum(dim=1)
     return expert_tokens, h.tokens_per_expert, h
