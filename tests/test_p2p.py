@@ -392,3 +392,23 @@ def test_batch_exact_without_a_tensor_or_on_an_isend_is_refused():
                                          varcomm.P2POp(comm.irecv, out, peer, exact=True)]):
             w.wait()
         assert out.tolist() == [float(peer)] * 2  # nothing was posted by the refused batches
+
+
+@world(2, timeout=60)
+def test_copy_false_with_out_is_refused_and_the_message_kept():
+    """copy=False (lend the slot) and out= (land in out) ask for two things;
+    out= won silently, so a caller expecting a loan held out's memory instead.
+    Refused before anything is taken: the next recv gets the message."""
+    with varcomm.init(timeout=10) as comm:
+        if comm.rank == 1:
+            comm.send(torch.arange(4.0), dst=0)
+        else:
+            out = torch.zeros(8)
+            for call in (lambda: comm.recv(src=1, out=out, copy=False),
+                         lambda: comm.recv(src=1, out=out.numpy(), copy=False),
+                         lambda: comm.irecv(src=1, out=out, copy=False)):
+                with pytest.raises(varcomm.InvalidArgument, match="copy=False lends the receive slot"):
+                    call()
+            assert torch.equal(out, torch.zeros(8))
+            assert torch.equal(comm.recv(src=1, out=out), torch.arange(4.0))
+        comm.barrier()

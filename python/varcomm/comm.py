@@ -425,6 +425,8 @@ class Communicator:
                     self._settle_orphans()
                 return a
         else:
+            if not copy:
+                raise _copy_and_out()
             kind = type(out)
             r: Any = None
             if kind is np.ndarray:
@@ -508,6 +510,8 @@ class Communicator:
         MessageMismatch (or MessageTooLarge) and the message is kept."""
         self._check_peer(src, "src")
         src = int(src)
+        if out is not None and not copy:
+            raise _copy_and_out()
         if self._orphans:
             self._settle_orphans()
         c = self._c
@@ -866,6 +870,11 @@ def _stage(tensor: Any) -> Any:
     peer that does not use CUDA): a host copy, sent as usual. The receiver gets
     a host tensor unless it receives into a CUDA out=."""
     return tensor.detach().to("cpu")
+
+
+def _copy_and_out() -> InvalidArgument:
+    return InvalidArgument("recv: copy=False lends the receive slot itself, out= asks for the message in out; pass "
+                           "one of them (out= with the default copy=True)")
 
 
 def _check_array(array: str) -> str:

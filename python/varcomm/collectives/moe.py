@@ -128,7 +128,8 @@ class _Dispatch(torch.autograd.Function):
             # expert index's elements (which differ by dtype), not the H given.
             err = MessageMismatch(
                 f"moe.dispatch on rank {comm.rank}: tokens differ in dtype or hidden size between ranks (this "
-                f"rank's are {x.dtype} [T, {H}]; every rank must pass one dtype and H). The rows sent carry "
+                f"rank's are {x.dtype} [T, {H}]; every rank must pass one dtype and H), or a peer ran another "
+                f"collective here (moe.combine: the ranks are out of step). The rows sent carry "
                 f"{extra} more element(s) of the tokens' dtype for the expert index and num_experts, so the shapes "
                 f"below are H + "
                 f"that: {e}")
