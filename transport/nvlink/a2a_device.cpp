@@ -240,7 +240,8 @@ struct DeviceA2A::Impl {
                                               ": dropped (0 rows from it); pass a larger out",
                      int(r.a));
       case a2a::kErrBadSplits:
-        if (r.c >= kA2ABadIdsMarker && r.c < kA2ABadIdsMarker * 2)
+        // The marker sits in expert 0's split (rows from 0) and counts at most the input's rows.
+        if (r.b == 0 && r.c > kA2ABadIdsMarker && r.c - kA2ABadIdsMarker <= r.d)
           return Error(ErrorKind::Invalid, "moe.dispatch on " + me + ": " + std::to_string(r.c - kA2ABadIdsMarker) +
                                                " topk_ids lie outside [0, num_experts) and are not -1 (a masked "
                                                "pair)" + call + ": nothing was sent (0 rows to every rank); fix the "

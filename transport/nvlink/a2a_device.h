@@ -25,9 +25,9 @@
 namespace varcomm {
 
 // A split of at least this many rows is moe_device.dispatch's marker for
-// topk_ids outside [-1, E) (the marker plus their count), not a user's
-// split: the send kernel refuses it as past the input, and the host names
-// the ids. Routing on the device cannot be checked on the host without a sync.
+// topk_ids outside [-1, E) (the marker plus their count, at most the input's
+// rows), in expert 0's split: the send kernel refuses it as past the input,
+// and the host names the ids (a user's split there is as wrong, and told so). Routing on the device cannot be checked on the host without a sync.
 constexpr uint64_t kA2ABadIdsMarker = uint64_t(1) << 62;
 
 // One call's arrays, as pointers (device memory, ordered on `stream`).
