@@ -228,8 +228,11 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
           mismatch_ = true;
           continue;
         }
-        // One-phase: a descriptor stands in for a chunk over our bound.
-        // Two-phase: every count travels so; the sender skips a chunk over our bound.
+        // One-phase: a descriptor stands in for a chunk its sender could not
+        // send (a device chunk's host copy over our bound; host chunks go by
+        // rendezvous at any size). Two-phase (the conventional count-first
+        // baseline, held to the bound): every count travels so; the sender
+        // skips a chunk over our bound.
         if (plan_.strategy == A2AStrategy::OnePhase || m.nbytes > e_.layout().bound) fate_[s] = Fate::OverBound;
       }
     }
@@ -328,6 +331,10 @@ void AllToAll::post_payloads() {
     int d = (r + k) % n;
     if (fate_[d] == Fate::Refused) continue;  // d refused the whole call: it reads nothing more of it
     const A2AChunk& c = plan_.send[d];
+    if (c.nbytes > e_.peer_bound(d)) {  // d saw the count and took it as over its bound (wait_headers)
+      too_large_.push_back({d, e_.over_bound(d, c.nbytes, c.mem.device).what()});
+      continue;
+    }
     try {
       Mem m;
       const void* src = source(d, &m);

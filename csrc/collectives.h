@@ -5,9 +5,12 @@
 // Per collective, every ordered pair of distinct ranks exchanges exactly one
 // message (one-phase: each chunk's count, dtype and shape travel in its own
 // header) or one descriptor then one payload (two-phase: the conventional
-// count-first baseline), on tags of the reserved collective space. A chunk over
-// its receiver's bound is replaced by a descriptor of it (no payload), so the
-// receiver raises instead of hanging; because every pair still exchanged its
+// count-first baseline), on tags of the reserved collective space. A host
+// chunk over its receiver's bound goes by rendezvous, like a point-to-point
+// message (the bound sizes the eager slots, it is no cap); a device chunk
+// over it (GPU slots hold one chunk), or any over it in two-phase, is
+// replaced by a descriptor of it (no payload), so the receiver raises
+// MessageTooLarge instead of hanging; because every pair still exchanged its
 // messages, the communicator stays usable. Errors are raised only once every
 // pair's messages were consumed. A rank's chunk to itself is a local copy (on
 // the chunk's stream for device memory).

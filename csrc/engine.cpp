@@ -326,7 +326,16 @@ void Engine::recycle(uint64_t id) {
 
 // ---- posting --------------------------------------------------------------
 
-void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager) {
+Error Engine::over_bound(int peer, uint64_t nbytes, bool device) const {
+  return Error(ErrorKind::TooLarge,
+               "message of " + std::to_string(nbytes) + " bytes exceeds the receive bound of " +
+                   std::to_string(peers_[peer].layout.bound) + " bytes on " + peer_str(peer) +
+                   (device ? " (GPU memory is sent into one slot)" : "") +
+                   "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
+               peer);
+}
+
+void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager, bool pull) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
@@ -338,14 +347,10 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool 
                     std::to_string(opt_.max_message) +
                     " bytes (varcomm.init(max_message=...) / VARCOMM_MAX_MESSAGE); nothing was sent",
                 peer);
-  // Host messages of any size travel (by rendezvous over the bound); device
-  // payloads are still held to the slot they are copied into.
-  if ((mem.device || eager) && nbytes > p.layout.bound)
-    throw Error(ErrorKind::TooLarge,
-                "message of " + std::to_string(nbytes) + " bytes exceeds the receive bound of " +
-                    std::to_string(p.layout.bound) + " bytes on " + peer_str(peer) +
-                    (mem.device ? " (GPU memory is sent into one slot)" : "") + "; raise it with varcomm.init(bound=...) or VARCOMM_BOUND on the receiver",
-                peer);
+  // Host messages of any size travel (by rendezvous over the bound), a
+  // collective's chunk too; device payloads are still held to the slot they
+  // are copied into, and so is a device chunk's host copy (`pull` false).
+  if ((mem.device || (eager && !pull)) && nbytes > p.layout.bound) throw over_bound(peer, nbytes, mem.device);
   if (ndim > uint32_t(kMaxDims))
     throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
   if (mem.device) device_transport(peer);  // refuse before queueing: nothing half-sent
@@ -387,7 +392,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                        const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager, bool pull) {
   std::lock_guard<std::mutex> g(mu_);
-  check_send(peer, nbytes, ndim, mem, eager);
+  check_send(peer, nbytes, ndim, mem, eager, pull);
   return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask,
                     (pull || !eager) && rendezvous(peer, nbytes, mem, eager));
 }
@@ -566,7 +571,11 @@ bool Engine::rendezvous(int peer, uint64_t nbytes, Mem mem, bool held) const {
   // lose by CMA (4 ranks, AMD EPYC, out= a torch.empty: 64 KiB chunks
   // 240 us by two memcpys, 333 us by CMA, medians of 5; 128 KiB even; 256
   // KiB 574 against 236 us; bench/results/issue11-2026-12-05-s8.md).
-  if (held) return p.pulls ? nbytes > std::min<uint64_t>(eager, 32 << 10) : p.pulls_chunks && nbytes >= kChunkPull;
+  // Over the bound it cannot go eager: whatever the receiver can do (pull,
+  // have us push into its landing area, or take it streamed through the slots).
+  if (held)
+    return nbytes > p.layout.bound ||
+           (p.pulls ? nbytes > std::min<uint64_t>(eager, 32 << 10) : p.pulls_chunks && nbytes >= kChunkPull);
   // (Not where a device route exists: a host message streamed to a GPU out
   // cannot land there, see misfit.)
   uint64_t sc = p.t && !p.tdev ? p.t->stream_chunk() : 0;

@@ -116,11 +116,12 @@ class Engine {
   // array: the sender's array kind for the header (protocol.h, kArrayShift).
   // A host message over the receiver's bound (or over Options::eager_max
   // where the pair copies once) goes by rendezvous (protocol.h kRendezvous);
-  // `eager`: held to the bound (the collectives), and by rendezvous only
-  // where the receiver copies straight out of us (Engine::rendezvous).
-  // `pull`: held, it may still go by rendezvous for its receiver to copy out
-  // of us (false: a device chunk staged through host memory, whose receiver
-  // would free the head only once its stream copied it on).
+  // `eager`: a collective's chunk (the receive is held until the caller
+  // places its output), by rendezvous only where the receiver copies
+  // straight out of us (Engine::rendezvous), or over the receiver's bound.
+  // `pull`: held, it may go by rendezvous at all (false: a device chunk
+  // staged through host memory, whose receiver would free the head only once
+  // its stream copied it on; over the bound it is MessageTooLarge).
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                  const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false,
                  bool pull = true);
@@ -271,6 +272,9 @@ class Engine {
   void set_local_device(std::shared_ptr<Transport> t, const std::string& why_none);
   // The receive bound of `peer` (what a message to it may carry).
   uint64_t peer_bound(int peer) const { return peers_.at(peer).layout.bound; }
+  // MessageTooLarge for a message of nbytes over peer's bound (held to it:
+  // device memory, or a two-phase collective's payload).
+  Error over_bound(int peer, uint64_t nbytes, bool device) const;
   // The largest message a send to `peer` may carry: a device payload goes
   // into one slot (its bound); host memory is held only to Options::max_message.
   uint64_t send_limit(int peer, bool device) const;
@@ -315,7 +319,7 @@ class Engine {
   void deliver(int peer);
   void check_goodbye(int peer);
   std::string copy_failed_text(int peer, uint64_t nbytes) const;
-  void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager = false);
+  void check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager = false, bool pull = true);
   void check_fits(int peer, const Transport& t, const Layout& pl) const;
   uint64_t queue_send(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                       uint32_t ndim, Mem mem, uint64_t hflags, bool rndv);
@@ -365,7 +369,7 @@ class Engine {
   // Completes the landings from `peer` that arrived; false when the peer failed.
   bool check_landings(int peer);
   // Whether a send of nbytes to peer goes by rendezvous (protocol.h kRendezvous).
-  // `held`: a collective's chunk, held to the bound (isend's `eager`).
+  // `held`: a collective's chunk (isend's `eager`).
   bool rendezvous(int peer, uint64_t nbytes, Mem mem, bool held = false) const;
   // Receiver: asks the sender of held chunk h to write it into dst, which
   // lies in a landing block of ours (kRawCredit); false where it cannot.

@@ -154,36 +154,58 @@ def test_many_iterations_changing_sizes_and_back_to_back(transport):
 
 @pytest.mark.parametrize("transport", MODES)
 @world(4, timeout=120)
-def test_over_bound_chunk_errors_everywhere_then_recovers(transport):
-    """Rank 1's chunk for rank 3 is over rank 3's bound: rank 1 raises
-    MessageTooLarge (nothing written), rank 3 MessageTooLarge naming rank 1,
-    nobody hangs, and all ranks then run more collectives successfully."""
+def test_over_bound_chunks_travel_and_two_phase_refuses_them_everywhere(transport):
+    """Rank 1's chunk for rank 3 is over rank 3's bound (by one row, then 20
+    bounds' worth). One-phase: it travels by rendezvous like a point-to-point
+    message and arrives whole (before, every such call raised: a MoE step
+    failed once routing skewed). Two-phase (the count-first baseline, held to
+    the bound): rank 1 raises MessageTooLarge (nothing written), rank 3
+    MessageTooLarge naming rank 1, nobody hangs. Either way all ranks then run
+    more collectives successfully."""
     bound = 4096
+    two = transport.endswith("two-phase")
     with _init(transport, bound=bound, slots=4, timeout=30) as comm:
         r, n = comm.rank, comm.world_size
-        for _attempt in range(2):
-            splits = [2] * n
-            if r == 1:
-                splits[3] = bound // 4 + 1  # one float32 row too many
-            x = torch.arange(sum(splits), dtype=torch.float32) + 1000 * r
-            if r == 1:
+
+        def splits_of(s: int, big: int) -> list[int]:
+            sp = [2] * n
+            if s == 1:
+                sp[3] = big
+            return sp
+
+        for big in (bound // 4 + 1, 20 * bound // 4 + 3):
+            x = torch.arange(sum(splits_of(r, big)), dtype=torch.float32) + 100000 * r
+            if not two:
+                got, rs = A.all_to_all_v(comm, x, splits_of(r, big))
+                assert rs == [splits_of(s, big)[r] for s in range(n)]
+                want = []
+                for s in range(n):
+                    sp = splits_of(s, big)
+                    off = sum(sp[:r])
+                    want.append(torch.arange(off, off + sp[r], dtype=torch.float32) + 100000 * s)
+                assert torch.equal(got, torch.cat(want)), f"rank {r}: over-bound chunks arrived wrong"
+            elif r == 1:
                 with pytest.raises(varcomm.MessageTooLarge, match="rank 3") as ei:
-                    A.all_to_all_v(comm, x, splits)
+                    A.all_to_all_v(comm, x, splits_of(r, big))
                 assert ei.value.peer == 3
             elif r == 3:
                 with pytest.raises(varcomm.MessageTooLarge, match="rank 1 could not send its chunk") as ei:
-                    A.all_to_all_v(comm, x, splits)
+                    A.all_to_all_v(comm, x, splits_of(r, big))
                 assert ei.value.peer == 1
             else:
-                got, rs = A.all_to_all_v(comm, x, splits)  # unaffected pairs complete
+                got, rs = A.all_to_all_v(comm, x, splits_of(r, big))  # unaffected pairs complete
                 assert rs == [2] * n
             # The very next collective works on every rank, with the right data.
             y = torch.arange(n, dtype=torch.int64) + 10 * r
             got, rs = A.all_to_all_v(comm, y, [1] * n)
             assert rs == [1] * n and got.tolist() == [10 * s + r for s in range(n)]
-        # The list form reports the same way.
-        ins = [torch.zeros(bound // 8 + 1 if (r == 0 and d == 2) else 1, dtype=torch.int64) for d in range(n)]
-        if r == 0:
+        # The list form too.
+        ins = [torch.full((bound // 8 + 1 if (r == 0 and d == 2) else 1,), r, dtype=torch.int64) for d in range(n)]
+        if not two:
+            outs = A.all_to_all(comm, None, ins)
+            assert [o.tolist() for o in outs] == [[s] * (bound // 8 + 1 if (s == 0 and r == 2) else 1)
+                                                  for s in range(n)]
+        elif r == 0:
             with pytest.raises(varcomm.MessageTooLarge):
                 A.all_to_all(comm, None, ins)
         elif r == 2:

@@ -322,3 +322,32 @@ def test_mistaken_argument_types_are_refused_to_the_peer_too():
                         combine(comm, et, h)
                 continue
             assert torch.equal(combine(comm, et, h), tokens)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60)
+def test_routing_skewed_past_the_bound_still_dispatches_and_combines(transport):
+    """Every (token, k) pair to rank 1's experts: rank 0's chunk for rank 1 is
+    over 8x the bound. It travels by rendezvous (before: MessageTooLarge on every
+    rank, so a MoE step failed once routing skewed), and y and the gradients
+    are one process's."""
+    E, K, H, T = 4, 2, 16, 250
+    with varcomm.init(transport=transport, bound=8192, slots=4, timeout=30) as comm:
+        r = comm.rank
+        g = torch.Generator().manual_seed(5 + r)
+        tokens = torch.randn(T, H, generator=g, dtype=torch.float64).requires_grad_(True)
+        ids = torch.stack([torch.full((T,), 2), torch.full((T,), 3)], 1)
+        w = torch.rand(T, K, generator=g, dtype=torch.float64).requires_grad_(True)
+        et, tpe, h = dispatch(comm, tokens, ids, w, E)
+        assert tpe.tolist() == ([0, 0] if r == 0 else [2 * T, 2 * T])
+        assert T * K * (H + 1) * 8 > 8 * 8192  # rank 0's chunk for rank 1: H + 1 float64 per row
+        per = torch.repeat_interleave(torch.arange(2 * r + 1.0, 2 * r + 3.0, dtype=torch.float64), tpe)
+        y = combine(comm, et * per[:, None], h)
+        (y ** 2).sum().backward()
+        t2 = tokens.detach().clone().requires_grad_(True)
+        w2 = w.detach().clone().requires_grad_(True)
+        ref = (w2[..., None] * t2[:, None, :] * (ids[..., None] + 1.0)).sum(1)
+        (ref ** 2).sum().backward()
+        _close(y.detach(), ref.detach(), 1e-12)
+        _close(tokens.grad, t2.grad, 1e-12)
+        _close(w.grad, w2.grad, 1e-12)

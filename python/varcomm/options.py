@@ -317,8 +317,9 @@ class Options(_Declared):
 
     bound: int = _opt("VARCOMM_BOUND", _bytes(1), 8 * MiB,
                       "payload bytes of one receive slot: a message up to it is sent eagerly (copied into the "
-                      "slot); a larger one goes by rendezvous (see `eager_max`); an all-to-all chunk over its "
-                      "receiver's bound is refused (MessageTooLarge on every rank)", "8 MiB")
+                      "slot); a larger one goes by rendezvous (see `eager_max`), an all-to-all chunk of host memory "
+                      "too; a GPU payload or chunk over the receiver's bound is refused (MessageTooLarge, on every "
+                      "rank for an all-to-all)", "8 MiB")
     slots: int = _opt("VARCOMM_SLOTS", _int(1, 1024), 8, "messages in flight per sending peer (ring depth)")
     transport: str = _opt("VARCOMM_TRANSPORT", _choice("auto", "shm", "rdma", "fallback"), "auto",
                           "`shm`, `rdma` (force it, e.g. on one host for tests) or `fallback` for every peer; "

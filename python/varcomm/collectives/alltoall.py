@@ -428,9 +428,9 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     timeout: seconds for the whole collective (default: the communicator's).
 
     Errors (raised after every pair's message was consumed, so the
-    communicator stays usable): a chunk over its receiver's bound (all-to-all
-    chunks are held to it) raises MessageTooLarge on every rank, naming the
-    sender; a dtype or trailing-shape mismatch raises MessageMismatch naming
+    communicator stays usable): a GPU chunk over its receiver's bound (host
+    chunks over it go by rendezvous) raises MessageTooLarge on every rank,
+    naming the sender; a dtype or trailing-shape mismatch raises MessageMismatch naming
     the source rank; more rows than ``out`` holds raises MessageTooLarge.
     A call one rank refuses before it starts (InvalidArgument: bad splits)
     raises MessageMismatch naming it on the others, and the next call pairs up
