@@ -23,13 +23,16 @@ std::string list_str(const std::vector<T>& v) {
   return s + "]";
 }
 
-const char* op_name(A2AOp op) {
-  switch (op) {
+std::string op_name(const A2APlan& p) {
+  if (!p.name.empty()) return p.name;
+  switch (p.op) {
     case A2AOp::V: return "all_to_all_v";
     case A2AOp::Single: return "all_to_all_single";
     default: return "all_to_all";
   }
 }
+
+std::string input_name(const A2APlan& p) { return !p.input.empty() ? p.input : p.op == A2AOp::V ? "x" : "input"; }
 
 A2AChunk chunk_of(const MsgInfo& m) {
   A2AChunk c;
@@ -154,7 +157,7 @@ void AllToAll::guarded(F&& f) {
     cleanup();
     // A dead peer surfaces from one of many sends and receives: say which
     // collective it broke (the user called that, not a recv).
-    const std::string op = op_name(plan_.op);
+    const std::string op = op_name(plan_);
     if (x.kind != ErrorKind::PeerFailure || std::string(x.what()).rfind(op, 0) == 0) throw;
     throw Error(x.kind, op + ": " + x.what(), x.peer, x.forced);
   } catch (...) {
@@ -310,7 +313,7 @@ const void* AllToAll::source(int d, Mem* mem) const {
   *mem = c.mem;
   if (!c.mem.device || e_.device_route(d)) return c.data;
   if (c.nbytes && !c.host)
-    throw Error(ErrorKind::Invalid, std::string(op_name(plan_.op)) + ": " + rank_str(d) + " has no device route from " +
+    throw Error(ErrorKind::Invalid, op_name(plan_) + ": " + rank_str(d) + " has no device route from " +
                                         rank_str(rank_) + " and the chunk for it has no host copy to stage");
   *mem = Mem{};
   return c.host;
@@ -386,7 +389,7 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
           e_.release(id);
           id = 0;
           throw Error(ErrorKind::Mismatch,
-                      std::string(op_name(plan_.op)) + ": the payload from " + rank_str(s) + " (" +
+                      op_name(plan_) + ": the payload from " + rank_str(s) + " (" +
                           std::to_string(m.nbytes) + " bytes, dtype code " + std::to_string(m.dtype) +
                           ") does not match the count it sent first (" + std::to_string(want.nbytes) +
                           " bytes, dtype code " + std::to_string(want.dtype) +
@@ -446,7 +449,7 @@ void AllToAll::timeout(double seconds) {
   int peer = -1;
   char secs[32];
   snprintf(secs, sizeof secs, "%.3g", seconds);
-  std::string msg = std::string(op_name(plan_.op)) + " on " + rank_str(rank_) + " timed out after " + secs + " s";
+  std::string msg = op_name(plan_) + " on " + rank_str(rank_) + " timed out after " + secs + " s";
   if (late) {
     // Said in the call's terms (the point-to-point text names the internal
     // tag and gives point-to-point advice).
@@ -459,7 +462,7 @@ void AllToAll::timeout(double seconds) {
 }
 
 std::optional<Error> AllToAll::error() const {
-  const std::string op = op_name(plan_.op), me = rank_str(rank_);
+  const std::string op = op_name(plan_), me = rank_str(rank_);
   if (!too_large_.empty()) {
     auto [d, why] = too_large_[0];
     std::string msg = op + ": " + me + "'s chunk for " + rank_str(d) + " does not fit: " + why;
@@ -495,7 +498,7 @@ std::optional<Error> AllToAll::error() const {
             " (it must equal that rank's input_split_sizes[" + std::to_string(rank_) + "])";
       } else {
         p = "the chunk from " + rank_str(s) + " is " + dtype_name(h.dtype) + " of shape " +
-            tuple_str(h.shape, h.ndim) + ", but " + me + (plan_.op == A2AOp::V ? "'s x is " : "'s input is ") +
+            tuple_str(h.shape, h.ndim) + ", but " + me + "'s " + input_name(plan_) + " is " +
             dtype_name(plan_.dtype) + " with rows of shape " + tuple_str(t.data(), t.size());
         shape_rule = true;
       }

@@ -63,6 +63,10 @@ struct A2AChunk {
 //     whose dtype and shape a chunk must match exactly when given.
 struct A2APlan {
   A2AOp op = A2AOp::V;
+  // What the caller called and its input, as errors name them (empty: the
+  // op's own name, and x / input): moe.combine's peers are told "moe.combine",
+  // not the all_to_all_v underneath.
+  std::string name, input;
   A2AStrategy strategy = A2AStrategy::OnePhase;
   int64_t user_tag = 0;
   std::vector<A2AChunk> send;  // [world]

@@ -153,6 +153,13 @@ def test_bf16_tokens_and_argument_errors():
         with pytest.raises(varcomm.InvalidArgument, match="floating-point expert outputs"):
             combine(comm, et.to(torch.int64), h)
         assert torch.equal(combine(comm, et, h), 2 * tokens)  # the handle is still good
+        # bf16 outputs with float32 weights: weighted and summed in float32, then
+        # rounded once (the weights were cast to bf16 first: 0.3 -> 0.30078125).
+        wf = torch.rand(6, 2, generator=torch.Generator().manual_seed(7))
+        et, _, h = dispatch(comm, tokens, ids, wf, 4)
+        want = (tokens.float()[:, None, :] * wf[:, :, None]).sum(dim=1).to(torch.bfloat16)
+        y = combine(comm, et, h)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, want), (y - want).abs().max()
 
 
 @world(2, timeout=60)
@@ -351,3 +358,63 @@ def test_routing_skewed_past_the_bound_still_dispatches_and_combines(transport):
         _close(y.detach(), ref.detach(), 1e-12)
         _close(tokens.grad, t2.grad, 1e-12)
         _close(w.grad, w2.grad, 1e-12)
+
+
+@world(2, timeout=60)
+def test_combine_checks_its_handle_the_rows_sent_back_and_names_moe_in_peers_errors():
+    """A handle combined over another communicator (its ranks' rows would go
+    to that one's ranks) is refused. Ranks out of step (rank 0 combines while
+    rank 1 dispatches again) are named as such, with the rows that came back,
+    where rank 0 raised torch's shape error; the peers of a refused or
+    mismatched call are told moe.dispatch / moe.combine and expert_outputs,
+    not the all_to_all_v underneath and its x."""
+    with varcomm.init(timeout=30) as comm, varcomm.init(timeout=30) as other:
+        r, E = comm.rank, 2
+        T = 3 if r == 0 else 2
+        ids = torch.full((T, 1), 1 - r)  # each rank's tokens to the other's expert
+        et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        with pytest.raises(varcomm.InvalidArgument, match="another communicator"):
+            combine(other, et, h)
+        assert torch.equal(combine(comm, et, h), torch.ones(T, 4))  # the handle is still good
+        et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        if r == 0:  # 2 rows of width 6 back, where 3 belong: rank 1 dispatched (its packed rows are 4 + 2 wide)
+            with pytest.raises(varcomm.MessageMismatch, match=r"moe.combine on rank 0: rank 1 sent back 2 rows "
+                                                              r"where 3 belong.*out of step") as ei:
+                combine(comm, torch.ones(et.shape[0], 6), h)
+            assert ei.value.peer == 1
+        else:
+            with pytest.raises(varcomm.MessageMismatch):
+                dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        # In step again: a width mismatch in combine names it in combine's terms.
+        et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        with pytest.raises(varcomm.MessageMismatch, match=rf"^moe.combine on rank {r}: the chunk from rank {1 - r} "
+                                                          rf".*rank {r}'s expert_outputs is float32"):
+            combine(comm, torch.ones(et.shape[0], 4 + r), h)
+        if r == 1:
+            with pytest.raises(varcomm.InvalidArgument, match="topk_ids"):
+                dispatch(comm, torch.ones(T, 4), ids + 5, torch.ones(T, 1), E)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match="^moe.dispatch on rank 0: rank 1 refused"):
+                dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        assert torch.equal(combine(comm, et, h), torch.ones(T, 4))
+
+
+@world(2, timeout=60)
+def test_a_rank_that_skips_backward_leaves_its_peer_a_timeout_that_says_the_rule():
+    """Rank 1 runs no backward (its tokens do not require grad): rank 0's
+    backward all-to-all times out naming moe.combine's backward and the rule
+    that every rank runs backward through dispatch and combine."""
+    import time
+
+    with varcomm.init(timeout=1.5) as comm:
+        r = comm.rank
+        t = torch.ones(2, 4, requires_grad=r == 0)
+        et, _, h = dispatch(comm, t, torch.full((2, 1), 1 - r), torch.ones(2, 1), 2)
+        y = combine(comm, et, h)
+        if r == 0:
+            with pytest.raises(varcomm.TimeoutError, match=r"^moe.combine's backward on rank 0 timed out.*every rank "
+                                                           r"must run backward through moe.dispatch and moe.combine"):
+                y.sum().backward()
+        else:
+            time.sleep(3)

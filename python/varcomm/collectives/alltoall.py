@@ -29,9 +29,10 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
 
 import numpy as np
@@ -65,14 +66,31 @@ def _strategy(comm: Communicator) -> int:
     return _STRATEGIES[comm.options.a2a_algorithm]
 
 
+# What a layer above names its all-to-alls in their errors: (operation, input),
+# e.g. ("moe.combine", "expert_outputs"); unset, the function's own names.
+_label: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("varcomm_a2a_label", default=("", ""))
+
+
+@contextlib.contextmanager
+def labelled(name: str, input: str) -> Iterator[None]:
+    """Row-form all-to-alls started inside are named `name` (their input
+    `input`) in the errors every rank gets."""
+    token = _label.set((name, input))
+    try:
+        yield
+    finally:
+        _label.reset(token)
+
+
 # The only uses of the core's collective binding.
 # keep: the arrays behind the pointers; a send still in flight when the
 # collective is given up on (timeout, error) keeps them alive in the core.
 def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, splits: list[int], word: int,
           trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None,
           stream: int = -1, x_host: int = 0) -> _C.AllToAll:
+    name, input = _label.get()
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
-                              expect, keep, stream, x_host)
+                              expect, keep, stream, x_host, name, input)
 
 
 def _list(comm: Communicator, sends: list[tuple[Any, ...]], outs: list[tuple[Any, ...] | None], keep: object,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .. import arrays
-from ..errors import InvalidArgument, MessageMismatch
+from ..errors import InvalidArgument, MessageMismatch, TimeoutError
 from . import alltoall
 
 if TYPE_CHECKING:
@@ -61,11 +61,39 @@ class MoEHandle:
     place: Any = None  # the tokens' device memory (arrays.DeviceMemory.place), None for host memory
 
 
-def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place: Any) -> tuple[torch.Tensor, list[int]]:
-    """all_to_all_v of a tensor, in `place`'s memory (None: the host): the result is a tensor there too."""
+# What each all-to-all is called in the errors every rank gets: (operation, input).
+_DISPATCH = ("moe.dispatch", "packing of tokens")
+_COMBINE = ("moe.combine", "expert_outputs")
+_DISPATCH_BACK = ("moe.dispatch's backward", "gradient")
+_COMBINE_BACK = ("moe.combine's backward", "gradient")
+_BACKWARD_RULE = ("; every rank must run backward through moe.dispatch and moe.combine (tokens and expert outputs "
+                  "requiring grad on all ranks or on none), in the same order")
+
+
+def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place: Any, label: tuple[str, str],
+                  expect: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """all_to_all_v of a tensor, in `place`'s memory (None: the host): the
+    result is a tensor there too. `expect`: the rows each rank must send
+    back (what this rank sent it, or received from it, in the step undone)."""
     if place is not None:
         x = arrays.device_memory().to(x, place)
-    recv, recv_splits = alltoall.all_to_all_v(comm, x, splits)
+    try:
+        with alltoall.labelled(*label):
+            recv, recv_splits = alltoall.all_to_all_v(comm, x, splits)
+    except TimeoutError as e:
+        if "backward" not in label[0]:
+            raise
+        late = TimeoutError(str(e) + _BACKWARD_RULE)
+        late.peer = e.peer
+        raise late from None
+    if expect is not None and recv_splits != expect:
+        s = next(i for i, (a, b) in enumerate(zip(recv_splits, expect)) if a != b)
+        err = MessageMismatch(
+            f"{label[0]} on rank {comm.rank}: rank {s} sent back {recv_splits[s]} rows where {expect[s]} belong "
+            f"(the rows of dispatch's step it undoes): the ranks are out of step (a peer ran another moe.dispatch, "
+            f"moe.combine or collective here), or a peer passed a handle from another dispatch")
+        err.peer = s
+        raise err
     return cast(torch.Tensor, recv), recv_splits
 
 
@@ -120,7 +148,7 @@ class _Dispatch(torch.autograd.Function):
         meta = torch.stack([local_expert, torch.full_like(local_expert, num_experts)], dim=1)
         pb[:, hb:hb + 8] = meta.view(torch.uint8).reshape(-1, 8)
         try:
-            recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place)
+            recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place, _DISPATCH)
         except MessageMismatch as e:
             if "same dtype and trailing shape" not in str(e):
                 raise  # a peer's refusal, not its tokens
@@ -132,7 +160,7 @@ class _Dispatch(torch.autograd.Function):
                 f"collective here (moe.combine: the ranks are out of step). The rows sent carry "
                 f"{extra} more element(s) of the tokens' dtype for the expert index and num_experts, so the shapes "
                 f"below are H + "
-                f"that: {e}")
+                f"that: {str(e).removeprefix(f'moe.dispatch on rank {comm.rank}: ')}")
             err.peer = e.peer
             raise err from None
         rb = recv.view(torch.uint8).reshape(-1, wb)
@@ -155,7 +183,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, _g_counts: Any) -> Any:
         order, send_splits, recv_splits, perm, T, K, place = ctx.meta
         g = _unpermute(grad, perm)
-        back, _ = _all_to_all_v(ctx.comm, g, recv_splits, place)  # rows in this rank's send order
+        back, _ = _all_to_all_v(ctx.comm, g, recv_splits, place, _DISPATCH_BACK, send_splits)  # in send order
         gtok = back.new_zeros((T,) + tuple(grad.shape[1:]))
         gtok.index_add_(0, order // K, back)
         return gtok, None, None, None, None
@@ -166,18 +194,26 @@ class _Combine(torch.autograd.Function):
     def forward(ctx: Any, expert_outputs: torch.Tensor, comm: Any, order: torch.Tensor, send_splits: list[int],
                 recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any) -> torch.Tensor:
         y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
-        back, _ = _all_to_all_v(comm, y, recv_splits, place)  # [T*K, H'] in send (expert-sorted) order
+        try:  # [T*K, H'] in send (expert-sorted) order
+            back, _ = _all_to_all_v(comm, y, recv_splits, place, _COMBINE, send_splits)
+        except MessageMismatch as e:
+            if "same dtype and trailing shape" not in str(e):
+                raise
+            err = MessageMismatch(f"{e} (or the ranks are out of step: a peer ran moe.dispatch or another "
+                                  f"collective where this rank ran moe.combine)")
+            err.peer = e.peer
+            raise err from None
         tk = back.new_zeros((T * K,) + tuple(back.shape[1:]))  # masked (-1) pairs stay 0
         tk[order] = back  # (t, k) order
         ctx.comm = comm
-        ctx.meta = (order, send_splits, perm, place, expert_outputs.device)
+        ctx.meta = (order, send_splits, recv_splits, perm, place, expert_outputs.device)
         return tk.reshape((T, K) + tuple(back.shape[1:]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        order, send_splits, perm, place, device = ctx.meta
+        order, send_splits, recv_splits, perm, place, device = ctx.meta
         g = grad.reshape((-1,) + tuple(grad.shape[2:])).index_select(0, order).contiguous()
-        recv, _ = _all_to_all_v(ctx.comm, g, send_splits, place)  # received order
+        recv, _ = _all_to_all_v(ctx.comm, g, send_splits, place, _COMBINE_BACK, recv_splits)  # received order
         return (recv.index_select(0, perm).to(device),) + (None,) * 8
 
 
@@ -275,6 +311,12 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
         if not isinstance(handle, moe_device.DeviceMoEHandle):
             raise InvalidArgument(f"combine: handle must be the third value dispatch returned, not "
                                   f"{type(handle).__name__}")
+    if handle.comm is not comm:
+        # Its splits and ranks are that communicator's: over another, rows go to the wrong ranks.
+        raise InvalidArgument(f"moe.combine: the handle is from a dispatch over another communicator "
+                              f"(rank {handle.comm.rank} of {handle.comm.world_size}); combine over the one its "
+                              f"dispatch used")
+    if not isinstance(handle, MoEHandle):
         return moe_device.combine(comm, expert_outputs, handle)
     if expert_outputs.shape[0] != handle.perm.numel():
         raise InvalidArgument(f"expert_outputs has {expert_outputs.shape[0]} rows; dispatch delivered "
@@ -282,5 +324,13 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
     h = handle
     per_tk: torch.Tensor = _Combine.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
         expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk, h.place)
-    w = h.topk_weights.to(per_tk.dtype)
-    return (per_tk * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1)
+    return weighted_sum(per_tk, h.topk_weights)
+
+
+def weighted_sum(per_tk: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * per_tk[t, k], in float32 at least (bf16 products and
+    sums lose the weights' precision: a 0.3 is 0.30078125 in bf16), returned
+    in the outputs' dtype."""
+    acc = torch.promote_types(per_tk.dtype, torch.float32)
+    w = topk_weights.to(acc)
+    return (per_tk.to(acc) * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1).to(per_tk.dtype)

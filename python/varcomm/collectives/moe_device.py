@@ -32,6 +32,7 @@ import torch
 from .. import _C
 from ..errors import InvalidArgument
 from . import alltoall_device as D
+from .moe import weighted_sum
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -193,5 +194,4 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: DeviceMoEH
     has dispatch's layout (its rows past what arrived are ignored)."""
     h = handle
     per_tk: torch.Tensor = _Combine.apply(expert_outputs, h)  # type: ignore[no-untyped-call]
-    w = h.topk_weights.to(per_tk.dtype)
-    return (per_tk * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1)
+    return weighted_sum(per_tk, h.topk_weights)
