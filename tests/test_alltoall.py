@@ -298,6 +298,11 @@ def test_argument_errors():
             A.all_to_all_v(comm, torch.tensor(1.0), [1, 0])
         with pytest.raises(varcomm.InvalidArgument, match="dtype"):
             A.all_to_all_v(comm, x, [2, 2], out=torch.zeros(100, dtype=torch.int32))
+        # out's rows must be x's (or out 1-d): a [N, 7] out came back filled across its rows
+        with pytest.raises(varcomm.InvalidArgument, match=r"rows of shape \(7,\) but x's rows are \(2,\)"):
+            A.all_to_all_v(comm, x, [2, 2], out=torch.zeros(10, 7))
+        got, rs = A.all_to_all_v(comm, x + 1, [2, 2], out=torch.zeros(10, 2))  # x's row shape
+        assert got.shape == (4, 2) and bool((got == 1).all())
         # out too small: every rank consumed its messages, so the next call works
         with pytest.raises(varcomm.MessageTooLarge, match="out holds"):
             A.all_to_all_v(comm, x, [2, 2], out=torch.zeros(3))

@@ -241,6 +241,17 @@ def _check_out(out: Any, what: str) -> None:
         raise InvalidArgument(f"{what} must be a torch.Tensor or numpy.ndarray, not {type(out).__name__}")
 
 
+def _check_out_rows(out: Any, trailing: tuple[int, ...]) -> None:
+    """all_to_all_v's out is a buffer whose prefix is viewed as [rows, *x.shape[1:]]:
+    a 1-d one, or rows of x's shape (out of [N, 7] for rows of 4 came back
+    filled across its rows, out[0] holding one row and most of the next)."""
+    shape = tuple(int(v) for v in out.shape)
+    if len(shape) > 1 and shape[1:] != trailing:
+        raise InvalidArgument(f"out has rows of shape {shape[1:]} but x's rows are {trailing}: the result is out's "
+                              f"front viewed as [rows, *x.shape[1:]]; pass an out with x's row shape, or a 1-d "
+                              f"buffer (out.view(-1))")
+
+
 # ---------------------------------------------------------------------------
 # device memory
 
@@ -438,8 +449,9 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     x: torch tensor or numpy array, >= 1-d; every rank passes the same dtype
        and trailing shape.
     send_splits: list of ints or a CPU tensor, one per rank, summing to x.shape[0].
-    out: optional bound-sized buffer of x's dtype; the chunks are received
-       straight into its prefix and a view with the received shape is returned.
+    out: optional bound-sized buffer of x's dtype, 1-d or with x's row shape;
+       the chunks are received straight into its front and a view with the
+       received shape is returned.
     tag: optional int in [0, 2**20): a sub-space of the reserved collective
        tags (every rank must pass the same).
     async_op: return an AllToAllWork whose wait() returns the same tuple.
@@ -495,6 +507,7 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         optr, cap, oword = arrays.describe_out(out)
         if oword != word:
             raise InvalidArgument(f"out has dtype {out.dtype} but x has dtype {x.dtype}")
+        _check_out_rows(out, trailing)
     made: list[Any] = []  # in keep too: a copy still streaming into it after an error keeps it alive
     h = _rows(comm, _V, int(tag or 0), ptr, rb, splits, word, trailing, optr, cap, (x, out, made))
 
@@ -527,6 +540,7 @@ def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: i
         optr, cap, oword = _dev_out(dev, out, "out")
         if oword != word:
             raise InvalidArgument(f"out has dtype {out.dtype} but x has dtype {x.dtype}")
+        _check_out_rows(out, trailing)
     mem, place = dev.mem, dev.place
     if _no_device_transport(comm):
         bounce = None if out is None else arrays.torch.empty(tuple(out.shape), dtype=out.dtype)
