@@ -752,3 +752,30 @@ def test_a_row_count_mismatch_says_so_not_the_dtype_rule():
             A.all_to_all_single(comm, out, x, [2, 2], [2, 2])
         with pytest.raises(varcomm.MessageMismatch, match="same dtype and trailing shape"):
             A.all_to_all_single(comm, torch.zeros(4, 2 + r), torch.zeros(4, 2 + r))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(3, timeout=60)
+def test_all_to_all_v_is_differentiable_and_refuses_the_forms_that_would_drop_the_graph(transport):
+    """x requiring grad: the result carries the graph, and each row's gradient
+    comes back to its sender (the result was a fresh tensor with no grad_fn:
+    the gradient silently stopped at the all-to-all). With out= or async_op,
+    which cannot carry it, InvalidArgument, refused to the peers too."""
+    with varcomm.init(transport=transport, bound=BOUND, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        seed = seeded()
+        g = np.random.default_rng(seed)
+        splits = _random_splits(g, n, 6)  # the same on every rank: [n, n], rows from s to d
+        x = torch.nn.Parameter(torch.randn(int(splits[r].sum()), 3, generator=torch.Generator().manual_seed(seed + r)))
+        y, rs = A.all_to_all_v(comm, x, splits[r].tolist())
+        assert rs == splits[:, r].tolist() and y.requires_grad
+        ((y * y).sum() / 2 * (r + 1)).backward()  # dL/dy = (r + 1) * y: each row back to its sender
+        dst = torch.repeat_interleave(torch.arange(n), torch.from_numpy(splits[r]))
+        want = x.detach() * (dst + 1).to(x.dtype)[:, None]
+        assert torch.allclose(x.grad, want), (seed, x.grad, want)
+        for kw in (dict(out=torch.zeros(100, 3)), dict(async_op=True)):
+            with pytest.raises(varcomm.InvalidArgument, match="x requires grad"):
+                A.all_to_all_v(comm, x, splits[r].tolist(), **kw)
+        with torch.no_grad():  # no graph wanted: the plain forms
+            got, _ = A.all_to_all_v(comm, x, splits[r].tolist(), out=torch.zeros(100, 3))
+        assert torch.equal(got, y.detach())

@@ -470,6 +470,10 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     With async_op, x (and out) must not change until wait() returns: large
     chunks are read out of x by their receivers then.
 
+    Differentiable: with x a torch tensor requiring grad (blocking, no out=),
+    the result carries the graph and its gradient goes back to the senders by
+    the reverse all_to_all_v; every rank must then run backward through it.
+
     send_splits on the GPU (a CUDA int tensor, or a __cuda_array_interface__
     array): the device-split form, alltoall_device.all_to_all_vdev. Nothing
     is read on the host; it returns ``(out, out_splits_offsets)``, a
@@ -478,6 +482,16 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     if alltoall_device.is_device_splits(send_splits):
         return alltoall_device.all_to_all_vdev(comm, x, send_splits, out=out, timeout=timeout,  # type: ignore[no-any-return]
                                                async_op=async_op)
+    if isinstance(x, _Tensor) and x.requires_grad and x.dim() and arrays.torch.is_grad_enabled():
+        if async_op or out is not None:
+            # The result would not carry the graph: x's gradient silently stopped here.
+            raise InvalidArgument("all_to_all_v: x requires grad, and the result is differentiable only from the "
+                                  "blocking form without out= (async_op=False, out=None); pass x.detach() to send "
+                                  "it without a gradient")
+        from . import a2a_autograd
+
+        return a2a_autograd.all_to_all_v(comm, x, _splits(send_splits, comm.world_size, int(x.shape[0]),
+                                                          "send_splits"), tag, timeout)
     _check_timeout(timeout)
     if tag is not None and (not isinstance(tag, (int, np.integer)) or isinstance(tag, bool)):
         raise InvalidArgument(f"tag {tag!r} out of range [0, {MAX_COLL_TAG}] for a collective")
