@@ -124,7 +124,7 @@ void AllToAll::start() {
   guarded([&] {
     for (int k = 1; k < n; ++k) {  // receives first, so early senders find them posted
       int s = (r - k + n) % n;
-      recv_[s] = e_.irecv(s, tag_, nullptr, 0, 0, {}, true);
+      recv_[s] = e_.irecv(s, tag_, nullptr, 0, 0, {}, true, dest_mem(s).device);
     }
     for (int k = 1; k < n; ++k) {  // staggered destinations spread the load over receivers
       int d = (r + k) % n;
@@ -328,7 +328,7 @@ void AllToAll::post_payloads() {
     // Posted without a buffer (copied out in wait_done): a receive given up
     // on never writes into the caller's output afterwards.
     payload_into_[s] = dest(s) && got_[s].nbytes;
-    payload_[s] = e_.irecv(s, tag_ + 1, nullptr, 0, 0, {}, true);
+    payload_[s] = e_.irecv(s, tag_ + 1, nullptr, 0, 0, {}, true, dest_mem(s).device);
   }
   for (int k = 1; k < n; ++k) {
     int d = (r + k) % n;

@@ -429,7 +429,8 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   return id;
 }
 
-uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem, bool hold) {
+uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem, bool hold,
+                       bool hold_device) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
@@ -447,6 +448,7 @@ uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint3
   r.out_dtype = out_dtype;
   r.mem = mem;
   r.hold = hold && !out;
+  r.hold_device = r.hold && hold_device;
   r.state = ReqState::Posted;
   p.posted.push_back(id);
   if (p.t) p.t->progress();
@@ -1658,7 +1660,8 @@ void Engine::progress_recvs(int peer) {
         continue;
       }
       r.state = ReqState::Done;
-    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && pulls_held(peer)) {
+    } else if ((r.hdr.flags & kRendezvous) && !r.mem.device && r.hold && pulls_held(peer) &&
+               !(r.hold_device && r.hdr.nbytes > layout_.bound)) {
       r.slot = m->slot;  // copy_out reads it from the sender into its dst
       m->claimed = true;
       r.state = ReqState::Matched;

@@ -91,6 +91,10 @@ struct Request {
   // (CMA) waits matched until copy_out names where: an all-to-all places its
   // output once every count is in, and the one copy goes there.
   bool hold = false;
+  // Its output will be device memory (known to the caller, not yet placed):
+  // a head over our bound cannot be pulled through a slot into it, so it
+  // takes the host path (landing block or memory of its own) first.
+  bool hold_device = false;
 };
 
 class Engine {
@@ -130,7 +134,7 @@ class Engine {
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
                             uint32_t ndim, uint64_t flags = 0);
   uint64_t irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem = {},
-                 bool hold = false);
+                 bool hold = false, bool hold_device = false);
   // Blocks (without the GIL; the binding layer slices it) until done, failed
   // or `deadline`. Returns true when terminal. Throws on failure.
   bool wait(uint64_t id, std::chrono::steady_clock::time_point deadline);

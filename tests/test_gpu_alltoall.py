@@ -269,6 +269,34 @@ def test_fake_staged_chunks_read_once_into_device_outputs(fake_cuda):
         comm.barrier()
 
 
+@pytest.mark.parametrize("cma", ["auto", "chunks", "off"])
+def test_fake_staged_chunk_over_the_bound_reaches_a_device_output(fake_cuda, cma):
+    """Rank 2 has no GPU transport and runs the host collective on host
+    copies; its chunk for rank 0 is twice rank 0's bound, so it goes by
+    rendezvous as a host chunk, into rank 0's device output. Under CMA the
+    receive waited to pull it through its slot into the device output, which
+    a head over the bound cannot do: the pair failed (PeerFailure on rank 0,
+    then and after; rank 2 saw success). It lands in host memory first now."""
+    @world(3, timeout=120)
+    def body():
+        seed = seeded()
+        r0 = varcomm.testing.rank()
+        bound = 64 << 10
+        dev, comm = _fake(fake_cuda, nvlink="0" if r0 == 2 else "1", bound=bound, slots=2, timeout=20, cma=cma)
+        with comm:
+            r, n = comm.rank, comm.world_size
+            for it in range(2):
+                splits = np.full((n, n), 4 + it)
+                splits[2, 0] = 2 * bound // 4 + it  # rows of 4 bytes
+                x = _on(dev, _x(seed, it, r, int(splits[r].sum()), (), torch.float32))
+                got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
+                want = _reference(seed, it, splits, r, (), torch.float32)
+                assert list(rs) == splits[:, r].tolist() and same_bytes(got.cpu(), want), f"seed {seed} it {it}"
+            comm.barrier()
+
+    body()
+
+
 @pytest.mark.parametrize("transport", ["shm", "rdma"])
 def test_fake_errors_then_usable(fake_cuda, transport):
     """The host path's errors on device memory: a chunk over its receiver's
