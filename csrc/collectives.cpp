@@ -129,6 +129,13 @@ void AllToAll::start() {
     for (int k = 1; k < n; ++k) {  // staggered destinations spread the load over receivers
       int d = (r + k) % n;
       const A2AChunk& c = plan_.send[d];
+      if (e_.over_max_message(c.nbytes)) {
+        // Refused here in either strategy, before any byte is written; d
+        // learns which limit it was and expects no payload (kOverMaxMessage).
+        too_large_.push_back({d, e_.max_message_error(d, c.nbytes).what()});
+        sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kOverMaxMessage));
+        continue;
+      }
       if (!two) {
         try {
           Mem m;
@@ -236,7 +243,15 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
         // rendezvous at any size). Two-phase (the conventional count-first
         // baseline, held to the bound): every count travels so; the sender
         // skips a chunk over our bound.
-        if (plan_.strategy == A2AStrategy::OnePhase || m.nbytes > e_.layout().bound) fate_[s] = Fate::OverBound;
+        if (m.flags & kOverMaxMessage) {
+          fate_[s] = Fate::OverBound;
+          why_[s] = "it is over " + rank_str(s) + "'s max_message (varcomm.init(max_message=...) / " +
+                    "VARCOMM_MAX_MESSAGE on that rank)";
+        } else if (plan_.strategy == A2AStrategy::OnePhase || m.nbytes > e_.layout().bound) {
+          fate_[s] = Fate::OverBound;
+          why_[s] = "it is over " + rank_str(rank_) + "'s receive bound of " + std::to_string(e_.layout().bound) +
+                    " bytes";
+        }
       }
     }
   });
@@ -334,6 +349,7 @@ void AllToAll::post_payloads() {
     int d = (r + k) % n;
     if (fate_[d] == Fate::Refused) continue;  // d refused the whole call: it reads nothing more of it
     const A2AChunk& c = plan_.send[d];
+    if (e_.over_max_message(c.nbytes)) continue;  // refused in start(): d expects nothing
     if (c.nbytes > e_.peer_bound(d)) {  // d saw the count and took it as over its bound (wait_headers)
       too_large_.push_back({d, e_.over_bound(d, c.nbytes, c.mem.device).what()});
       continue;
@@ -517,9 +533,8 @@ std::optional<Error> AllToAll::error() const {
     if (fate_[s] == Fate::OverBound) over.push_back(s);
   if (!over.empty()) {
     int s = over[0];
-    std::string msg = op + ": " + rank_str(s) + " could not send its chunk to " + me + ": it is over " + me +
-                      "'s receive bound of " + std::to_string(e_.layout().bound) + " bytes, and " + rank_str(s) +
-                      " raised MessageTooLarge";
+    std::string msg = op + ": " + rank_str(s) + " could not send its chunk to " + me + ": " + why_[s] + ", and " +
+                      rank_str(s) + " raised MessageTooLarge";
     if (over.size() > 1) msg += " (so did ranks " + list_str(std::vector<int>(over.begin() + 1, over.end())) + ")";
     // MessageTooLarge here too (naming the sender): one except clause
     // catches an over-bound call on every rank.

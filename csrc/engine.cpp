@@ -335,18 +335,21 @@ Error Engine::over_bound(int peer, uint64_t nbytes, bool device) const {
                peer);
 }
 
+Error Engine::max_message_error(int peer, uint64_t nbytes) const {
+  return Error(ErrorKind::TooLarge,
+               "message of " + std::to_string(nbytes) + " bytes is over this rank's max_message of " +
+                   std::to_string(opt_.max_message) +
+                   " bytes (varcomm.init(max_message=...) / VARCOMM_MAX_MESSAGE); nothing was sent",
+               peer);
+}
+
 void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager, bool pull) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   Peer& p = peers_[peer];
   if (!p.t) throw Error(ErrorKind::Invalid, "no transport to " + peer_str(peer) + " (not connected)");
-  if (opt_.max_message && nbytes > opt_.max_message)
-    throw Error(ErrorKind::TooLarge,
-                "message of " + std::to_string(nbytes) + " bytes is over this rank's max_message of " +
-                    std::to_string(opt_.max_message) +
-                    " bytes (varcomm.init(max_message=...) / VARCOMM_MAX_MESSAGE); nothing was sent",
-                peer);
+  if (over_max_message(nbytes)) throw max_message_error(peer, nbytes);
   // Host messages of any size travel (by rendezvous over the bound), a
   // collective's chunk too; device payloads are still held to the slot they
   // are copied into, and so is a device chunk's host copy (`pull` false).

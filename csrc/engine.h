@@ -279,6 +279,10 @@ class Engine {
   // MessageTooLarge for a message of nbytes over peer's bound (held to it:
   // device memory, or a two-phase collective's payload).
   Error over_bound(int peer, uint64_t nbytes, bool device) const;
+  // Whether a message of nbytes is over this rank's Options::max_message
+  // (refused whatever the receiver's bound), and that MessageTooLarge.
+  bool over_max_message(uint64_t nbytes) const { return opt_.max_message && nbytes > opt_.max_message; }
+  Error max_message_error(int peer, uint64_t nbytes) const;
   // The largest message a send to `peer` may carry: a device payload goes
   // into one slot (its bound); host memory is held only to Options::max_message.
   uint64_t send_limit(int peer, bool device) const;

@@ -76,6 +76,11 @@ constexpr uint64_t kSlowSlots = 32;
 // recv from a rank that closed waits until the closer's close() ends (up to
 // 30 s on the store's host) or its own timeout (Engine::goodbye).
 constexpr uint64_t kGoodbye = 64;
+// With kDescriptor: the sender could not send the collective chunk it
+// describes because it is over the sender's own Options::max_message (not
+// the receiver's bound), so its receiver expects no payload and says which
+// limit it was.
+constexpr uint64_t kOverMaxMessage = 128;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
 // The credit value that asks a rendezvous sender to write the data itself,

@@ -779,3 +779,27 @@ def test_all_to_all_v_is_differentiable_and_refuses_the_forms_that_would_drop_th
         with torch.no_grad():  # no graph wanted: the plain forms
             got, _ = A.all_to_all_v(comm, x, splits[r].tolist(), out=torch.zeros(100, 3))
         assert torch.equal(got, y.detach())
+
+
+@pytest.mark.parametrize("algorithm", ["one-phase", "two-phase"])
+@world(2, timeout=60)
+def test_a_chunk_over_the_senders_max_message_is_named_on_both_ranks_then_usable(algorithm):
+    """A 24000-byte chunk under the receiver's 64 KiB bound but over the
+    sender's max_message (16 KiB): the receiver blamed its own bound (which
+    is not the limit), and under two-phase it waited for a payload that never
+    came until its timeout. Both ranks now raise MessageTooLarge at once, the
+    receiver naming the sender's max_message, and the next call is right."""
+    with varcomm.init(bound=BOUND, max_message=16384, timeout=20, a2a_algorithm=algorithm) as comm:
+        r = comm.rank
+        sp = [1, 6000] if r == 0 else [1, 1]
+        t0 = time.monotonic()
+        with pytest.raises(varcomm.MessageTooLarge) as ei:
+            A.all_to_all_v(comm, torch.zeros(sum(sp)), sp)
+        assert time.monotonic() - t0 < 10
+        if r == 0:
+            assert "over this rank's max_message of 16384" in str(ei.value)
+        else:
+            assert "over rank 0's max_message" in str(ei.value) and "bound" not in str(ei.value), str(ei.value)
+        assert ei.value.peer == 1 - r
+        got, rs = A.all_to_all_v(comm, torch.arange(2) + 10 * r, [1, 1])
+        assert got.tolist() == [r, 10 + r] and rs == [1, 1]

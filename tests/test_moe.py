@@ -160,6 +160,15 @@ def test_bf16_tokens_and_argument_errors():
         want = (tokens.float()[:, None, :] * wf[:, :, None]).sum(dim=1).to(torch.bfloat16)
         y = combine(comm, et, h)
         assert y.dtype == torch.bfloat16 and torch.equal(y, want), (y - want).abs().max()
+        # A masked pair's weight is not read: a NaN (or inf) there is not a NaN in y.
+        wn = wf.clone()
+        wn[0, 1], wn[3, 0] = float("nan"), float("inf")
+        masked = ids.clone()
+        masked[0, 1] = masked[3, 0] = -1
+        et, _, h = dispatch(comm, tokens, masked, wn, 4)
+        keep = (masked >= 0).float()
+        want = (tokens.float()[:, None, :] * (wf * keep)[:, :, None]).sum(dim=1).to(torch.bfloat16)
+        assert torch.equal(combine(comm, et, h), want)
 
 
 @world(2, timeout=60)
@@ -382,8 +391,9 @@ def test_combine_checks_its_handle_the_rows_sent_back_and_names_moe_in_peers_err
                                                               r"where 3 belong.*out of step") as ei:
                 combine(comm, torch.ones(et.shape[0], 6), h)
             assert ei.value.peer == 1
-        else:
-            with pytest.raises(varcomm.MessageMismatch):
+        else:  # rank 0's expert outputs (1.0s) where its packed tokens belong: not a num_experts of 1065353216
+            with pytest.raises(varcomm.MessageMismatch, match=r"^moe.dispatch on rank 1: the rows from rank 0 are "
+                                                              r"not moe.dispatch's.*out of step"):
                 dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
         # In step again: a width mismatch in combine names it in combine's terms.
         et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)

@@ -403,6 +403,7 @@ class Communicator:
         copy=False returns a zero-copy view of the receive slot instead: the slot
         goes back to the sender when the view is garbage collected, so do not hold
         more than `slots` of them per peer: the sender blocks until one returns.
+        It excludes out= (InvalidArgument before the message is taken).
 
         exact=True: the message must fill `out` exactly (its dtype and size),
         else MessageMismatch (or MessageTooLarge) and the message is kept."""
@@ -426,7 +427,7 @@ class Communicator:
                 return a
         else:
             if not copy:
-                raise _copy_and_out()
+                raise _copy_and_out("recv")
             kind = type(out)
             r: Any = None
             if kind is np.ndarray:
@@ -511,7 +512,7 @@ class Communicator:
         self._check_peer(src, "src")
         src = int(src)
         if out is not None and not copy:
-            raise _copy_and_out()
+            raise _copy_and_out("irecv")
         if self._orphans:
             self._settle_orphans()
         c = self._c
@@ -872,8 +873,8 @@ def _stage(tensor: Any) -> Any:
     return tensor.detach().to("cpu")
 
 
-def _copy_and_out() -> InvalidArgument:
-    return InvalidArgument("recv: copy=False lends the receive slot itself, out= asks for the message in out; pass "
+def _copy_and_out(what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what}: copy=False lends the receive slot itself, out= asks for the message in out; pass "
                            "one of them (out= with the default copy=True)")
 
 

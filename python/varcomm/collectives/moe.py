@@ -230,6 +230,14 @@ def _check_local_experts(comm: Any, le: torch.Tensor, their_experts: torch.Tenso
         return
     row = int(bad.nonzero()[0, 0])
     src = int(torch.searchsorted(torch.tensor(recv_splits).cumsum(0), row, right=True))
+    theirs = int(their_experts[row])
+    if theirs <= 0 or theirs % comm.world_size or theirs > 1 << 24:  # not a num_experts: not dispatch's rows
+        err = MessageMismatch(
+            f"moe.dispatch on rank {comm.rank}: the rows from rank {src} are not moe.dispatch's (they name "
+            f"num_experts={theirs}): the ranks are out of step (rank {src} ran moe.combine or another collective "
+            f"where this rank ran moe.dispatch)")
+        err.peer = src
+        raise err
     err = MessageMismatch(
         f"moe.dispatch on rank {comm.rank}: rank {src} dispatched with num_experts={int(their_experts[row])} "
         f"(routing a token to its local expert {int(le[row])}), this rank with num_experts={num_experts} over "
@@ -324,13 +332,16 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
     h = handle
     per_tk: torch.Tensor = _Combine.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
         expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk, h.place)
-    return weighted_sum(per_tk, h.topk_weights)
+    dropped = torch.ones(h.num_tokens * h.topk, dtype=torch.bool, device=h.order.device)
+    dropped[h.order] = False
+    return weighted_sum(per_tk, h.topk_weights, dropped)
 
 
-def weighted_sum(per_tk: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * per_tk[t, k], in float32 at least (bf16 products and
-    sums lose the weights' precision: a 0.3 is 0.30078125 in bf16), returned
-    in the outputs' dtype."""
+def weighted_sum(per_tk: torch.Tensor, topk_weights: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * per_tk[t, k] over the pairs not dropped ([T*K] bool:
+    a masked pair's weight is not read, so an inf or NaN there is not a NaN
+    in y), in float32 at least (bf16 products and sums lose the weights'
+    precision: a 0.3 is 0.30078125 in bf16), returned in the outputs' dtype."""
     acc = torch.promote_types(per_tk.dtype, torch.float32)
-    w = topk_weights.to(acc)
+    w = topk_weights.to(acc).masked_fill(dropped.reshape(topk_weights.shape), 0)
     return (per_tk.to(acc) * w.reshape(w.shape + (1,) * (per_tk.dim() - 2))).sum(dim=1).to(per_tk.dtype)

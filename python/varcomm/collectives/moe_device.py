@@ -162,6 +162,7 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
         raise InvalidArgument(f"topk_ids must be an integer tensor (expert indices), not {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    D._handle(comm)  # where there is no device all-to-all, that (not the routing below) is the error
     T, H = tokens.shape
     K = topk_ids.shape[1]
     al = _alloc_like(tokens, alloc)
@@ -194,4 +195,4 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: DeviceMoEH
     has dispatch's layout (its rows past what arrived are ignored)."""
     h = handle
     per_tk: torch.Tensor = _Combine.apply(expert_outputs, h)  # type: ignore[no-untyped-call]
-    return weighted_sum(per_tk, h.topk_weights)
+    return weighted_sum(per_tk, h.topk_weights, h.dropped)
