@@ -20,6 +20,15 @@ using Clock = std::chrono::steady_clock;
 // enough to report a dead peer within a second, rare enough to stay off the
 // fast path (it reads /proc or a socket).
 constexpr auto kPeerCheck = std::chrono::milliseconds(200);
+
+// Monotonic nanoseconds at the kernel's tick (a few ms coarse), for checks
+// made on every send where steady_clock's read would show in the latency.
+int64_t coarse_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
 // The longest close() waits for messages still streaming in from live peers.
 constexpr auto kCloseStreams = std::chrono::seconds(5);
 // ... and for one whose sender wrote nothing more for this long.
@@ -357,9 +366,15 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool 
   if (ndim > uint32_t(kMaxDims))
     throw Error(ErrorKind::Invalid, "tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
   if (mem.device) device_transport(peer);  // refuse before queueing: nothing half-sent
-  // A send that finds a free slot never waits, so it looks at the peer itself,
-  // but only every so often: reading the clock on every send costs latency.
-  if ((++p.sends_unchecked & 63) == 0) check_peer(peer, false);
+  // A send that finds a free slot never waits, so it looks at the peer itself
+  // once its last look is kPeerCheck old: a send to a peer that died a
+  // second ago fails, rather than succeeding until the ring is full. By the
+  // coarse clock (the kernel's last tick from the vDSO, no TSC read), cheap
+  // on every send.
+  if (int64_t now = coarse_ns(); now >= p.next_send_check) {
+    p.next_send_check = now + std::chrono::nanoseconds(kPeerCheck).count();
+    check_peer(peer, true);
+  }
   if (!p.dead.empty()) throw Error(ErrorKind::PeerFailure, p.dead, peer);
 }
 

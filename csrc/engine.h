@@ -442,7 +442,7 @@ class Engine {
     uint64_t bye_ticket = 0;
     bool bye_seen = false;
     std::chrono::steady_clock::time_point last_check{};
-    uint32_t sends_unchecked = 0;
+    int64_t next_send_check = 0;  // coarse_ns() at which a send next looks at the peer (check_send)
     uint64_t auth_out = 0, auth_in = 0;  // pair tags (set_pair_tags)
     uint64_t forged = 0;                 // discarded arrivals with a wrong tag
     // rendezvous messages from peer streaming in, by head seq: the request

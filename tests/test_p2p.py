@@ -250,6 +250,24 @@ def test_dead_peer_fails_promptly_and_others_keep_working(transport):
     assert comm.recv(src=other).item() == other
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60, expect_exit={1: None})
+def test_a_send_to_a_peer_dead_for_a_second_fails_though_a_slot_is_free(transport):
+    """Rank 1 dies with every slot of its ring from rank 0 free: rank 0's
+    small sends, 1.5 s later, each found a free slot and returned success (up
+    to `slots` of them; the peer was looked at every 64 sends) while a recv
+    from it failed at once. The first one raises PeerFailure now."""
+    comm = varcomm.init(transport=transport, bound=BOUND, slots=8, timeout=30)
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(3)
+    time.sleep(1.5)
+    with pytest.raises(varcomm.PeerFailure, match="rank 1"):
+        comm.send(torch.tensor([1]), dst=1)
+    with pytest.raises(varcomm.PeerFailure, match="rank 1"):
+        comm.isend(torch.tensor([2]), dst=1).wait()
+
+
 @world(2, timeout=60, expect_exit={1: None})
 def test_no_shared_memory_leftovers_even_after_a_crash():
     before = set(os.listdir("/dev/shm"))
