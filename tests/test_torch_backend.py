@@ -773,3 +773,30 @@ def test_a_rank_outside_a_group_is_told_so():
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["env", "pg_options"])
+@world(2, timeout=60)
+def test_a_varcomm_timeout_set_by_the_user_bounds_the_backends_waits(how):
+    """VARCOMM_TIMEOUT=2 (or pg_options with timeout=2) under
+    init_process_group("varcomm"), whose own timeout defaults to 30 minutes:
+    a recv from a peer that sends nothing raised after torch's 30 minutes,
+    the varcomm setting silently ignored. It raises within seconds now."""
+    import varcomm
+
+    kw: dict = {}
+    if how == "env":
+        os.environ["VARCOMM_TIMEOUT"] = "2"
+    else:
+        kw["pg_options"] = varcomm.Options.resolve(timeout=2)
+    dist.init_process_group("varcomm", **kw)
+    try:
+        if dist.get_rank() == 0:
+            t0 = time.monotonic()
+            with pytest.raises(varcomm.TimeoutError):
+                dist.recv(torch.zeros(3), src=1)
+            assert time.monotonic() - t0 < 10
+        dist.distributed_c10d._get_default_group().comm.barrier(timeout=20)  # (rank 1 waits out rank 0's 2 s)
+        dist.barrier()  # the channel stays usable
+    finally:
+        dist.destroy_process_group()

@@ -46,7 +46,9 @@ store) does not meet the keys the earlier group left.
 varcomm's options come from the environment, or from a ``varcomm.Options``
 passed as ``pg_options`` (``dist.init_process_group("varcomm",
 pg_options=varcomm.Options.resolve(bound=...))``); groups made later without
-one take the default group's. The wait timeout is the group's ``timeout``.
+one take the default group's. The wait timeout is varcomm's ``timeout`` where
+one is set (``VARCOMM_TIMEOUT``, or ``pg_options``), else the group's
+``timeout`` (torch's default: 30 minutes).
 """
 from __future__ import annotations
 
@@ -202,6 +204,19 @@ def _group_options(backend_options: Any) -> Options:
     return Options.resolve()
 
 
+_DEFAULT_TIMEOUT = next(f.default for f in dataclasses.fields(Options) if f.name == "timeout")
+
+
+def _wait_timeout(options: Options, group_timeout: timedelta | None) -> float | None:
+    """varcomm's `timeout` where one was set (VARCOMM_TIMEOUT or pg_options: a
+    value other than its default), else the group's (init_process_group's
+    timeout=, torch's 30 min by default): VARCOMM_TIMEOUT=3 was silently
+    ignored, a stuck peer held a recv for torch's 30 minutes."""
+    if options.timeout != _DEFAULT_TIMEOUT:
+        return options.timeout
+    return group_timeout.total_seconds() if group_timeout else None
+
+
 def _want_nccl(options: Options) -> bool:
     return options.torch_nccl and bool(dist.is_nccl_available() and torch.cuda.is_available())
 
@@ -232,7 +247,7 @@ class VarcommProcessGroup(dist.ProcessGroup):
         self.options = options if options is not None else Options.resolve()
         store = _generation(store, rank)
         self.comm = _communicator(store, rank, size, dataclasses.replace(
-            self.options, timeout=timeout.total_seconds() if timeout else None))
+            self.options, timeout=_wait_timeout(self.options, timeout)))
         self._closed = False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         _name_backend(self._gloo, self.global_ranks, group_id)
