@@ -549,8 +549,8 @@ def _exact_recv(t: torch.Tensor, src: int, tag: int) -> tuple[torch.Tensor, Call
         return RuntimeError(
             f"varcomm backend: recv from rank {src} (tag {tag}) into a tensor of shape {tuple(t.shape)} and "
             f"dtype {t.dtype} ({t.nbytes} bytes): {what}. torch.distributed.recv needs a tensor of exactly the "
-            "message's size; to receive a message of unknown size use varcomm.distributed.recv(src=...), "
-            "which returns it")
+            "message's dtype and size (nothing is cast); to receive a message whose dtype or size the receiver "
+            "does not know, use varcomm.distributed.recv(src=...), which returns it as sent")
 
     def copy_in(got: Any) -> Any:
         if isinstance(got, torch.Tensor):
