@@ -479,7 +479,12 @@ def test_close_does_not_wait_for_a_dead_peer(transport):
         comm.barrier()
         if comm.rank == 1:
             os._exit(0)
-        works = [comm.isend(torch.tensor([i]), 1) for i in range(6)]
+        works = []
+        for i in range(6):  # sends rank 1 may already be dead for (then they fail at once)
+            try:
+                works.append(comm.isend(torch.tensor([i]), 1))
+            except varcomm.PeerFailure:
+                break
         deadline = time.monotonic() + 15
         while not comm._c.peer_error(1) and time.monotonic() < deadline:
             time.sleep(0.05)
