@@ -292,6 +292,16 @@ def test_fake_staged_chunk_over_the_bound_reaches_a_device_output(fake_cuda, cma
                 got, rs = A.all_to_all_v(comm, x, splits[r].tolist())
                 want = _reference(seed, it, splits, r, (), torch.float32)
                 assert list(rs) == splits[:, r].tolist() and same_bytes(got.cpu(), want), f"seed {seed} it {it}"
+            # The list form, outputs allocated on the device once the headers are in
+            # (they were taken for host memory up front: the same failed pair).
+            size = {(2, 0): 2 * bound // 4}
+            ins = [_on(dev, torch.full((size.get((r, d), 4),), float(10 * r + d))) for d in range(n)]
+            for outs in (None, [None] * n):
+                got = A.all_to_all(comm, outs, ins)
+                for s in range(n):
+                    g = got[s].cpu()
+                    assert dev.place(got[s]) == FAKE and g.shape == (size.get((s, r), 4),), (s, g.shape)
+                    assert bool((g == 10 * s + r).all()), (s, g[:4])
             comm.barrier()
 
     body()

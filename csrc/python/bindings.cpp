@@ -1136,8 +1136,14 @@ void bind_collectives(py::module_& m) {
           p.send.resize(py::len(sends));
           p.outs.resize(py::len(outs));
           for (size_t i = 0; i < p.send.size(); ++i) fill_chunk(p.send[i], sends[i]);
-          for (size_t i = 0; i < p.outs.size(); ++i)
-            if (!outs[i].is_none()) fill_chunk(p.outs[i], outs[i]);
+          // An output to allocate will be in the call's memory (data null until
+          // placed): the engine needs to know a device one up front (hold_device).
+          for (size_t i = 0; i < p.outs.size(); ++i) {
+            if (!outs[i].is_none())
+              fill_chunk(p.outs[i], outs[i]);
+            else
+              p.outs[i].mem = mem_of(stream);
+          }
           return make_a2a(comm, std::move(p), std::move(keep), mem_of(stream));
         },
         py::arg("comm"), py::arg("strategy"), py::arg("sends"), py::arg("outs"), py::arg("keep") = py::none(),
