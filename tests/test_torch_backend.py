@@ -800,3 +800,20 @@ def test_a_varcomm_timeout_set_by_the_user_bounds_the_backends_waits(how):
         dist.barrier()  # the channel stays usable
     finally:
         dist.destroy_process_group()
+
+
+def test_a_varcomm_timeout_set_to_its_default_still_counts_as_set():
+    """VARCOMM_TIMEOUT=600 (the default's value) or Options.resolve(timeout=600)
+    is a timeout the user set: it wins over the group's; left unset, the
+    group's timeout applies (600 was taken for unset: torch's 30 minutes won)."""
+    from varcomm.integrations.torch_backend import _wait_timeout
+    from varcomm.options import Options
+
+    group = datetime.timedelta(seconds=1800)
+    assert _wait_timeout(Options.resolve({"VARCOMM_TIMEOUT": "600"}), group) == 600
+    assert _wait_timeout(Options.resolve({}, timeout=600), group) == 600
+    assert _wait_timeout(Options.resolve({}).override(timeout=600), group) == 600
+    assert _wait_timeout(Options.resolve({"VARCOMM_TIMEOUT": "none"}), group) is None
+    assert _wait_timeout(Options.resolve({}), group) == 1800
+    assert _wait_timeout(Options.resolve({}).override(bound=1 << 20), group) == 1800
+    assert _wait_timeout(Options(timeout=5), group) == 5  # built directly: a value other than the default

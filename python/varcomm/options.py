@@ -23,8 +23,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Mapping
-from typing import Any, ClassVar, TypedDict, TypeVar
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, TypedDict, TypeVar, cast
 
 from .errors import InvalidArgument
 
@@ -281,7 +281,17 @@ class _Declared:
             _warn_unknown(env)
         values = {name: _convert(spec, env[spec.env], spec.env)
                   for name, spec in cls.specs().items() if env.get(spec.env, "").strip()}
-        return cls(**values).override(keyword_origin=keyword_origin, **overrides)
+        return cls(**values)._given_too(values).override(keyword_origin=keyword_origin, **overrides)
+
+    def given(self) -> frozenset[str]:
+        """The fields set by the environment or a keyword (resolve, override),
+        even to their default value: a layer with a default of its own (the
+        torch backend's group timeout) yields only to a value the user set."""
+        return cast("frozenset[str]", getattr(self, "_given", frozenset()))
+
+    def _given_too(self: T, names: Iterable[str]) -> T:
+        object.__setattr__(self, "_given", self.given() | frozenset(names))
+        return self
 
     def override(self: T, *, keyword_origin: str = "", **overrides: Any) -> T:
         """These options with keyword values in place. A None value leaves the
@@ -296,7 +306,9 @@ class _Declared:
                             f"valid: {', '.join(specs)}")
         values = {name: _convert(specs[name], value, f"{keyword_origin or type(self).__name__}({name}=...)")
                   for name, value in overrides.items() if value is not None or specs[name].none_is_value}
-        return dataclasses.replace(self, **values) if values else self  # type: ignore[type-var]  # a dataclass
+        if not values:
+            return self
+        return dataclasses.replace(self, **values)._given_too(self.given() | set(values))  # type: ignore[type-var]  # a dataclass
 
 
 def _convert(spec: Spec, value: object, where: str) -> Any:

@@ -208,11 +208,11 @@ _DEFAULT_TIMEOUT = next(f.default for f in dataclasses.fields(Options) if f.name
 
 
 def _wait_timeout(options: Options, group_timeout: timedelta | None) -> float | None:
-    """varcomm's `timeout` where one was set (VARCOMM_TIMEOUT or pg_options: a
-    value other than its default), else the group's (init_process_group's
+    """varcomm's `timeout` where one was set (VARCOMM_TIMEOUT or pg_options,
+    600 included), else the group's (init_process_group's
     timeout=, torch's 30 min by default): VARCOMM_TIMEOUT=3 was silently
     ignored, a stuck peer held a recv for torch's 30 minutes."""
-    if options.timeout != _DEFAULT_TIMEOUT:
+    if "timeout" in options.given() or options.timeout != _DEFAULT_TIMEOUT:
         return options.timeout
     return group_timeout.total_seconds() if group_timeout else None
 
