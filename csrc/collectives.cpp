@@ -1,5 +1,6 @@
 #include "collectives.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "dtypes.h"
@@ -245,12 +246,11 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
         // skips a chunk over our bound.
         if (m.flags & kOverMaxMessage) {
           fate_[s] = Fate::OverBound;
-          why_[s] = "it is over " + rank_str(s) + "'s max_message (varcomm.init(max_message=...) / " +
+          why_[s] = "over " + rank_str(s) + "'s max_message (varcomm.init(max_message=...) / " +
                     "VARCOMM_MAX_MESSAGE on that rank)";
         } else if (plan_.strategy == A2AStrategy::OnePhase || m.nbytes > e_.layout().bound) {
           fate_[s] = Fate::OverBound;
-          why_[s] = "it is over " + rank_str(rank_) + "'s receive bound of " + std::to_string(e_.layout().bound) +
-                    " bytes";
+          why_[s] = "over " + rank_str(rank_) + "'s receive bound of " + std::to_string(e_.layout().bound) + " bytes";
         }
       }
     }
@@ -532,13 +532,27 @@ std::optional<Error> AllToAll::error() const {
   for (int s = 0; s < world_; ++s)
     if (fate_[s] == Fate::OverBound) over.push_back(s);
   if (!over.empty()) {
-    int s = over[0];
-    std::string msg = op + ": " + rank_str(s) + " could not send its chunk to " + me + ": " + why_[s] + ", and " +
-                      rank_str(s) + " raised MessageTooLarge";
-    if (over.size() > 1) msg += " (so did ranks " + list_str(std::vector<int>(over.begin() + 1, over.end())) + ")";
+    // Senders grouped by limit: one may be over this rank's bound, another
+    // over its own max_message, and each limit is what someone must raise.
+    std::vector<std::pair<std::string, std::vector<int>>> by_why;
+    for (int s : over) {
+      auto it = std::find_if(by_why.begin(), by_why.end(), [&](const auto& b) { return b.first == why_[s]; });
+      if (it == by_why.end())
+        by_why.push_back({why_[s], {s}});
+      else
+        it->second.push_back(s);
+    }
+    std::string msg = op + ": ";
+    for (size_t i = 0; i < by_why.size(); ++i) {
+      const auto& [why, ranks] = by_why[i];
+      msg += (i ? "; " : "") + (ranks.size() == 1 ? rank_str(ranks[0]) + " could not send its chunk"
+                                                   : "ranks " + list_str(ranks) + " could not send their chunks") +
+             " to " + me + ": " + why;
+    }
+    msg += over.size() == 1 ? ", and " + rank_str(over[0]) + " raised MessageTooLarge" : ", and each raised MessageTooLarge";
     // MessageTooLarge here too (naming the sender): one except clause
     // catches an over-bound call on every rank.
-    return Error(ErrorKind::TooLarge, msg + "; the communicator stays usable", s);
+    return Error(ErrorKind::TooLarge, msg + "; the communicator stays usable", over[0]);
   }
   if (overflow_) {
     int64_t total = 0;

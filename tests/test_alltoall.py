@@ -803,3 +803,24 @@ def test_a_chunk_over_the_senders_max_message_is_named_on_both_ranks_then_usable
         assert ei.value.peer == 1 - r
         got, rs = A.all_to_all_v(comm, torch.arange(2) + 10 * r, [1, 1])
         assert got.tolist() == [r, 10 + r] and rs == [1, 1]
+
+
+@world(3, timeout=60)
+def test_senders_over_different_limits_are_each_named_with_theirs():
+    """Two-phase (held to the bound): rank 1's chunk for rank 0 is over rank 1's
+    own max_message, rank 2's over rank 0's bound. Rank 0 named rank 1's
+    max_message for both ("so did ranks [2]"), so nothing said its own bound
+    was also too small."""
+    mm = 16384 if varcomm.testing.rank() == 1 else 0
+    with varcomm.init(bound=BOUND, max_message=mm, timeout=20, a2a_algorithm="two-phase") as comm:
+        r = comm.rank
+        sp = {0: [1, 1, 1], 1: [6000, 1, 1], 2: [20000, 1, 1]}[r]  # float32 rows: 24000 and 80000 bytes
+        with pytest.raises(varcomm.MessageTooLarge) as ei:
+            A.all_to_all_v(comm, torch.zeros(sum(sp)), sp)
+        if r == 0:
+            msg = str(ei.value)
+            assert "rank 1 could not send its chunk to rank 0: over rank 1's max_message" in msg, msg
+            assert f"rank 2 could not send its chunk to rank 0: over rank 0's receive bound of {BOUND}" in msg, msg
+            assert ei.value.peer == 1
+        got, _ = A.all_to_all_v(comm, torch.arange(3.0) + 10 * r, [1, 1, 1])
+        assert got.tolist() == [r, 10 + r, 20 + r]
