@@ -113,6 +113,7 @@ AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), ran
   got_.resize(n);
   fate_.assign(n, Fate::Pending);
   why_.resize(n);
+  no_payload_.assign(n, 0);
   recv_rows_.assign(n, 0);
   offset_.assign(n, 0);
   got_[r] = plan_.send[r];
@@ -134,14 +135,14 @@ void AllToAll::start() {
         // Refused here in either strategy, before any byte is written; d
         // learns which limit it was and expects no payload (kOverMaxMessage).
         too_large_.push_back({d, e_.max_message_error(d, c.nbytes).what()});
-        sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kOverMaxMessage));
+        sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kOverMaxMessage | kind()));
         continue;
       }
       if (!two) {
         try {
           Mem m;
           const void* src = source(d, &m);
-          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device));
+          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device, kind()));
           continue;
         } catch (const Error& x) {
           if (x.kind != ErrorKind::TooLarge) throw;
@@ -150,7 +151,7 @@ void AllToAll::start() {
       }
       // Two-phase: the counts first. One-phase: in place of a chunk over d's
       // bound, so d learns why nothing came.
-      sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim));
+      sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kind()));
     }
   });
 }
@@ -230,6 +231,27 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
       }
       MsgInfo m = e_.info(recv_[s]);
       got_[s] = chunk_of(m);
+      if (!(m.flags & kRefusedCall) && bool(m.flags & kBackwardCall) != plan_.backward) {
+        // A forward met a backward (a rank ran no backward through a
+        // differentiable all-to-all): taken and dropped, as any refused chunk.
+        fate_[s] = Fate::Rejected;
+        why_[s] = rank_str(s) + " ran " + (plan_.backward ? "a forward" : "an autograd backward's") +
+                  " all-to-all where " + rank_str(rank_) + " ran " + (plan_.backward ? "a backward" : "a forward") +
+                  ": the ranks are out of step (every rank must run backward through the same differentiable "
+                  "all-to-alls, in the same order)";
+        mismatch_ = true;
+        if (m.flags & kDescriptor) {
+          e_.release(recv_[s]);
+          recv_[s] = 0;
+          // Its sender sends a payload after it only for a two-phase count
+          // within our bound (post_payloads): that one is taken and dropped
+          // (Rejected); else none comes, and none is waited for.
+          bool payload = plan_.strategy == A2AStrategy::TwoPhase && !(m.flags & kOverMaxMessage) &&
+                         m.nbytes <= e_.layout().bound;
+          no_payload_[s] = !payload;
+        }
+        continue;
+      }
       if (m.flags & kDescriptor) {
         e_.release(recv_[s]);  // no payload of its own
         recv_[s] = 0;
@@ -338,7 +360,7 @@ void AllToAll::post_payloads() {
   const int n = world_, r = rank_;
   for (int k = 1; k < n; ++k) {
     int s = (r - k + n) % n;
-    if (fate_[s] == Fate::OverBound || fate_[s] == Fate::Refused) continue;  // its sender sends nothing
+    if (fate_[s] == Fate::OverBound || fate_[s] == Fate::Refused || no_payload_[s]) continue;  // none comes
     // A refused chunk is still received (and dropped): its sender cannot know.
     // Posted without a buffer (copied out in wait_done): a receive given up
     // on never writes into the caller's output afterwards.
@@ -357,7 +379,8 @@ void AllToAll::post_payloads() {
     try {
       Mem m;
       const void* src = source(d, &m);
-      sends_.push_back(e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device));
+      sends_.push_back(
+          e_.isend(d, tag_ + 1, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device, kind()));
     } catch (const Error& x) {
       if (x.kind != ErrorKind::TooLarge) throw;
       too_large_.push_back({d, x.what()});  // d saw the count: it expects nothing

@@ -67,6 +67,9 @@ struct A2APlan {
   // op's own name, and x / input): moe.combine's peers are told "moe.combine",
   // not the all_to_all_v underneath.
   std::string name, input;
+  // An autograd backward's all-to-all: its chunks say so (kBackwardCall), and
+  // one that meets a forward's is refused on both sides.
+  bool backward = false;
   A2AStrategy strategy = A2AStrategy::OnePhase;
   int64_t user_tag = 0;
   std::vector<A2AChunk> send;  // [world]
@@ -141,6 +144,7 @@ class AllToAll {
   const void* source(int dst, Mem* mem) const;
   void* dest(int src) const;
   Mem dest_mem(int src) const;
+  uint64_t kind() const { return plan_.backward ? kBackwardCall : 0; }  // header flags of this call's kind
   template <class F>
   void guarded(F&& f);
 
@@ -158,6 +162,7 @@ class AllToAll {
   std::vector<A2AChunk> got_;      // per source: the header that arrived (self: own chunk)
   std::vector<Fate> fate_;
   std::vector<std::string> why_;   // Rejected: why the caller could not place it
+  std::vector<char> no_payload_;   // two-phase: a rejected count whose sender sends no payload after it
   std::vector<int64_t> recv_rows_;
   std::vector<uint64_t> offset_;   // V/Single: byte offset of each source in out
   std::vector<std::pair<int, std::string>> too_large_;  // our chunk to dst over dst's bound

@@ -408,10 +408,12 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 }
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
-                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager, bool pull) {
+                       const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager, bool pull,
+                       uint64_t flags) {
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem, eager, pull);
-  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem, (uint64_t(array) << kArrayShift) & kArrayMask,
+  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem,
+                    ((uint64_t(array) << kArrayShift) & kArrayMask) | flags,
                     (pull || !eager) && rendezvous(peer, nbytes, mem, eager));
 }
 

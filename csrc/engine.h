@@ -128,7 +128,7 @@ class Engine {
   // its stream copied it on; over the bound it is MessageTooLarge).
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                  const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false,
-                 bool pull = true);
+                 bool pull = true, uint64_t flags = 0);
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,

@@ -81,6 +81,13 @@ constexpr uint64_t kGoodbye = 64;
 // the receiver's bound), so its receiver expects no payload and says which
 // limit it was.
 constexpr uint64_t kOverMaxMessage = 128;
+// With a collective's chunk or descriptor (a bit above the array kind's): it
+// belongs to the backward of a differentiable all-to-all (autograd). A
+// receiver whose call is a forward (or the other way round: a rank ran no
+// backward) takes it, drops it and fails the call naming the ranks out of
+// step, where the two paired a gradient with a forward's rows unnoticed
+// whenever their shapes agreed.
+constexpr uint64_t kBackwardCall = uint64_t(1) << 16;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
 // The credit value that asks a rendezvous sender to write the data itself,
@@ -151,6 +158,10 @@ inline uint64_t push_word(uint64_t seq, PushState s) { return seq * 4 + s; }
 // kind (array="auto"). The core carries it and never acts on it.
 constexpr int kArrayShift = 8;
 constexpr uint64_t kArrayMask = 0xFFull << kArrayShift;
+// Every flag a header of host memory may carry: a transport that checks what
+// arrives (the fallback's) refuses any other bit. A new flag goes here too.
+constexpr uint64_t kHostHeaderFlags = kDescriptor | kRendezvous | kChunk | kRefusedCall | kSlowSlots | kGoodbye |
+                                      kOverMaxMessage | kBackwardCall | kArrayMask;
 // A receive's out dtype word (DLPack, 24 bits) with this bit: the message
 // must fill out exactly (torch.distributed.recv's contract), else it is
 // refused and kept like one that does not fit (Engine::misfit).

@@ -782,14 +782,16 @@ def test_all_to_all_v_is_differentiable_and_refuses_the_forms_that_would_drop_th
 
 
 @pytest.mark.parametrize("algorithm", ["one-phase", "two-phase"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @world(2, timeout=60)
-def test_a_chunk_over_the_senders_max_message_is_named_on_both_ranks_then_usable(algorithm):
+def test_a_chunk_over_the_senders_max_message_is_named_on_both_ranks_then_usable(transport, algorithm):
     """A 24000-byte chunk under the receiver's 64 KiB bound but over the
     sender's max_message (16 KiB): the receiver blamed its own bound (which
     is not the limit), and under two-phase it waited for a payload that never
     came until its timeout. Both ranks now raise MessageTooLarge at once, the
     receiver naming the sender's max_message, and the next call is right."""
-    with varcomm.init(bound=BOUND, max_message=16384, timeout=20, a2a_algorithm=algorithm) as comm:
+    with varcomm.init(transport=transport, bound=BOUND, max_message=16384, timeout=20,
+                      a2a_algorithm=algorithm) as comm:
         r = comm.rank
         sp = [1, 6000] if r == 0 else [1, 1]
         t0 = time.monotonic()
@@ -824,3 +826,32 @@ def test_senders_over_different_limits_are_each_named_with_theirs():
             assert ei.value.peer == 1
         got, _ = A.all_to_all_v(comm, torch.arange(3.0) + 10 * r, [1, 1, 1])
         assert got.tolist() == [r, 10 + r, 20 + r]
+
+
+@pytest.mark.parametrize("algorithm", ["one-phase", "two-phase"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60)
+def test_a_backward_that_meets_a_peers_forward_fails_both_and_the_next_pairs_up(transport, algorithm):
+    """Rank 0's x requires grad, rank 1's does not (so rank 1 runs no
+    backward): rank 0's backward all-to-all met rank 1's next forward, of the
+    same shapes, and each took the other's data (rank 0's x.grad held rank 1's
+    next input, no error). Chunks carry their call's kind: both raise
+    MessageMismatch saying the ranks are out of step, and the next call pairs
+    up right. The same for a rows over the bound (rendezvous)."""
+    with varcomm.init(transport=transport, bound=BOUND, timeout=20, a2a_algorithm=algorithm) as comm:
+        r = comm.rank
+        for rows in (1, 3 * BOUND // 8):  # float32 rows of 2: 8 bytes, then chunks over the bound (host: rendezvous)
+            if algorithm == "two-phase" and rows > 1:
+                continue  # two-phase is held to the bound
+            x = torch.arange(4.0 * rows).reshape(2 * rows, 2) + 10 * r
+            if r == 0:
+                x.requires_grad_()
+            y, _ = A.all_to_all_v(comm, x, [rows, rows])
+            with pytest.raises(varcomm.MessageMismatch, match="out of step") as ei:
+                if r == 0:
+                    y.sum().backward()
+                else:
+                    A.all_to_all_v(comm, torch.full((2 * rows, 2), 99.0), [rows, rows])
+            assert ei.value.peer == 1 - r and ("a forward" in str(ei.value)), str(ei.value)
+            got, rs = A.all_to_all_v(comm, torch.arange(2) + 10 * r, [1, 1])
+            assert got.tolist() == [r, 10 + r] and rs == [1, 1]

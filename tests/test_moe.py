@@ -428,3 +428,26 @@ def test_a_rank_that_skips_backward_leaves_its_peer_a_timeout_that_says_the_rule
                 y.sum().backward()
         else:
             time.sleep(3)
+
+
+@world(2, timeout=60)
+def test_a_rank_that_skips_backward_and_goes_on_is_named_out_of_step_on_both():
+    """Rank 1 runs no backward and goes on to its next dispatch: rank 0's
+    backward all-to-all met rank 1's forward. Rank 0 was told of a trailing
+    shape, rank 1 that the tokens' hidden sizes differ (or, with shapes that
+    agree, each took the other's data). Chunks carry their call's kind: both
+    raise MessageMismatch saying the ranks are out of step."""
+    with varcomm.init(timeout=20) as comm:
+        r = comm.rank
+        t = torch.ones(2, 4, requires_grad=r == 0)
+        ids = torch.full((2, 1), 1 - r)
+        et, _, h = dispatch(comm, t, ids, torch.ones(2, 1), 2)
+        y = combine(comm, et, h)
+        with pytest.raises(varcomm.MessageMismatch, match="out of step") as ei:
+            if r == 0:
+                y.sum().backward()
+            else:
+                dispatch(comm, torch.ones(2, 4), ids, torch.ones(2, 1), 2)
+        assert ("moe.combine's backward" if r == 0 else "moe.dispatch") in str(ei.value), str(ei.value)
+        et, _, h = dispatch(comm, torch.ones(2, 4), ids, torch.ones(2, 1), 2)  # in step again
+        assert torch.equal(combine(comm, et, h), torch.ones(2, 4))

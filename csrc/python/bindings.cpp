@@ -1099,7 +1099,7 @@ void bind_collectives(py::module_& m) {
         [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
            const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
            uint64_t cap, std::optional<std::vector<int64_t>> expect, py::object keep, int64_t stream,
-           uintptr_t x_host, std::string name, std::string input) {
+           uintptr_t x_host, std::string name, std::string input, bool backward) {
           Mem mem = mem_of(stream);
           A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, mem,
                                 reinterpret_cast<const void*>(x_host));
@@ -1107,6 +1107,7 @@ void bind_collectives(py::module_& m) {
           p.user_tag = tag;
           p.name = std::move(name);
           p.input = std::move(input);
+          p.backward = backward;
           p.out = reinterpret_cast<void*>(out);
           p.out_cap = cap;
           p.out_mem = mem;
@@ -1116,7 +1117,7 @@ void bind_collectives(py::module_& m) {
         py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
         py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
         py::arg("expect") = py::none(), py::arg("keep") = py::none(), py::arg("stream") = -1,
-        py::arg("x_host") = 0, py::arg("name") = "", py::arg("input") = "");
+        py::arg("x_host") = 0, py::arg("name") = "", py::arg("input") = "", py::arg("backward") = false);
   // A collective this rank refuses before it starts (AllToAll::refuse).
   m.def(
       "all_to_all_refuse",

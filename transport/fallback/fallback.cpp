@@ -242,7 +242,7 @@ FallbackTransport::Landing FallbackTransport::landing(int peer, const char* fram
   // here (the caller stages it through host memory); the array-kind bits are
   // the sender's to set.
   if (f.hdr_len != sizeof(MsgHeader) || h.seq != f.value || payload_bytes(h) != f.n || h.ndim > uint32_t(kMaxDims) ||
-      (h.flags & ~(kDescriptor | kRendezvous | kChunk | kRefusedCall | kGoodbye | kArrayMask)) != 0)
+      (h.flags & ~kHostHeaderFlags) != 0)
     refuse(peer, p, "has a header that does not match it (seq " + std::to_string(h.seq) + " vs " +
                         std::to_string(f.value) + ", nbytes " + std::to_string(h.nbytes) + " vs " +
                         std::to_string(f.n) + ", ndim " + std::to_string(h.ndim) + ", flags " +

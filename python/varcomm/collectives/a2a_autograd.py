@@ -31,7 +31,7 @@ class _AllToAllV(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         comm, splits, recv_splits, tag, timeout = ctx.args
         try:
-            with alltoall.labelled("all_to_all_v's backward", "gradient"):
+            with alltoall.labelled("all_to_all_v's backward", "gradient", backward=True):
                 back, sent_back = alltoall.all_to_all_v(comm, grad.contiguous(), recv_splits, tag=tag,
                                                         timeout=timeout)
         except TimeoutError as e:

@@ -66,16 +66,20 @@ def _strategy(comm: Communicator) -> int:
     return _STRATEGIES[comm.options.a2a_algorithm]
 
 
-# What a layer above names its all-to-alls in their errors: (operation, input),
-# e.g. ("moe.combine", "expert_outputs"); unset, the function's own names.
-_label: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("varcomm_a2a_label", default=("", ""))
+# What a layer above names its all-to-alls in their errors: (operation, input,
+# backward), e.g. ("moe.combine", "expert_outputs", False); unset, the
+# function's own names, a forward.
+_label: contextvars.ContextVar[tuple[str, str, bool]] = contextvars.ContextVar("varcomm_a2a_label",
+                                                                              default=("", "", False))
 
 
 @contextlib.contextmanager
-def labelled(name: str, input: str) -> Iterator[None]:
+def labelled(name: str, input: str, backward: bool = False) -> Iterator[None]:
     """Row-form all-to-alls started inside are named `name` (their input
-    `input`) in the errors every rank gets."""
-    token = _label.set((name, input))
+    `input`) in the errors every rank gets. backward: they are an autograd
+    backward's, and one that meets a peer's forward fails on both ranks (out
+    of step) instead of pairing a gradient with the peer's rows."""
+    token = _label.set((name, input, backward))
     try:
         yield
     finally:
@@ -88,9 +92,9 @@ def labelled(name: str, input: str) -> Iterator[None]:
 def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, splits: list[int], word: int,
           trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None,
           stream: int = -1, x_host: int = 0) -> _C.AllToAll:
-    name, input = _label.get()
+    name, input, backward = _label.get()
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
-                              expect, keep, stream, x_host, name, input)
+                              expect, keep, stream, x_host, name, input, backward)
 
 
 def _list(comm: Communicator, sends: list[tuple[Any, ...]], outs: list[tuple[Any, ...] | None], keep: object,

@@ -62,15 +62,15 @@ class MoEHandle:
 
 
 # What each all-to-all is called in the errors every rank gets: (operation, input).
-_DISPATCH = ("moe.dispatch", "packing of tokens")
-_COMBINE = ("moe.combine", "expert_outputs")
-_DISPATCH_BACK = ("moe.dispatch's backward", "gradient")
-_COMBINE_BACK = ("moe.combine's backward", "gradient")
+_DISPATCH = ("moe.dispatch", "packing of tokens", False)
+_COMBINE = ("moe.combine", "expert_outputs", False)
+_DISPATCH_BACK = ("moe.dispatch's backward", "gradient", True)
+_COMBINE_BACK = ("moe.combine's backward", "gradient", True)
 _BACKWARD_RULE = ("; every rank must run backward through moe.dispatch and moe.combine (tokens and expert outputs "
                   "requiring grad on all ranks or on none), in the same order")
 
 
-def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place: Any, label: tuple[str, str],
+def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place: Any, label: tuple[str, str, bool],
                   expect: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
     """all_to_all_v of a tensor, in `place`'s memory (None: the host): the
     result is a tensor there too. `expect`: the rows each rank must send
