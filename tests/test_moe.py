@@ -11,6 +11,7 @@ import torch
 
 import varcomm
 from conftest import TRANSPORTS
+from varcomm.collectives import alltoall as A
 from varcomm.collectives.moe import combine, dispatch
 from varcomm.testing import seeded, world
 
@@ -385,6 +386,17 @@ def test_combine_checks_its_handle_the_rows_sent_back_and_names_moe_in_peers_err
         with pytest.raises(varcomm.InvalidArgument, match="another communicator"):
             combine(other, et, h)
         assert torch.equal(combine(comm, et, h), torch.ones(T, 4))  # the handle is still good
+        # One rank alone passes the wrong communicator: the refusal reaches its
+        # peer's combine on the handle's communicator (it went to the wrong one,
+        # and the peer's combine took this rank's next call), and both stay in step.
+        et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        if r == 0:
+            with pytest.raises(varcomm.InvalidArgument, match="another communicator"):
+                combine(other, et, h)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match="^moe.combine on rank 1: rank 0 refused"):
+                combine(comm, et, h)
+        assert A.all_to_all_v(other, torch.arange(2) + 10 * r, [1, 1])[0].tolist() == [r, 10 + r]
         et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
         if r == 0:  # 2 rows of width 6 back, where 3 belong: rank 1 dispatched (its packed rows are 4 + 2 wide)
             with pytest.raises(varcomm.MessageMismatch, match=r"moe.combine on rank 0: rank 1 sent back 2 rows "

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from .. import arrays
+from .. import _C, arrays
 from ..errors import InvalidArgument, MessageMismatch, TimeoutError
 from . import alltoall
 
@@ -321,9 +321,15 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
                                   f"{type(handle).__name__}")
     if handle.comm is not comm:
         # Its splits and ranks are that communicator's: over another, rows go to the wrong ranks.
-        raise InvalidArgument(f"moe.combine: the handle is from a dispatch over another communicator "
+        err = InvalidArgument(f"moe.combine: the handle is from a dispatch over another communicator "
                               f"(rank {handle.comm.rank} of {handle.comm.world_size}); combine over the one its "
                               f"dispatch used")
+        if isinstance(handle, MoEHandle):
+            # Refused where the peers' combines wait (the handle's communicator),
+            # not on the one passed by mistake, whose next call it would eat.
+            _C.all_to_all_refuse(handle.comm._c, 0)
+            err._refused_to_peers = True  # type: ignore[attr-defined]
+        raise err
     if not isinstance(handle, MoEHandle):
         return moe_device.combine(comm, expert_outputs, handle)
     if expert_outputs.shape[0] != handle.perm.numel():
