@@ -996,6 +996,39 @@ def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
 
 
 @world(2, timeout=120)
+def test_fake_moe_combine_over_the_wrong_communicator_is_refused_where_the_peer_waits(fake_cuda):
+    """Rank 0 passes another communicator to moe.combine with a device
+    handle: InvalidArgument, and the refusal (an empty launch) goes to the
+    handle's communicator, where rank 1's combine waits, which raises naming
+    rank 0; both communicators stay in step (it was refused on the one passed
+    by mistake)."""
+    from varcomm.collectives import alltoall as A
+    from varcomm.collectives import moe, moe_device
+
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    other = varcomm.init(transport="shm", timeout=30, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    E = 2
+    with comm, other:
+        tok = torch.full((3, 4), float(r + 1))
+        ids = torch.full((3, 1), 1 - r)
+        w = torch.ones(3, 1)
+        et, _, h = moe_device.dispatch(comm, tok, ids, w, E, stream=s)
+        if r == 0:
+            with pytest.raises(varcomm.InvalidArgument, match="another communicator"):
+                moe.combine(other, et, h)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match="rank 0"):
+                moe.combine(comm, et, h)
+                D.synchronize(comm, s)
+        et, _, h = moe_device.dispatch(comm, tok, ids, w, E, stream=s)  # in step again
+        assert torch.equal(moe.combine(comm, et, h), tok)
+        got, _ = A.all_to_all_v(other, torch.arange(2) + 10 * r, [1, 1])
+        assert got.tolist() == [r, 10 + r]
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_moe_topk_ids_out_of_range_are_named_and_nothing_is_sent(fake_cuda):
     """topk_ids outside [-1, E) on rank 1 (not read on the host): rank 1's
     dispatch raises InvalidArgument counting them, rank 0's MessageMismatch

@@ -324,11 +324,15 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
         err = InvalidArgument(f"moe.combine: the handle is from a dispatch over another communicator "
                               f"(rank {handle.comm.rank} of {handle.comm.world_size}); combine over the one its "
                               f"dispatch used")
+        # Refused where the peers' combines wait (the handle's communicator),
+        # not on the one passed by mistake, whose next call it would eat.
         if isinstance(handle, MoEHandle):
-            # Refused where the peers' combines wait (the handle's communicator),
-            # not on the one passed by mistake, whose next call it would eat.
             _C.all_to_all_refuse(handle.comm._c, 0)
-            err._refused_to_peers = True  # type: ignore[attr-defined]
+        else:  # the device form's refusal: an empty launch
+            from . import alltoall_device
+
+            alltoall_device.refuse(handle.comm, expert_outputs, handle.stream, None)
+        err._refused_to_peers = True  # type: ignore[attr-defined]
         raise err
     if not isinstance(handle, MoEHandle):
         return moe_device.combine(comm, expert_outputs, handle)
