@@ -239,7 +239,7 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
                   " all-to-all where " + rank_str(rank_) + " ran " + (plan_.backward ? "a backward" : "a forward") +
                   ": the ranks are out of step (every rank must run backward through the same differentiable "
                   "all-to-alls, in the same order)";
-        mismatch_ = true;
+        mismatch_ = crossed_ = true;
         if (m.flags & kDescriptor) {
           e_.release(recv_[s]);
           recv_[s] = 0;
@@ -502,7 +502,9 @@ void AllToAll::timeout(double seconds) {
 
 std::optional<Error> AllToAll::error() const {
   const std::string op = op_name(plan_), me = rank_str(rank_);
-  if (!too_large_.empty()) {
+  // Out of step is the cause to fix first: a chunk that did not fit then was
+  // sized for another call.
+  if (!too_large_.empty() && !crossed_) {
     auto [d, why] = too_large_[0];
     std::string msg = op + ": " + me + "'s chunk for " + rank_str(d) + " does not fit: " + why;
     if (too_large_.size() > 1) {

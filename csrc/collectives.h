@@ -168,6 +168,7 @@ class AllToAll {
   std::vector<std::pair<int, std::string>> too_large_;  // our chunk to dst over dst's bound
   uint64_t total_bytes_ = 0;
   bool overflow_ = false, mismatch_ = false;
+  bool crossed_ = false;  // a chunk of the other kind (backward/forward) came: out of step, said first
   bool headers_ = false, placed_ = false, payloads_ = false;
   int next_ = 1;  // wait_headers' position (staggered index k)
 };

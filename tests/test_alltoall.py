@@ -855,3 +855,24 @@ def test_a_backward_that_meets_a_peers_forward_fails_both_and_the_next_pairs_up(
             assert ei.value.peer == 1 - r and ("a forward" in str(ei.value)), str(ei.value)
             got, rs = A.all_to_all_v(comm, torch.arange(2) + 10 * r, [1, 1])
             assert got.tolist() == [r, 10 + r] and rs == [1, 1]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=60)
+def test_out_of_step_is_said_before_a_chunk_that_did_not_fit(transport):
+    """Two-phase: rank 1 ran no backward, and its next forward's chunk for
+    rank 0 is over rank 0's bound. Rank 1 was told to raise the bound
+    (MessageTooLarge), where the cause is that the ranks are out of step:
+    both ranks now say that, and the next call pairs up."""
+    with varcomm.init(transport=transport, bound=BOUND, timeout=20, a2a_algorithm="two-phase") as comm:
+        r = comm.rank
+        x = torch.zeros(2, 2, requires_grad=r == 0)
+        y, _ = A.all_to_all_v(comm, x, [1, 1])
+        big = 3 * BOUND // 8  # rows of 8 bytes: 3 * BOUND
+        with pytest.raises(varcomm.MessageMismatch, match="out of step"):
+            if r == 0:
+                y.sum().backward()
+            else:
+                A.all_to_all_v(comm, torch.full((1 + big, 2), 99.0), [big, 1])
+        got, rs = A.all_to_all_v(comm, torch.arange(2) + 10 * r, [1, 1])
+        assert got.tolist() == [r, 10 + r] and rs == [1, 1]

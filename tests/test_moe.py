@@ -397,6 +397,16 @@ def test_combine_checks_its_handle_the_rows_sent_back_and_names_moe_in_peers_err
             with pytest.raises(varcomm.MessageMismatch, match="^moe.combine on rank 1: rank 0 refused"):
                 combine(comm, et, h)
         assert A.all_to_all_v(other, torch.arange(2) + 10 * r, [1, 1])[0].tolist() == [r, 10 + r]
+        # ... also when its expert outputs are wrong too (that check came first,
+        # and its refusal went to the communicator passed by mistake)
+        et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
+        if r == 0:
+            with pytest.raises(varcomm.InvalidArgument, match="another communicator"):
+                combine(other, et.int(), h)
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match="^moe.combine on rank 1: rank 0 refused"):
+                combine(comm, et, h)
+        assert A.all_to_all_v(other, torch.arange(2) + 10 * r, [1, 1])[0].tolist() == [r, 10 + r]
         et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
         if r == 0:  # 2 rows of width 6 back, where 3 belong: rank 1 dispatched (its packed rows are 4 + 2 wide)
             with pytest.raises(varcomm.MessageMismatch, match=r"moe.combine on rank 0: rank 1 sent back 2 rows "

@@ -306,13 +306,6 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
     original order. ``expert_outputs`` [R, H'] rows match dispatch's
     ``expert_tokens`` rows (H' may differ from H). Differentiable in
     ``expert_outputs`` and in ``topk_weights``."""
-    if not isinstance(expert_outputs, torch.Tensor):
-        raise InvalidArgument(f"moe.combine: expert_outputs must be a torch.Tensor, not "
-                              f"{type(expert_outputs).__name__} (torch.as_tensor(...) it)")
-    if not (expert_outputs.dtype.is_floating_point or expert_outputs.dtype.is_complex):
-        # The weights are applied in the outputs' dtype: 0.5 became 0, every token's sum 0.
-        raise InvalidArgument(f"combine: expert_outputs are {expert_outputs.dtype}, and the topk_weights would be "
-                              "cast to it (0.5 -> 0); pass floating-point expert outputs (expert_outputs.float())")
     if not isinstance(handle, MoEHandle):
         from . import moe_device
 
@@ -334,6 +327,13 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
             alltoall_device.refuse(handle.comm, expert_outputs, handle.stream, None)
         err._refused_to_peers = True  # type: ignore[attr-defined]
         raise err
+    if not isinstance(expert_outputs, torch.Tensor):
+        raise InvalidArgument(f"moe.combine: expert_outputs must be a torch.Tensor, not "
+                              f"{type(expert_outputs).__name__} (torch.as_tensor(...) it)")
+    if not (expert_outputs.dtype.is_floating_point or expert_outputs.dtype.is_complex):
+        # The weights are applied in the outputs' dtype: 0.5 became 0, every token's sum 0.
+        raise InvalidArgument(f"combine: expert_outputs are {expert_outputs.dtype}, and the topk_weights would be "
+                              "cast to it (0.5 -> 0); pass floating-point expert outputs (expert_outputs.float())")
     if not isinstance(handle, MoEHandle):
         return moe_device.combine(comm, expert_outputs, handle)
     if expert_outputs.shape[0] != handle.perm.numel():
