@@ -2,7 +2,11 @@
 received goes back to their senders by the reverse all_to_all_v (the rows each
 rank received from d, sent back to d), as torch.distributed.nn's
 all_to_all_single does. Like every collective, the backward must run on every
-rank: x must require grad on all ranks or on none."""
+rank: x must require grad on all ranks or on none.
+
+`exchange` is the all_to_all_v of every autograd layer here (this one and
+moe's): named in the caller's terms, a backward's timeout stating the
+every-rank rule, and the rows sent back checked against the step undone."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
@@ -16,6 +20,32 @@ if TYPE_CHECKING:
     from ..comm import Communicator
 
 _RULE = "; x required grad here, so every rank must run backward through this all_to_all_v, in the same order"
+_BACKWARD = ("all_to_all_v's backward", "gradient", True)
+
+
+def exchange(comm: Communicator, x: torch.Tensor, splits: list[int], label: tuple[str, str, bool], *,
+             expect: list[int] | None = None, rule: str = "", why: str = "", tag: int | None = None,
+             timeout: float | None = None) -> tuple[torch.Tensor, list[int]]:
+    """all_to_all_v of x, named `label` (alltoall.labelled: operation, input,
+    backward). A timeout gets `rule` appended; rows back from a rank that
+    differ from `expect` (what this rank sent it, or received from it, in the
+    step undone) are MessageMismatch naming it, then `why`."""
+    try:
+        with alltoall.labelled(*label):
+            got, rows = alltoall.all_to_all_v(comm, x, splits, tag=tag, timeout=timeout)
+    except TimeoutError as e:
+        if not rule:
+            raise
+        late = TimeoutError(str(e) + rule)
+        late.peer = e.peer
+        raise late from None
+    if expect is not None and rows != expect:
+        s = next(i for i, (a, b) in enumerate(zip(rows, expect)) if a != b)
+        err = MessageMismatch(f"{label[0]} on rank {comm.rank}: rank {s} sent back {rows[s]} rows where "
+                              f"{expect[s]} belong: {why}")
+        err.peer = s
+        raise err
+    return cast(torch.Tensor, got), rows
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -30,21 +60,8 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         comm, splits, recv_splits, tag, timeout = ctx.args
-        try:
-            with alltoall.labelled("all_to_all_v's backward", "gradient", backward=True):
-                back, sent_back = alltoall.all_to_all_v(comm, grad.contiguous(), recv_splits, tag=tag,
-                                                        timeout=timeout)
-        except TimeoutError as e:
-            late = TimeoutError(str(e) + _RULE)
-            late.peer = e.peer
-            raise late from None
-        if sent_back != splits:
-            s = next(i for i, (a, b) in enumerate(zip(sent_back, splits)) if a != b)
-            err = MessageMismatch(
-                f"all_to_all_v's backward on rank {comm.rank}: rank {s} sent back the gradient of {sent_back[s]} "
-                f"rows where this rank sent it {splits[s]}: the ranks' backward passes are out of step")
-            err.peer = s
-            raise err
+        back, _ = exchange(comm, grad.contiguous(), recv_splits, _BACKWARD, expect=splits, rule=_RULE,
+                           why="the ranks' backward passes are out of step", tag=tag, timeout=timeout)
         return back, None, None, None, None, None
 
 

@@ -29,14 +29,14 @@ device (no host sync; bound-sized, expert-major outputs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import _C, arrays
-from ..errors import InvalidArgument, MessageMismatch, TimeoutError
-from . import alltoall
+from ..errors import InvalidArgument, MessageMismatch
+from . import a2a_autograd, alltoall
 
 if TYPE_CHECKING:
     from ..comm import Communicator
@@ -61,7 +61,7 @@ class MoEHandle:
     place: Any = None  # the tokens' device memory (arrays.DeviceMemory.place), None for host memory
 
 
-# What each all-to-all is called in the errors every rank gets: (operation, input).
+# What each all-to-all is called in the errors every rank gets: (operation, input, backward).
 _DISPATCH = ("moe.dispatch", "packing of tokens", False)
 _COMBINE = ("moe.combine", "expert_outputs", False)
 _DISPATCH_BACK = ("moe.dispatch's backward", "gradient", True)
@@ -77,24 +77,10 @@ def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place:
     back (what this rank sent it, or received from it, in the step undone)."""
     if place is not None:
         x = arrays.device_memory().to(x, place)
-    try:
-        with alltoall.labelled(*label):
-            recv, recv_splits = alltoall.all_to_all_v(comm, x, splits)
-    except TimeoutError as e:
-        if "backward" not in label[0]:
-            raise
-        late = TimeoutError(str(e) + _BACKWARD_RULE)
-        late.peer = e.peer
-        raise late from None
-    if expect is not None and recv_splits != expect:
-        s = next(i for i, (a, b) in enumerate(zip(recv_splits, expect)) if a != b)
-        err = MessageMismatch(
-            f"{label[0]} on rank {comm.rank}: rank {s} sent back {recv_splits[s]} rows where {expect[s]} belong "
-            f"(the rows of dispatch's step it undoes): the ranks are out of step (a peer ran another moe.dispatch, "
-            f"moe.combine or collective here), or a peer passed a handle from another dispatch")
-        err.peer = s
-        raise err
-    return cast(torch.Tensor, recv), recv_splits
+    return a2a_autograd.exchange(
+        comm, x, splits, label, expect=expect, rule=_BACKWARD_RULE if label[2] else "",
+        why="the ranks are out of step (a peer ran another moe.dispatch, moe.combine or collective here), or a "
+            "peer passed a handle from another dispatch")
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, place: Any) -> torch.Tensor:
