@@ -995,6 +995,99 @@ def test_fake_moe_dispatch_combine_autograd(fake_cuda, n):
     body()
 
 
+def _grad_weight(d: int, rows: int, W: int) -> torch.Tensor:
+    """Rank d's weight of each element of its out in the loss (known on every rank)."""
+    return 1 + d + 0.01 * torch.arange(rows)[:, None] + 0.1 * torch.arange(W)[None, :]
+
+
+@pytest.mark.parametrize("ne", [1, 2])
+@pytest.mark.parametrize("n", [2, 3])
+def test_fake_vdev_autograd(fake_cuda, n, ne):
+    """all_to_all_vdev (ne=1) and all_to_all_vdev_2d (ne=2) of a torch tensor
+    that requires grad: the result carries the graph, and x.grad equals the
+    single-process reference (each row's gradient from where its receiver
+    put it; rows past the sent ones 0). Before, the gradient silently stopped
+    at the exchange (x.grad stayed None). Random and zero-row routing, with
+    FAKE_CUDA_DELAY_US; the calls after stay in step."""
+
+    @world(n, timeout=180)
+    def body():
+        seed = seeded()
+        os.environ["FAKE_CUDA_DELAY_US"] = "200"
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, s, W, G = comm.rank, gpu.stream(), 4, n * ne
+        with comm:
+            for it in range(4):
+                g = np.random.default_rng([seed, it])
+                splits = g.integers(0, 6, (n, G))  # splits[q][d * ne + e]: rows rank q sends to expert e of d
+                if it == 1:
+                    splits[g.random((n, G)) < 0.5] = 0
+                spare = 2  # rows of x past the sent ones: no gradient
+                x = torch.tensor(_x(seed, it, r, int(splits[r].sum()) + spare, W, "float32"), requires_grad=True)
+                sp = torch.tensor(splits[r], dtype=torch.int64)
+                if ne == 1:
+                    out, oso = D.all_to_all_vdev(comm, x, sp, stream=s)
+                else:
+                    out, oso = D.all_to_all_vdev_2d(comm, x, sp, ne, stream=s)
+                assert out.requires_grad and not oso.requires_grad
+                total = int(oso[0].sum())
+                assert total == int(splits[:, r * ne:(r + 1) * ne].sum()), (seed, it)
+                (out[:total] * _grad_weight(r, total, W)).sum().backward()
+                # Reference: where row j of x landed on its receiver d (expert-major: for each expert e,
+                # the rows from source 0, 1, ...).
+                want = torch.zeros_like(x)
+                j = 0
+                for d in range(n):
+                    wd = _grad_weight(d, n * BOUND, W)
+                    for e in range(ne):
+                        before = int(splits[:, d * ne:d * ne + e].sum()) + int(splits[:r, d * ne + e].sum())
+                        k = int(splits[r, d * ne + e])
+                        want[j:j + k] = wd[before:before + k]
+                        j += k
+                assert x.grad is not None, (seed, it, "the gradient stopped at the exchange")
+                assert torch.equal(x.grad, want), (seed, it, x.grad, want)
+            comm.barrier()
+
+    body()
+
+
+@world(2, timeout=120)
+def test_fake_vdev_with_grad_and_out_is_refused_to_the_peer(fake_cuda):
+    """x requires grad with out= (the result cannot carry the graph), and
+    all_to_all_vdev_2d_offset with x requiring grad (not differentiable): the
+    rank raises InvalidArgument naming what to do, its peer's call gets
+    MessageMismatch naming it (the call is launched empty), and the next
+    call pairs up. Before, the gradient silently stopped there."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 4
+    keep: list = []
+    with comm:
+        def call(grad: bool, step: int):
+            x = torch.full((4, W), 10.0 * step + r, requires_grad=grad)
+            out, sp = torch.zeros(8, W), torch.tensor([2, 2])
+            keep.append((x, sp))  # (CPU tensors: alive until the stream ran the call)
+            return D.all_to_all_vdev(comm, x, sp, out=out, stream=s)
+
+        for step, offset in enumerate([False, True]):
+            if r == 0:
+                with pytest.raises(varcomm.InvalidArgument, match="requires grad.*x.detach()"):
+                    if offset:
+                        D.all_to_all_vdev_2d_offset(comm, torch.ones(4, W, requires_grad=True),
+                                                    torch.tensor([[2, 2], [0, 2]]), 1, stream=s)
+                    else:
+                        call(True, step)
+            else:
+                got = call(False, step)
+                with pytest.raises(varcomm.MessageMismatch, match="rank 0 refused its part of this call"):
+                    D.synchronize(comm, s)
+                assert _host(got[1])[0].tolist() == [0, 2]
+            with torch.no_grad():
+                out, oso = call(True, 5)  # under no_grad: the plain call
+            D.synchronize(comm, s)
+            assert _host(oso)[0].tolist() == [2, 2] and out[:4, 0].tolist() == [50, 50, 51, 51]
+        comm.barrier()
+
+
 @world(2, timeout=120)
 def test_fake_moe_combine_over_the_wrong_communicator_is_refused_where_the_peer_waits(fake_cuda):
     """Rank 0 passes another communicator to moe.combine with a device
@@ -1146,6 +1239,22 @@ def test_gpu_vdev_matches_reference_without_host_sync():
             total = int(want_rows.sum())
             want = torch.cat([xs[q][int(splits[q][:r].sum()):int(splits[q][:r + 1].sum())] for q in range(n)])
             assert torch.equal(out[:total].cpu(), want), f"seed {seed} iteration {it} ({kind}, {dt})"
+            # Differentiable, with no host sync in forward or backward: x.grad is what its receivers weighed.
+            xg = xs[r].float().cuda().requires_grad_(True)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out, oso = comm.all_to_all_v(xg, sp)
+                (out * _grad_weight(r, out.shape[0], W).cuda()).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            D.synchronize(comm)
+            want_g, j = torch.zeros(xg.shape), 0
+            for d in range(n):
+                before, k = int(splits[:r, d].sum()), int(splits[r, d])
+                want_g[j:j + k] = _grad_weight(d, n * BOUND, W)[before:before + k]
+                j += k
+            assert torch.equal(xg.grad.cpu(), want_g), (seed, it, "gradient")
         comm.barrier()
 
 

@@ -6,7 +6,11 @@ rank: x must require grad on all ranks or on none.
 
 `exchange` is the all_to_all_v of every autograd layer here (this one and
 moe's): named in the caller's terms, a backward's timeout stating the
-every-rank rule, and the rows sent back checked against the step undone."""
+every-rank rule, and the rows sent back checked against the step undone.
+
+The device-split form (alltoall_device.all_to_all_vdev, _2d) is one more
+Function: its gradient goes back by the combine (all_to_all_vdev_2d_offset)
+over the forward's out_splits_offsets, every count staying on the device."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
@@ -70,3 +74,50 @@ def all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], tag: in
     box: list[list[int]] = []
     got = _AllToAllV.apply(x, comm, splits, tag, timeout, box)  # type: ignore[no-untyped-call]  # unannotated in torch
     return cast(torch.Tensor, got), box[0]
+
+
+class _VDev2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Any, splits: Any, ne: int, stream: int | None,
+                timeout: float | None) -> Any:
+        from . import alltoall_device as D
+
+        n = comm.world_size
+        xd = x.detach()
+        out = torch.empty((n * D.capacity_rows(comm, _row_bytes(xd)),) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)
+        oso = torch.empty((2, n * ne), dtype=torch.int64, device=x.device)
+        D.all_to_all_vdev_2d(comm, xd, splits, ne, out=out, out_splits_offsets=oso, stream=stream, timeout=timeout)
+        D.torch_after(comm, x, stream)
+        ctx.mark_non_differentiable(oso)
+        ctx.save_for_backward(oso)  # (modified in place before backward: torch raises, not a wrong gradient)
+        ctx.args = (comm, ne, stream, timeout, int(x.shape[0]))
+        return out, oso
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
+        from . import alltoall_device as D
+
+        comm, ne, stream, timeout, rows = ctx.args
+        (oso,) = ctx.saved_tensors
+        # On a GPU, autograd runs this on the forward's current stream, where torch made grad and
+        # consumes the result; the device protocol orders calls across streams.
+        s = None if grad.is_cuda else stream
+        gx = torch.zeros((rows,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)  # rows not sent: 0
+        bso = torch.empty_like(oso)
+        # The combine sends each source's rows back in the order they were sent: x's own.
+        D.all_to_all_vdev_2d_offset(comm, grad.contiguous(), oso, ne, out=gx, out_splits_offsets=bso, stream=s,
+                                    timeout=timeout)
+        D.torch_after(comm, grad, s)
+        return gx, None, None, None, None, None
+
+
+def _row_bytes(x: torch.Tensor) -> int:
+    return torch.Size(x.shape[1:]).numel() * x.element_size()
+
+
+def all_to_all_vdev_2d(comm: Communicator, x: torch.Tensor, splits: Any, experts_per_rank: int, stream: int | None,
+                       timeout: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """alltoall_device.all_to_all_vdev_2d (experts_per_rank=1: all_to_all_vdev) carrying x's graph."""
+    out, oso = _VDev2d.apply(x, comm, splits, experts_per_rank, stream, timeout)  # type: ignore[no-untyped-call]
+    return cast(torch.Tensor, out), cast(torch.Tensor, oso)

@@ -481,7 +481,8 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
     send_splits on the GPU (a CUDA int tensor, or a __cuda_array_interface__
     array): the device-split form, alltoall_device.all_to_all_vdev. Nothing
     is read on the host; it returns ``(out, out_splits_offsets)``, a
-    bound-sized out and the rows and offsets per source as a device tensor.
+    bound-sized out and the rows and offsets per source as a device tensor;
+    differentiable too (without out= and async_op).
     """
     if alltoall_device.is_device_splits(send_splits):
         return alltoall_device.all_to_all_vdev(comm, x, send_splits, out=out, timeout=timeout,  # type: ignore[no-any-return]

@@ -333,6 +333,14 @@ def synchronize(comm: Communicator, stream: int | None = None, timeout: float | 
         comm._device_p2p.synchronize(s, t)
 
 
+def torch_after(comm: Communicator, x: Any, stream: int | None) -> None:
+    """After a call on torch tensors not on a GPU (the stand-in driver's device
+    memory, with an explicit stream): wait for the kernels before torch reads
+    the result, since CPU torch ops are not ordered on the stream."""
+    if not x.is_cuda:
+        synchronize(comm, stream)
+
+
 def _splits(comm: Communicator, splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
     d = _describe(comm, splits, what, stream)
     if d.word not in _INT:
@@ -457,6 +465,26 @@ def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_lay
     return DeviceWork(comm, int(s), result) if async_op else result
 
 
+def _differentiable(x: Any, out: Any, out_splits_offsets: Any, async_op: bool, what: str) -> bool:
+    """Whether the call must carry x's graph (a torch tensor requiring grad):
+    then only the form that returns new tensors can."""
+    if not (arrays.is_torch(x) and x.requires_grad and arrays.torch.is_grad_enabled()):
+        return False
+    if out is not None or out_splits_offsets is not None or async_op:
+        raise InvalidArgument(f"{what}: x requires grad, and the result is differentiable only without out=, "
+                              "out_splits_offsets= and async_op (the gradient would silently stop here); drop "
+                              "them, or pass x.detach() to send it without a gradient")
+    return True
+
+
+def _autograd(comm: Communicator, x: Any, splits: Any, experts_per_rank: int, stream: int | None,
+              timeout: float | None) -> Any:
+    from . import a2a_autograd
+
+    return a2a_autograd.all_to_all_vdev_2d(comm, x, splits, experts_per_rank, stream, timeout)
+
+
+@refusing
 def all_to_all_vdev(comm: Communicator, x: Any, send_splits: Any, *, out: Any = None,
                     out_splits_offsets: Any = None, stream: int | None = None, timeout: float | None = None,
                     async_op: bool = False) -> Any:
@@ -469,10 +497,13 @@ def all_to_all_vdev(comm: Communicator, x: Any, send_splits: Any, *, out: Any = 
     on the host; ``async_op``: a DeviceWork instead (its ``synchronize()``
     raises the kernels' errors)."""
     n = comm.world_size
+    if _differentiable(x, out, out_splits_offsets, async_op, "all_to_all_vdev"):
+        return _autograd(comm, x, send_splits, 1, stream, timeout)
     return _launch(comm, 1, _IN_PREFIX, _OUT_EXPERT_MAJOR, x, send_splits, n, out, out_splits_offsets, stream,
                    timeout, async_op)
 
 
+@refusing
 def all_to_all_vdev_2d(comm: Communicator, x: Any, send_splits: Any, experts_per_rank: int, *, out: Any = None,
                        out_splits_offsets: Any = None, stream: int | None = None, timeout: float | None = None,
                        async_op: bool = False) -> Any:
@@ -483,10 +514,13 @@ def all_to_all_vdev_2d(comm: Communicator, x: Any, send_splits: Any, experts_per
     + s]`` rows from source s for expert e, ``[1][...]`` where they start, so
     expert e's rows are one contiguous run (what a grouped GEMM takes)."""
     n = comm.world_size
+    if _differentiable(x, out, out_splits_offsets, async_op, "all_to_all_vdev_2d"):
+        return _autograd(comm, x, send_splits, int(experts_per_rank), stream, timeout)
     return _launch(comm, int(experts_per_rank), _IN_PREFIX, _OUT_EXPERT_MAJOR, x, send_splits,
                    n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op)
 
 
+@refusing
 def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any, experts_per_rank: int, *,
                               out: Any = None, out_splits_offsets: Any = None, stream: int | None = None,
                               timeout: float | None = None, async_op: bool = False,
@@ -498,5 +532,11 @@ def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any
     ..., then rank 1's, ...: exactly the order this rank sent them in.
     ``out_splits_offsets[0][s * E + e]``, ``[1][...]``: counts and offsets."""
     n = comm.world_size
+    if arrays.is_torch(x) and x.requires_grad and arrays.torch.is_grad_enabled():
+        # Its backward would have to put each gradient row back where in_splits_offsets took it from, which need
+        # not be where a dispatch leaves rows; moe_device.combine knows the layout and carries autograd.
+        raise InvalidArgument("all_to_all_vdev_2d_offset: x requires grad, and this call is not differentiable "
+                              "(the gradient would silently stop here): use moe_device.combine (or moe.combine) "
+                              "for a differentiable combine, or pass x.detach()")
     return _launch(comm, int(experts_per_rank), _IN_OFFSETS, _OUT_RANK_MAJOR, x, in_splits_offsets,
                    2 * n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op, out_rows)

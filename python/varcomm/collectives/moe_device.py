@@ -66,23 +66,17 @@ def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
     return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=x.device)
 
 
-def _after(comm: Communicator, x: torch.Tensor, stream: int | None) -> None:
-    """CPU tensors (the stand-in): wait for the kernels before torch reads the result."""
-    if not x.is_cuda:
-        D.synchronize(comm, stream)
-
-
 def _dispatch_rows(comm: Communicator, x: torch.Tensor, splits: torch.Tensor, ne: int, out: torch.Tensor,
                    oso: torch.Tensor, stream: int | None) -> None:
     D.all_to_all_vdev_2d(comm, x, splits, ne, out=out, out_splits_offsets=oso, stream=stream)
-    _after(comm, x, stream)
+    D.torch_after(comm, x, stream)
 
 
 def _combine_rows(comm: Communicator, x: torch.Tensor, so: torch.Tensor, ne: int, out: torch.Tensor,
                   stream: int | None, alloc: Alloc) -> None:
     bso = alloc((2, so.shape[-1]), torch.int64)
     D.all_to_all_vdev_2d_offset(comm, x, so, ne, out=out, out_splits_offsets=bso, stream=stream)
-    _after(comm, x, stream)
+    D.torch_after(comm, x, stream)
 
 
 def _zero_rows(x: torch.Tensor, rows: torch.Tensor) -> None:
