@@ -1052,6 +1052,67 @@ def test_fake_vdev_autograd(fake_cuda, n, ne):
 
 
 @world(2, timeout=120)
+def test_fake_vdev_autograd_edges(fake_cuda):
+    """Review findings on the differentiable device-split call: (1) the
+    returned out_splits_offsets modified in place before backward: torch
+    raised on that rank only, and its peer's backward waited for its timeout
+    (the device path failed); now backward keeps a copy of its own and both
+    gradients are right. (2) create_graph=True raised an error naming
+    all_to_all_vdev_2d_offset, a call the user never made; now the first-order
+    gradient is right and only a second-order backward raises (torch's
+    once_differentiable error, on every rank: the ranks stay in step). (3) a
+    call's timeout= longer than the communicator's: the host wait after a
+    call on CPU tensors used the communicator's and gave up (PeerFailure)."""
+    from test_gpu import FakeGpu
+
+    gpu = FakeGpu(fake_cuda)
+    os.environ["VARCOMM_NVLINK"] = "1"
+    os.environ["VARCOMM_NVLINK_DEVICE"] = "0"
+    comm = varcomm.init(transport="shm", timeout=2, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    sp = torch.tensor([2, 2])
+    with comm:
+        x = torch.full((4, 2), 1.0 + r, requires_grad=True)
+        out, oso = D.all_to_all_vdev(comm, x, sp, stream=s)
+        oso.zero_()  # (1): the caller reuses it
+        (out[:4] * torch.arange(1.0, 5.0)[:, None]).sum().backward()
+        assert x.grad[:, 0].tolist() == ([1, 2, 1, 2] if r == 0 else [3, 4, 3, 4])
+        x = torch.full((4, 2), 1.0 + r, requires_grad=True)
+        out, oso = D.all_to_all_vdev(comm, x, sp, stream=s)
+        (gx,) = torch.autograd.grad((out[:4] ** 2).sum(), x, create_graph=True)  # (2)
+        assert gx[:, 0].tolist() == [2.0 * (1 + r)] * 4
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            gx.sum().backward()
+        comm.barrier(timeout=20)
+        if r == 1:
+            time.sleep(4)  # (3): past the communicator's 2 s, within the call's 8 s
+        x = torch.full((4, 2), 1.0 + r, requires_grad=True)
+        out, oso = D.all_to_all_vdev(comm, x, sp, stream=s, timeout=8)
+        out[:4].sum().backward()
+        assert out[:4, 0].tolist() == [1, 1, 2, 2] and x.grad[:, 0].tolist() == [1.0] * 4
+        comm.barrier(timeout=20)
+
+
+@world(2, timeout=120)
+def test_fake_synchronize_past_its_timeout_is_a_timeout_not_a_peer_failure(fake_cuda):
+    """Rank 0 synchronizes with timeout=1 on a call rank 1 never makes: the
+    host wait gives up and aborts the kernels. That was reported as
+    PeerFailure "a peer failed or the communicator closed", though no peer
+    did; now it is TimeoutError naming the wait (and rank 1)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    with comm:
+        x, sp, out = torch.ones(4, 2), torch.tensor([2, 2]), torch.zeros(8, 2)
+        D.all_to_all_vdev(comm, x, sp, out=out, stream=s)  # set up
+        D.synchronize(comm, s)
+        if r == 0:
+            D.all_to_all_vdev(comm, x, sp, out=out, stream=s)
+            with pytest.raises(varcomm.TimeoutError, match=r"within the 1 s the host waited .*waiting for rank 1"):
+                D.synchronize(comm, s, timeout=1)
+        comm.barrier(timeout=30)
+
+
+@world(2, timeout=120)
 def test_fake_vdev_with_grad_and_out_is_refused_to_the_peer(fake_cuda):
     """x requires grad with out= (the result cannot carry the graph), and
     all_to_all_vdev_2d_offset with x requiring grad (not differentiable): the
@@ -1241,11 +1302,12 @@ def test_gpu_vdev_matches_reference_without_host_sync():
             assert torch.equal(out[:total].cpu(), want), f"seed {seed} iteration {it} ({kind}, {dt})"
             # Differentiable, with no host sync in forward or backward: x.grad is what its receivers weighed.
             xg = xs[r].float().cuda().requires_grad_(True)
+            weight = _grad_weight(r, n * D.capacity_rows(comm, 4 * W), W).cuda()  # (a blocking copy: before)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 out, oso = comm.all_to_all_v(xg, sp)
-                (out * _grad_weight(r, out.shape[0], W).cuda()).sum().backward()
+                (out * weight).sum().backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             D.synchronize(comm)

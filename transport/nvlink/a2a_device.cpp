@@ -6,7 +6,9 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -296,6 +298,13 @@ struct DeviceA2A::Impl {
                                              "every stream of earlier calls). The device path of this "
                                              "communicator stays failed");
       case a2a::kErrAborted:
+        if (host_timeout_ms.load(std::memory_order_acquire) >= 0)  // this rank's own wait gave up, no peer failed
+          return Error(ErrorKind::Timeout,
+                       me + "'s device all-to-all did not finish within the " + seconds(host_timeout_ms.load()) +
+                           " the host waited (synchronize's timeout), still waiting for " + rk(r.a) + call +
+                           "; is every rank calling it? Its kernels were aborted, so the device path of this "
+                           "communicator stays failed",
+                       int(r.a));
         return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted while waiting for " + rk(r.a) +
                                                  call + " (a peer failed or the communicator closed); the "
                                                  "device path of this communicator stays failed",
@@ -340,7 +349,15 @@ struct DeviceA2A::Impl {
     }
   }
 
+  static std::string seconds(int64_t ms) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g s", double(ms) / 1000.0);
+    return b;
+  }
   void abort() { __atomic_store_n(&err->abort, 1ull, __ATOMIC_RELEASE); }
+  // Set (before abort()) when a host wait ran past its timeout: the kernels'
+  // kErrAborted then means a timeout here, not a peer's failure.
+  std::atomic<int64_t> host_timeout_ms{-1};
 
   void release() {
     stop_watching();
@@ -673,7 +690,11 @@ void DeviceA2A::wait_until(const std::function<int()>& query, const char* what,
       // A dead peer never writes its flag or credit: end the kernels' waits now.
       for (int q = 0; q < m.world; ++q)
         if (q != m.rank && !m.e.peer_error(q).empty()) m.abort();
-      if (timeout && Clock::now() - start > std::chrono::duration<double>(*timeout)) m.abort();
+      if (timeout && Clock::now() - start > std::chrono::duration<double>(*timeout) &&
+          !__atomic_load_n(&m.err->abort, __ATOMIC_ACQUIRE)) {  // (a dead peer's abort stays a PeerFailure)
+        m.host_timeout_ms.store(int64_t(*timeout * 1000), std::memory_order_release);
+        m.abort();
+      }
     }
     if (i > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }

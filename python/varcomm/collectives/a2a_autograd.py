@@ -88,27 +88,37 @@ class _VDev2d(torch.autograd.Function):
                           device=x.device)
         oso = torch.empty((2, n * ne), dtype=torch.int64, device=x.device)
         D.all_to_all_vdev_2d(comm, xd, splits, ne, out=out, out_splits_offsets=oso, stream=stream, timeout=timeout)
-        D.torch_after(comm, x, stream)
+        D.torch_after(comm, x, stream, timeout)
         ctx.mark_non_differentiable(oso)
-        ctx.save_for_backward(oso)  # (modified in place before backward: torch raises, not a wrong gradient)
+        # A copy of its own (ordered on the stream like the rest): the caller may reuse the returned one, and a
+        # saved output modified in place would make torch raise on this rank only, leaving the peers' backward
+        # waiting for its timeout. (Saved, not kept on ctx: a second backward without retain_graph is torch's
+        # error on the rank that tries it, not an extra call its peers never make.)
+        ctx.save_for_backward(oso.clone())
         ctx.args = (comm, ne, stream, timeout, int(x.shape[0]))
         return out, oso
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
         from . import alltoall_device as D
 
         comm, ne, stream, timeout, rows = ctx.args
-        (oso,) = ctx.saved_tensors
         # On a GPU, autograd runs this on the forward's current stream, where torch made grad and
         # consumes the result; the device protocol orders calls across streams.
         s = None if grad.is_cuda else stream
-        gx = torch.zeros((rows,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)  # rows not sent: 0
-        bso = torch.empty_like(oso)
-        # The combine sends each source's rows back in the order they were sent: x's own.
-        D.all_to_all_vdev_2d_offset(comm, grad.contiguous(), oso, ne, out=gx, out_splits_offsets=bso, stream=s,
-                                    timeout=timeout)
-        D.torch_after(comm, grad, s)
+        (oso,) = ctx.saved_tensors
+        before = D.launched(comm)
+        try:
+            gx = torch.zeros((rows,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)  # not sent: 0
+            bso = torch.empty_like(oso)
+            # The combine sends each source's rows back in the order they were sent: x's own.
+            D.all_to_all_vdev_2d_offset(comm, grad.contiguous(), oso, ne, out=gx, out_splits_offsets=bso,
+                                        stream=s, timeout=timeout)
+        except Exception as e:  # (before the launch: refused, so the peers' backward does not wait for it)
+            D.refuse_unlaunched(comm, e, before, grad, s, timeout)
+            raise
+        D.torch_after(comm, grad, s, timeout)
         return gx, None, None, None, None, None
 
 

@@ -333,12 +333,13 @@ def synchronize(comm: Communicator, stream: int | None = None, timeout: float | 
         comm._device_p2p.synchronize(s, t)
 
 
-def torch_after(comm: Communicator, x: Any, stream: int | None) -> None:
+def torch_after(comm: Communicator, x: Any, stream: int | None, timeout: float | None = None) -> None:
     """After a call on torch tensors not on a GPU (the stand-in driver's device
-    memory, with an explicit stream): wait for the kernels before torch reads
-    the result, since CPU torch ops are not ordered on the stream."""
+    memory, with an explicit stream): wait for the kernels (up to the call's
+    timeout) before torch reads the result, since CPU torch ops are not
+    ordered on the stream."""
     if not x.is_cuda:
-        synchronize(comm, stream)
+        synchronize(comm, stream, timeout)
 
 
 def _splits(comm: Communicator, splits: Any, n: int, what: str, stream: int | None) -> tuple[_Dev, int]:
@@ -494,8 +495,14 @@ def all_to_all_vdev(comm: Communicator, x: Any, send_splits: Any, *, out: Any = 
     bound-sized buffer: ``world_size x`` the rows of one bound when
     allocated), ``out_splits_offsets[0][s]`` the rows from source s and
     ``[1][s]`` their first row in ``out``, int64 on the device. Nothing waits
-    on the host; ``async_op``: a DeviceWork instead (its ``synchronize()``
-    raises the kernels' errors)."""
+    on the host (but for torch tensors not on a GPU, whose CPU ops the stream
+    does not order); ``async_op``: a DeviceWork instead (its
+    ``synchronize()`` raises the kernels' errors).
+
+    Differentiable when x is a torch tensor that requires grad (without
+    out=, out_splits_offsets= and async_op): the gradient goes back by the
+    combine. As with every collective, x must then require grad on every
+    rank, and every rank must run backward through it in the same order."""
     n = comm.world_size
     if _differentiable(x, out, out_splits_offsets, async_op, "all_to_all_vdev"):
         return _autograd(comm, x, send_splits, 1, stream, timeout)
