@@ -12,6 +12,7 @@ transport/nvlink/a2a_device.cpp, kernels in transport/nvlink/a2a_kernels.cuh).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -1620,6 +1621,48 @@ def test_explicit_stream_records_torch_tensors(fake_torch_streams):
     D.all_to_all_vdev(comm, ts[0], ts[1], out=ts[2], out_splits_offsets=ts[3])
     assert _CudaLike.recorded == []
     assert comm._device_a2a.launches == 2
+
+
+def test_moe_device_with_an_explicit_stream_runs_torchs_ops_on_it(fake_torch_streams, monkeypatch):
+    """moe_device.dispatch/combine of CUDA tensors with stream=: the routing,
+    the gathers and the weighted sum ran on torch's current stream while the
+    kernels ran on the given one, unordered: a kernel could read rows not
+    gathered yet. Now torch's ops of the call run on the given stream (so
+    does their backward: autograd uses the forward's stream). Verified on the
+    CPU stand-in only (tensors that say they are on cuda:0; a stub launch)."""
+    from varcomm.collectives import moe_device
+
+    inside: list = []
+    launched_inside: list = []
+
+    @contextlib.contextmanager
+    def on(stream):
+        inside.append(stream)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    for name in ("zeros", "empty", "ones"):  # (tensors made on "cuda:0": CPU ones here)
+        made = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, device=None, _made=made, **k: _made(*a, **k).as_subclass(_CudaLike))
+    comm = _stub_comm()
+    comm._device_p2p = None
+    launch = comm._device_a2a.launch
+    comm._device_a2a.launch = lambda *a: (launched_inside.append(list(inside)), launch(*a))
+    alloc = lambda shape, dtype: _cuda_like(shape, dtype)  # noqa: E731
+    T, H, K, E = 4, 2, 2, 4
+    tokens = _cuda_like((T, H))
+    ids = _cuda_like((T, K), torch.int64)
+    w = _cuda_like((T, K))
+    et, _, h = moe_device.dispatch(comm, tokens, ids, w, E, stream=5, alloc=alloc)
+    moe_device.combine(comm, _cuda_like(tuple(et.shape)), h)
+    want = [("stream", 5, "cuda:0")]
+    assert launched_inside == [want, want], launched_inside
+    launched_inside.clear()
+    et, _, h = moe_device.dispatch(comm, tokens, ids, w, E, alloc=alloc)  # no stream=: torch's current one
+    assert launched_inside == [[]]
 
 
 @world(2, timeout=60)

@@ -24,6 +24,7 @@ since CPU torch ops are not ordered on a CUDA stream.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -58,6 +59,17 @@ class DeviceMoEHandle:
     stream: int | None
     alloc: Alloc
     dropped: torch.Tensor  # [T*K] bool, (t, k) order: pairs not sent (a -1, or an id outside [0, E))
+
+
+def _on(x: torch.Tensor, stream: int | None) -> contextlib.AbstractContextManager[Any]:
+    """CUDA tensors with an explicit stream: torch's own ops of the call (the
+    routing, the gathers, the weighted sum; and so their backward, which
+    autograd runs on the forward's stream) run on that stream, as the kernels
+    do. On torch's current stream instead, the kernels could read a gather
+    not yet done, or a zero_() could land after the kernel's rows."""
+    if stream is None or not x.is_cuda:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=x.device))
 
 
 def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
@@ -157,29 +169,30 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     D._handle(comm)  # where there is no device all-to-all, that (not the routing below) is the error
-    T, H = tokens.shape
-    K = topk_ids.shape[1]
-    al = _alloc_like(tokens, alloc)
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    routed = (flat >= 0) & (flat < num_experts)
-    # Pairs not sent sort last under the key E, past every expert's rows.
-    key = torch.where(routed, flat, num_experts)
-    order = torch.sort(key, stable=True).indices
-    x = tokens.detach().index_select(0, order // K).contiguous()
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    splits = counts[:num_experts]
-    # An id outside [-1, E) is a routing bug, not a mask: expert 0's count
-    # carries a marker the send kernel refuses (a split past the input: nothing
-    # is sent) and the host names as bad topk_ids (a2a_device.h kA2ABadIdsMarker).
-    bad = (flat < -1).sum() + (flat >= num_experts).sum()
-    splits[:1].copy_(torch.where(bad > 0, _C.A2A_BAD_IDS_MARKER + bad, splits[:1]))
-    rows = n * D.capacity_rows(comm, H * tokens.element_size())
-    oso = al((2, num_experts), torch.int64)
-    h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al, ~routed)
-    expert_tokens = _Dispatch.apply(tokens, h, x, rows)  # type: ignore[no-untyped-call]  # unannotated in torch
-    h.tokens_per_expert = oso[0].reshape(ne, n).sum(dim=1)
-    return expert_tokens, h.tokens_per_expert, h
+    with _on(tokens, stream):
+        T, H = tokens.shape
+        K = topk_ids.shape[1]
+        al = _alloc_like(tokens, alloc)
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        routed = (flat >= 0) & (flat < num_experts)
+        # Pairs not sent sort last under the key E, past every expert's rows.
+        key = torch.where(routed, flat, num_experts)
+        order = torch.sort(key, stable=True).indices
+        x = tokens.detach().index_select(0, order // K).contiguous()
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        splits = counts[:num_experts]
+        # An id outside [-1, E) is a routing bug, not a mask: expert 0's count
+        # carries a marker the send kernel refuses (a split past the input: nothing
+        # is sent) and the host names as bad topk_ids (a2a_device.h kA2ABadIdsMarker).
+        bad = (flat < -1).sum() + (flat >= num_experts).sum()
+        splits[:1].copy_(torch.where(bad > 0, _C.A2A_BAD_IDS_MARKER + bad, splits[:1]))
+        rows = n * D.capacity_rows(comm, H * tokens.element_size())
+        oso = al((2, num_experts), torch.int64)
+        h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al, ~routed)
+        expert_tokens = _Dispatch.apply(tokens, h, x, rows)  # type: ignore[no-untyped-call]  # unannotated in torch
+        h.tokens_per_expert = oso[0].reshape(ne, n).sum(dim=1)
+        return expert_tokens, h.tokens_per_expert, h
 
 
 @D.refusing
@@ -188,5 +201,6 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: DeviceMoEH
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``. ``expert_outputs``
     has dispatch's layout (its rows past what arrived are ignored)."""
     h = handle
-    per_tk: torch.Tensor = _Combine.apply(expert_outputs, h)  # type: ignore[no-untyped-call]
-    return weighted_sum(per_tk, h.topk_weights, h.dropped)
+    with _on(expert_outputs, h.stream):
+        per_tk: torch.Tensor = _Combine.apply(expert_outputs, h)  # type: ignore[no-untyped-call]
+        return weighted_sum(per_tk, h.topk_weights, h.dropped)
