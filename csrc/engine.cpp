@@ -1960,7 +1960,8 @@ std::string Engine::timeout_message(uint64_t id, double seconds, int* peer) {
                             : " Two ranks that each send such a message to the other before receiving wait for "
                               "each other: isend, or post the irecv first)");
   else if (r.kind == ReqKind::Send)
-    msg += "; the receiver has not freed a slot (is it receiving? it holds all its slots for us)";
+    msg += "; the receiver has not freed a slot (is it receiving, with this tag? every slot it has for us holds a "
+           "message it has not received yet)";
   else if (r.state == ReqState::Streaming) {
     auto& st = peers_[r.peer].streams;
     for (auto& kv : st)
@@ -1989,6 +1990,29 @@ std::string Engine::nothing_arrived(int peer) {
 
 std::string Engine::nothing_arrived_locked(int peer) {
   std::string msg = "; nothing arrived (is the peer sending with this tag?";
+  // Messages of the peer that did arrive but match no receive: the usual
+  // cause is a tag (or call order) that differs between the two sides, and
+  // saying which tags they carry points at it.
+  std::map<int64_t, size_t> other;
+  const char* base = region_->base();
+  for (auto& a : peers_[peer].ready) {
+    if (a.claimed) continue;
+    const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a.slot) + kHeaderOff);
+    if (!(h->flags & kChunk)) ++other[h->tag];
+  }
+  for (auto& x : peers_[peer].returned) ++other[x.hdr.tag];
+  if (!other.empty()) {
+    size_t n = 0, i = 0;
+    std::string tags;
+    for (auto& kv : other) {
+      n += kv.second;
+      if (i++ < 8) tags += (tags.empty() ? "" : ", ") + std::to_string(kv.first);
+    }
+    if (other.size() > 8) tags += ", ...";
+    msg += " " + std::to_string(n) + (n == 1 ? " message" : " messages") + " from " + peer_str(peer) +
+           " wait here unreceived, with tag" + (other.size() == 1 ? " " : "s ") + tags +
+           ": the two sides disagree on tags, or on how many messages go between them";
+  }
   size_t held = 0;
   for (auto& a : peers_[peer].ready) held += a.claimed;
   if (held)

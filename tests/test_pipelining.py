@@ -203,3 +203,41 @@ def test_complex_output_is_refused_not_sent_as_its_real_view():
         assert len(stage.get_fwd_send_ops(1)) == 2  # the real view travels, as the error says
     finally:
         dist.destroy_process_group()
+
+
+@world(2, timeout=90)
+def test_a_stage_taking_fewer_inputs_than_the_last_one_sends_is_told_not_fed_the_next_microbatch():
+    """Stage 0 returns two tensors, stage 1 keeps the default num_inputs=1:
+    every activation went with tag 0, so stage 1 took microbatch 0's second
+    output as microbatch 1's input (rows of 100s where 2s belong), with no
+    error. Now the tags say how many tensors were sent: nothing pairs up, and
+    the receive times out naming the tags that did arrive."""
+    from datetime import timedelta
+
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    class Two(torch.nn.Module):
+        def forward(self, x):
+            return x, x * 100
+
+    class One(torch.nn.Module):
+        def forward(self, x):
+            return x + 0
+
+    dist.init_process_group("varcomm", timeout=timedelta(seconds=3))
+    try:
+        rank = dist.get_rank()
+        stage = VarcommPipelineStage(Two() if rank == 0 else One(), rank, 2)
+        schedule = ScheduleGPipe(stage, n_microbatches=2)
+        mbs = [torch.full((3, 2), float(i + 1)) for i in range(2)]
+        from varcomm.integrations import pipelining
+
+        if rank == 0:
+            pipelining.step(schedule, mbs)
+        else:
+            with pytest.raises(Exception, match=r"messages from rank 0 wait here unreceived, with tags "
+                                                 r"7002000, 7002001"):
+                pipelining.step(schedule)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

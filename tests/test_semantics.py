@@ -606,3 +606,27 @@ def test_a_meta_tensor_is_refused_for_what_it_is():
                      lambda: comm.recv(0, out=torch.empty(3, device="meta"))):
             with pytest.raises(varcomm.InvalidArgument, match="meta tensor: it has no data"):
                 call()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_receive_that_times_out_names_the_tags_that_did_arrive(transport):
+    """A receive on tag 7 while the peer sent on tags 3 and 4 (the sides
+    disagree): the timeout said "nothing arrived (is the peer sending with
+    this tag?)" though three messages from it were waiting. It now names
+    them and their tags; they are still received afterwards, whole."""
+    with varcomm.init(transport=transport, bound=BOUND, slots=16, timeout=30) as comm:
+        r = comm.rank
+        if r == 0:
+            for tag in (4, 3, 4):
+                comm.send(np.full(5, tag, np.int32), 1, tag=tag)
+            comm.barrier()
+        else:
+            comm.barrier()  # (the three are written)
+            with pytest.raises(varcomm.TimeoutError, match=r"3 messages from rank 0 wait here unreceived, with "
+                                                           r"tags 3, 4: the two sides disagree on tags"):
+                comm.recv(0, tag=7, timeout=0.3)
+            assert comm.recv(0, tag=4).tolist() == [4] * 5
+            assert comm.recv(0, tag=3).tolist() == [3] * 5
+            assert comm.recv(0, tag=4).tolist() == [4] * 5
+        comm.barrier()

@@ -27,7 +27,11 @@ exchange).
 
 What travels: every tensor a stage's forward returns goes to the next stage
 (``num_inputs`` says how many the next one takes: the count is the model's,
-the shapes are the data's). Floating-point ones are the differentiable ones:
+the shapes are the data's). Output k of C goes with tag ``7_000_000 + 1000 *
+C + k``, and input k of ``num_inputs`` N is received with tag ``7_000_000 +
+1000 * N + k``: where C and N differ, nothing pairs up (the receive times
+out naming the tags that did arrive) rather than one microbatch's second
+output becoming the next microbatch's input. Floating-point ones are the differentiable ones:
 their gradients come back (zeros where autograd gave none); the others (token
 ids, ``cu_seqlens``) go forward only. A complex output is refused with
 ``TypeError`` (torch.distributed sends complex tensors as their real view,
@@ -49,6 +53,15 @@ from torch.distributed.pipelining.stage import _normalize_model_output_as_tuple,
 from .torch_backend import VarcommProcessGroup, placeholder
 
 __all__ = ["VarcommPipelineStage", "step"]
+
+
+_ACT_TAG = 7_000_000  # (see the module's docstring: tags that say how many tensors the sender sent)
+
+
+def _act_tag(count: int, k: int, stage: int) -> int:
+    if count >= 1000:
+        raise ValueError(f"stage {stage}: {count} tensors between two stages; at most 999 travel")
+    return _ACT_TAG + 1000 * count + k
 
 
 def _has_grad(t: torch.Tensor) -> bool:
@@ -120,7 +133,8 @@ class VarcommPipelineStage(PipelineStage):
             info.buffer = placeholder()
         self.args_recv_info[fwd_chunk_id] = infos
         peer = self._peer(self.stage_index - 1)
-        return [dist.P2POp(dist.irecv, info.buffer, peer, self.group) for info in infos if info.buffer is not None]
+        return [dist.P2POp(dist.irecv, info.buffer, peer, self.group, _act_tag(len(infos), k, self.stage_index))
+                for k, info in enumerate(infos) if info.buffer is not None]
 
     def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
         outputs = _normalize_model_output_as_tuple(prev_stage_outputs)
@@ -153,7 +167,8 @@ class VarcommPipelineStage(PipelineStage):
                                 "cannot go to the next stage: torch.distributed sends complex tensors as their "
                                 "real view, so it would arrive as a float tensor of shape [..., 2]; return "
                                 "torch.view_as_real(t) and take torch.view_as_complex(x) in the next stage")
-        return [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group) for t in outputs]
+        return [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group,
+                           _act_tag(len(outputs), k, self.stage_index)) for k, t in enumerate(outputs)]
 
     # ---- backward --------------------------------------------------------------
 
