@@ -218,6 +218,28 @@ void AllToAll::check(int s) {
   recv_rows_[s] = h.shape[0];
 }
 
+// One of this call's receives, waited for in slices: between them, a peer
+// of another receive that died fails the call now (its chunk will never
+// come), not once this one's sender turns up (a late rank held a dead
+// peer's error back for as long as it was late).
+bool AllToAll::wait_for(uint64_t id, std::chrono::steady_clock::time_point deadline) {
+  constexpr auto kSlice = std::chrono::milliseconds(100);
+  for (;;) {
+    if (e_.wait(id, std::min(deadline, Clock::now() + kSlice))) return true;
+    for (auto* ids : {&recv_, &payload_})
+      for (uint64_t& other : *ids) {
+        if (!other || other == id) continue;
+        try {
+          e_.raise_if_failed(other);
+        } catch (...) {
+          other = 0;  // (recycled by the engine: not dropped again)
+          throw;
+        }
+      }
+    if (Clock::now() >= deadline) return false;  // (the caller's slices are short: checked after each)
+  }
+}
+
 bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
   if (headers_) return true;
   const int n = world_, r = rank_;
@@ -225,7 +247,7 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
   guarded([&] {
     for (; next_ < n; ++next_) {
       int s = (r - next_ + n) % n;
-      if (!e_.wait(recv_[s], deadline)) {
+      if (!wait_for(recv_[s], deadline)) {
         done = false;
         return;
       }
@@ -415,7 +437,7 @@ bool AllToAll::wait_done(std::chrono::steady_clock::time_point deadline) {
       int s = (rank_ - k + world_) % world_;
       uint64_t& id = payload_[s];
       if (!id) continue;
-      if (!e_.wait(id, deadline)) {
+      if (!wait_for(id, deadline)) {
         done = false;
         return;
       }

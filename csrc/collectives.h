@@ -138,6 +138,7 @@ class AllToAll {
   // Refused: its sender refused the call before it started (kRefusedCall).
   enum class Fate : uint8_t { Pending, Ok, OverBound, Mismatch, Rejected, Refused };
   void check(int src);
+  bool wait_for(uint64_t id, std::chrono::steady_clock::time_point deadline);
   void post_payloads();
   void local_copy();
   std::chrono::nanoseconds held_grace() const;

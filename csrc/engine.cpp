@@ -2035,6 +2035,14 @@ bool Engine::test(uint64_t id) {
   return r.state == ReqState::Done || r.state == ReqState::Matched || r.state == ReqState::Failed;
 }
 
+void Engine::raise_if_failed(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state == ReqState::Done || r.state == ReqState::Matched) return;
+  check_peer(r.peer, false);
+  throw_if_failed(r, id);
+}
+
 bool Engine::wait(uint64_t id, Clock::time_point deadline) {
   return spin(
       [&](bool slow) {

@@ -185,6 +185,9 @@ class Engine {
   // Where a claimed message's payload is in our region (or a landing block's, slot <= kLandedSlot).
   const char* slot_payload(int peer, int slot) const;
   bool test(uint64_t id);
+  // Throws the request's error where it failed (its peer is looked at, at
+  // most every kPeerCheck), recycling it as wait() does; else nothing.
+  void raise_if_failed(uint64_t id);
   // Drive every transport once (waits outside the engine, e.g. store barriers,
   // call this so incoming writes and held credits keep moving).
   void progress();

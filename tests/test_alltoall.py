@@ -362,6 +362,29 @@ def test_dead_peer_raises_peer_failure(transport):
     assert comm.recv(src=other).item() == other
 
 
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90, expect_exit={1: None})
+def test_dead_peer_fails_the_call_while_another_peer_is_late(transport):
+    """Rank 1 dies, rank 2 joins the all-to-all 8 s late: rank 0 waited for
+    rank 2's chunk first and raised PeerFailure naming rank 1 only once rank
+    2 turned up (with rank 2 later still, at its timeout). Now it fails
+    within seconds, naming rank 1; rank 2's call fails the same way."""
+    comm = _init(transport, bound=BOUND, slots=4, timeout=60)
+    r, n = comm.rank, comm.world_size
+    comm.barrier()
+    if r == 1:
+        os._exit(3)
+    if r == 2:
+        time.sleep(8)
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.PeerFailure, match="^all_to_all_v: .*rank 1"):
+        A.all_to_all_v(comm, torch.zeros(n, 3), [1] * n)
+    if r == 0:
+        assert time.monotonic() - t0 < 5, f"took {time.monotonic() - t0:.1f} s: the late rank held the error back"
+    comm.send(torch.tensor([r]), dst=2 - r)  # the survivors' channel still works
+    assert comm.recv(src=2 - r).item() == 2 - r
+
+
 # Chunks over 32 KiB to a peer this rank can read straight out of (CMA) go by
 # rendezvous: the receiver copies each one from its sender into the output it
 # places once every count is in (Engine::rendezvous `held`, Request::hold).
