@@ -735,3 +735,37 @@ def test_a_receive_pending_when_both_close_fails_with_closed(transport):
     else:
         comm.barrier()
         comm.close()
+
+
+_EXIT_OPEN = """
+import sys, time
+import numpy as np
+import varcomm
+comm = varcomm.init(slots=4, bound=4096, timeout=30)
+if comm.rank == 0:
+    for i in range(13):
+        comm.isend(np.full(100, i, np.int64), 1)  # dropped: past the 4-slot ring, still queued here
+    sys.exit(0)  # no close(), no wait()
+time.sleep(1)
+got = [int(comm.recv(0)[0]) for _ in range(13)]
+assert got == list(range(13)), got
+print("received", len(got), flush=True)
+comm.close()
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_exit_without_close_flushes_queued_sends(transport, tmp_path):
+    """A rank that isends 13 messages into a 4-slot ring and exits without
+    close() or wait(): only the first ones arrived (8 of 13 in a user trial),
+    the rest were lost with the process, silently. Communicators left open
+    are now closed at interpreter exit, which flushes them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_open.py"
+    script.write_text(_EXIT_OPEN)
+    env = dict(os.environ, VARCOMM_TRANSPORT=transport)
+    p = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", "2", str(script)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "received 13" in p.stdout, p.stdout + p.stderr

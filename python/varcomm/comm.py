@@ -3,9 +3,11 @@ reaches each peer. The core chooses and connects the routes (csrc/routes.cpp);
 nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, cast, overload
 
@@ -180,6 +182,21 @@ class P2POp(NamedTuple):
     exact: bool = False
 
 
+_open: weakref.WeakSet[Communicator] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Communicators still open when the interpreter exits are closed as
+    close() closes them: their queued sends are flushed first (an un-waited
+    isend past a full ring was lost with the process), and the peers learn
+    that this rank left rather than that it died."""
+    for c in list(_open):
+        try:
+            c.close()
+        except BaseException:  # (exiting anyway: one communicator's error must not keep the others open)
+            pass
+
+
 class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
@@ -234,6 +251,11 @@ class Communicator:
 
             self._fallback = Fallback(self._store, self.rank, self.world_size, self._timeout,
                                       _C.fallback_mover(self._c))
+        _open.add(self)
+        # (Registered again, so that it runs before the fallback's own exit hook, registered at its import above:
+        # atexit runs the latest first, and a flush through the fallback needs its mover.)
+        atexit.unregister(_close_at_exit)
+        atexit.register(_close_at_exit)
 
     # ---- set-up ---------------------------------------------------------------
 
