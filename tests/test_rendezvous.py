@@ -147,8 +147,8 @@ def run_ranks(ranks: list[tuple[int, int]], port: int, init_timeout: float = 2.0
         try:
             varcomm.init(init_timeout=float(sys.argv[1])).close()
             print("ok")
-        except varcomm.InvalidArgument as e:
-            print(e)
+        except (varcomm.InvalidArgument, varcomm.TimeoutError) as e:
+            print(type(e).__name__ + ": " + str(e))
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(init_timeout)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
@@ -163,12 +163,13 @@ def test_missing_ranks_are_named() -> None:
     outs = run_ranks([(0, 4), (2, 4)], port, init_timeout=1.0)
     for out in outs:  # its own timeout, or the first one's, which it left in the store
         assert f"ranks 1, 3 of 4 never arrived at 127.0.0.1:{port} after 1 s" in out, outs
+        assert out.startswith("TimeoutError: "), outs  # (was InvalidArgument: `except TimeoutError` missed it)
 
 
 def test_no_rank_0_is_named() -> None:
     port = free_port()
     out, = run_ranks([(1, 2)], port, init_timeout=1.0)
-    assert out.startswith(f"rank 1: nothing listens at 127.0.0.1:{port} after 1 s"), out
+    assert out.startswith(f"TimeoutError: rank 1: nothing listens at 127.0.0.1:{port} after 1 s"), out
     assert "rank 0, which hosts the store, never arrived" in out
 
 
@@ -186,7 +187,7 @@ def arrive_all(store: dist.Store, ranks: list[tuple[int, int]], init_timeout: fl
         try:
             bootstrap.make_store(Placement(r, w, r, w, "127.0.0.1", 0), store, 30, init_timeout, prefix="t/")
             results[i] = "ok"
-        except varcomm.InvalidArgument as e:
+        except (varcomm.InvalidArgument, varcomm.TimeoutError) as e:
             results[i] = str(e)
 
     threads = [threading.Thread(target=one, args=(i, r, w)) for i, (r, w) in enumerate(ranks)]

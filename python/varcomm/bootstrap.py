@@ -16,7 +16,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, TimeoutError
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore
@@ -258,7 +258,7 @@ def _port_owner(p: Placement) -> str:
     """Why MASTER_PORT is taken, for rank 0's error."""
     try:
         _client(p, None, _Deadline(HANDSHAKE_S))
-    except InvalidArgument as e:
+    except (InvalidArgument, TimeoutError) as e:  # (TimeoutError: bound, but nothing listens)
         if "does not answer like" in str(e):
             return (f"another program listens on port {p.master_port} (`ss -ltnp 'sport = :{p.master_port}'` "
                     "names it): choose another MASTER_PORT")
@@ -279,7 +279,7 @@ def _client(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPStor
             break
         except OSError as e:
             if deadline.left() <= 0:
-                raise InvalidArgument(
+                raise TimeoutError(
                     f"rank {p.rank}: nothing listens at {_where(p)} after {deadline} (VARCOMM_INIT_TIMEOUT): rank 0, "
                     f"which hosts the store, never arrived ({e.strerror or e}); are all {p.world_size} ranks started, "
                     "with the same MASTER_ADDR and MASTER_PORT?") from None
@@ -332,14 +332,15 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
     we stay a moment for them to read it)."""
     conflict = "rdzv/conflict"
 
-    def fail(msg: str) -> NoReturn:
+    def fail(msg: str, late: bool = False) -> NoReturn:
+        # (late: ranks that never came, a TimeoutError on every rank; the first letter tells the others)
         try:
-            store.set(conflict, msg)
+            store.set(conflict, ("T" if late else "I") + msg)
             if hosting:
                 time.sleep(_LINGER_S)
         except RuntimeError:
             pass
-        raise InvalidArgument(msg)
+        raise (TimeoutError if late else InvalidArgument)(msg)
 
     try:
         if int(store.add(f"rdzv/rank/{p.rank}", 1)) > 1:
@@ -353,17 +354,19 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
         pause = 0.002
         while int(store.add("rdzv/arrived", 0)) < p.world_size:
             if store.check([conflict]):
-                raise InvalidArgument(f"rank {p.rank}: set-up failed: " + store.get(conflict).decode())
+                why = store.get(conflict).decode()
+                raise (TimeoutError if why[:1] == "T" else InvalidArgument)(f"rank {p.rank}: set-up failed: "
+                                                                            + why[1:])
             if deadline.left() <= 0:
                 missing = [r for r in range(p.world_size) if not store.check([f"rdzv/rank/{r}"])]
                 names = ", ".join(map(str, missing))
                 fail(f"rank{'s' if len(missing) > 1 else ''} {names} of {p.world_size} never arrived at {where} "
                      f"after {deadline} (VARCOMM_INIT_TIMEOUT / init_timeout): are they started, with the same "
                      "MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and do they create the same communicators in the "
-                     "same order?")
+                     "same order?", late=True)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-    except InvalidArgument:
+    except (InvalidArgument, TimeoutError):
         raise
     except RuntimeError as e:  # torch's store errors: the rank hosting it is gone
         raise InvalidArgument(f"rank {p.rank}: the store at {where} stopped answering during the rendezvous "
