@@ -195,7 +195,8 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
     if is_torch(out) and out.is_cuda:
         _check_out_bits(out)
         if not out.is_contiguous():
-            raise InvalidArgument("out must be contiguous: the message is written into its prefix")
+            raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
+                                  "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
         return (out.data_ptr(), out.nbytes, dtypes.from_torch(out.dtype),
                 torch.cuda.current_stream(out.device).cuda_stream)
     return (*describe_out(out), -1)
@@ -219,13 +220,15 @@ def describe_out(out: Any) -> tuple[int, int, int]:
         if not out.is_cpu:
             raise _not_host(out, "out")
         if not out.is_contiguous():
-            raise InvalidArgument("out must be contiguous: the message is written into its prefix")
+            raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
+                                  "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
         # An empty tensor has data_ptr 0, which the core reads as "no out":
         # any non-null address will do, nothing is written to a 0-byte out.
         return out.data_ptr() or _EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgument("out must be a writeable C-contiguous numpy array")
+            raise InvalidArgument("out must be a writeable C-contiguous numpy array: receive into "
+                                  "np.ascontiguousarray(out) (or a new array) and copy it back")
         if not out.dtype.isnative:
             raise InvalidArgument(f"out has dtype {out.dtype.str}, not in this machine's byte order: messages carry "
                                   f"native values; receive into {out.dtype.newbyteorder('=').str} and byte-swap")

@@ -501,7 +501,9 @@ def placeholder(dtype: torch.dtype = torch.float32, requires_grad: bool = False)
     kept). No shape message, no size known in advance. ``dtype`` and
     ``requires_grad`` are the tensor's until then (what autograd or a dtype
     check sees before the wait); the message's dtype wins. Any size travels
-    (over varcomm's bound by rendezvous, in the core)."""
+    (over varcomm's bound by rendezvous, in the core). Only for groups of the
+    varcomm backend: another backend sees an empty tensor (gloo aborts the
+    process on a message that does not fit it)."""
     t = torch.empty(0, dtype=dtype, requires_grad=requires_grad)
     setattr(t, _ANY_SHAPE, True)
     return t
