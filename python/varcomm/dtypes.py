@@ -112,8 +112,8 @@ def to_numpy(w: int) -> np.dtype[Any]:
         from .errors import InvalidArgument
 
         raise InvalidArgument(f"received dtype {describe(w)} has no numpy equivalent; receive it as a torch "
-                              "tensor: recv(..., array='torch') for this call, varcomm.init(array='torch') for all, or a "
-                              "torch out= of that dtype (the message was kept for the next recv)") from None
+                              "tensor: recv(..., array='torch') for this call, varcomm.init(array='torch') for "
+                              "all, or a torch out= of that dtype (the message was kept for the next recv)") from None
 
 
 def describe(w: int) -> str:
