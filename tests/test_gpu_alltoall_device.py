@@ -449,6 +449,34 @@ def test_fake_ranks_out_of_step_are_told_not_fed_each_others_rows(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_a_backward_met_by_a_forward_is_out_of_step(fake_cuda):
+    """Rank 1 skipped its backward and went on: its next step's MoE dispatch
+    (all_to_all_vdev_2d) met rank 0's combine backward, which is a dispatch
+    of the gradients (the same call, the same row shape): each took the
+    other's rows as its own, silently (rank 0's token gradients were rank
+    1's next tokens). Device chunks now carry whether their call is an
+    autograd backward's, so both raise MessageMismatch "out of step", naming
+    both calls, and the next matching calls pair up."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W, E = comm.rank, gpu.stream(), 4, 2
+    with comm:
+        x = torch.full((4, W), 10.0 * r + 1)
+        sp = torch.tensor([1, 1, 1, 1])
+        out, oso = torch.zeros(16, W), torch.zeros(2, 2 * E, dtype=torch.int64)
+        D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso, stream=s, _backward=(r == 0))
+        mine = "an autograd backward's " if r == 0 else ""
+        with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r} ran {'' if r == 0 else 'an autograd '}.*"
+                                                          f"where rank {r} ran {mine}all_to_all_vdev_2d.*out of step"):
+            D.synchronize(comm, s)
+        assert oso[0].tolist() == ([1, 0, 1, 0] if r == 0 else [0, 1, 0, 1])  # its own rows only
+        D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso, stream=s, _backward=True)
+        D.synchronize(comm, s)
+        assert oso[0].tolist() == [1, 1, 1, 1]
+        assert sorted(out[:4, 0].tolist()) == sorted([1.0, 1.0, 11.0, 11.0])
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_moe_argument_errors_on_one_rank_are_refused_to_the_other(fake_cuda):
     """moe_device.dispatch with float topk_ids, and moe.combine with integer
     expert outputs, on rank 1 only: rank 0's same call fails with

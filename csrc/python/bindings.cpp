@@ -1273,8 +1273,10 @@ void bind_device_a2a(py::module_& m) {
       .def("launch",
            [](DeviceA2AHandle& h, unsigned ne, unsigned in_layout, unsigned out_layout, uint32_t dtype,
               uint64_t row_bytes, uintptr_t x, uint64_t x_rows, uintptr_t splits, unsigned splits_bytes, uintptr_t out,
-              uint64_t out_rows, uintptr_t out_splits_offsets, uintptr_t stream, std::optional<double> timeout) {
+              uint64_t out_rows, uintptr_t out_splits_offsets, uintptr_t stream, std::optional<double> timeout,
+              bool backward) {
              DeviceA2ACall c;
+             c.backward = backward;
              c.ne = ne;
              c.in_layout = in_layout;
              c.out_layout = out_layout;
@@ -1293,7 +1295,8 @@ void bind_device_a2a(py::module_& m) {
            },
            py::arg("ne"), py::arg("in_layout"), py::arg("out_layout"), py::arg("dtype"), py::arg("row_bytes"),
            py::arg("x"), py::arg("x_rows"), py::arg("splits"), py::arg("splits_bytes"), py::arg("out"),
-           py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"))
+           py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"),
+           py::arg("backward") = false)
       // This rank's part of the next call refused on the host: launched with no
       // data, so every rank's call numbers stay in step (receivers: MessageMismatch).
       .def("refuse",

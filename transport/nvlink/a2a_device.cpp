@@ -261,13 +261,14 @@ struct DeviceA2A::Impl {
                      int(r.a));
       case a2a::kErrPeerCall: {
         auto what = [](uint64_t k) {
-          const unsigned in = unsigned(k & 15), out = unsigned(k >> 4 & 15), ne = unsigned(k >> 8);
+          const unsigned in = unsigned(k & 15), out = unsigned(k >> 4 & 15), ne = unsigned(k >> 8 & 0xff);
           std::string name = in == a2a::kInOffsets ? "all_to_all_vdev_2d_offset (a MoE combine)"
                              : ne > 1             ? "all_to_all_vdev_2d (a MoE dispatch)"
                                                   : "all_to_all_vdev (or a MoE dispatch with 1 expert per rank)";
           if (out != (in == a2a::kInOffsets ? unsigned(a2a::kOutRankMajor) : unsigned(a2a::kOutExpertMajor)))
             name += " (layout " + std::to_string(out) + ")";
-          return name + ", " + std::to_string(ne) + " expert" + (ne == 1 ? "" : "s") + " per rank";
+          return std::string(k >> 16 & 1 ? "an autograd backward's " : "") + name + ", " + std::to_string(ne) +
+                 " expert" + (ne == 1 ? "" : "s") + " per rank";
         };
         return Error(ErrorKind::Mismatch, rk(r.a) + " ran " + what(r.b) + " where " + me + " ran " + what(r.c) +
                                              call + ": the ranks are out of step (0 rows from it). Every rank must "
@@ -548,6 +549,7 @@ a2a::Args args_of(const DeviceA2ACall& c, int rank, int world, uint64_t cap, CUd
   a.out_layout = c.out_layout;
   a.splits_bytes = c.splits_bytes;
   a.refused = c.refused;
+  a.backward = c.backward;
   a.dtype = c.dtype;
   a.cap = cap;
   a.row_bytes = c.row_bytes;

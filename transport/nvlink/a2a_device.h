@@ -50,6 +50,9 @@ struct DeviceA2ACall {
   // only to keep call numbers in step; every receiver gets 0 rows and
   // MessageMismatch naming this rank. x, splits and the outputs are unused.
   bool refused = false;
+  // An autograd backward's call: a forward's chunk met by it (a rank ran no
+  // backward and went on) is "out of step", not rows of the same shape taken.
+  bool backward = false;
 };
 
 class DeviceA2A {

@@ -129,6 +129,7 @@ struct Args {
   unsigned refused;                    // 1: this rank's host refused the call: x, splits, out and
                                        // out_splits_offsets are not touched, every receiver gets kRefused
   unsigned dtype;                      // dtype word of x and out
+  unsigned backward;                   // 1: an autograd backward's call (its kind differs from a forward's)
   u64 cap;                             // payload bytes of every slot (same on every rank)
   u64 row_bytes;
   u64 x_rows, out_rows;
@@ -310,7 +311,9 @@ VC_HD inline void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n
     copy_words<unsigned char>(dst, src, n, t, nt, coherent);
 }
 
-VC_HD inline u64 call_kind(const Args& a) { return u64(a.in_layout) | u64(a.out_layout) << 4 | u64(a.ne) << 8; }
+VC_HD inline u64 call_kind(const Args& a) {
+  return u64(a.in_layout) | u64(a.out_layout) << 4 | u64(a.ne) << 8 | u64(a.backward != 0) << 16;
+}
 
 VC_HD inline i64 split_at(const Args& a, u64 i) {
   return a.splits_bytes == 4 ? i64(static_cast<const int*>(a.splits)[i]) : static_cast<const i64*>(a.splits)[i];

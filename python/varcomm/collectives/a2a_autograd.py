@@ -114,7 +114,7 @@ class _VDev2d(torch.autograd.Function):
             bso = torch.empty_like(oso)
             # The combine sends each source's rows back in the order they were sent: x's own.
             D.all_to_all_vdev_2d_offset(comm, grad.contiguous(), oso, ne, out=gx, out_splits_offsets=bso,
-                                        stream=s, timeout=timeout)
+                                        stream=s, timeout=timeout, _backward=True)
         except Exception as e:  # (before the launch: refused, so the peers' backward does not wait for it)
             D.refuse_unlaunched(comm, e, before, grad, s, timeout)
             raise

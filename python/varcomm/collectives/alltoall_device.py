@@ -356,12 +356,12 @@ def _splits(comm: Communicator, splits: Any, n: int, what: str, stream: int | No
 
 def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any, splits_len: int,
             out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None, async_op: bool,
-            out_rows: int | None = None) -> Any:
+            out_rows: int | None = None, backward: bool = False) -> Any:
     h = _handle(comm)  # (set up on first use: a collective, before anything is refused)
     before = launched(comm)
     try:
         return _checked_launch(comm, h, ne, in_layout, out_layout, x, splits, splits_len, out, out_splits_offsets,
-                               stream, timeout, async_op, out_rows)
+                               stream, timeout, async_op, out_rows, backward)
     except Exception as e:
         refuse_unlaunched(comm, e, before, x, stream, timeout)
         raise
@@ -429,7 +429,7 @@ def refuse(comm: Communicator, like: Any = None, stream: int | None = None, time
 
 def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any,
                     splits_len: int, out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None,
-                    async_op: bool, out_rows: int | None) -> Any:
+                    async_op: bool, out_rows: int | None, backward: bool) -> Any:
     n = comm.world_size
     xd = _describe(comm, x, "x", stream)
     if len(xd.shape) == 0:
@@ -461,7 +461,7 @@ def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_lay
         _C.check_timeout(timeout)
     _record((xd, sd, od, oso), int(s), stream is not None)
     h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0], oso.ptr,
-             int(s), comm._timeout if timeout is None else timeout)
+             int(s), comm._timeout if timeout is None else timeout, backward)
     result = (out, out_splits_offsets)
     return DeviceWork(comm, int(s), result) if async_op else result
 
@@ -513,25 +513,28 @@ def all_to_all_vdev(comm: Communicator, x: Any, send_splits: Any, *, out: Any = 
 @refusing
 def all_to_all_vdev_2d(comm: Communicator, x: Any, send_splits: Any, experts_per_rank: int, *, out: Any = None,
                        out_splits_offsets: Any = None, stream: int | None = None, timeout: float | None = None,
-                       async_op: bool = False) -> Any:
+                       async_op: bool = False, _backward: bool = False) -> Any:
     """The MoE dispatch (torch's ``all_to_all_vdev_2d``): x's rows are sorted by
     global expert, ``send_splits[d * E + e]`` of them for local expert e of
     rank d (E = experts_per_rank). ``out`` is expert-major: for each local
     expert, its rows from source 0, 1, ...; ``out_splits_offsets[0][e * world
     + s]`` rows from source s for expert e, ``[1][...]`` where they start, so
-    expert e's rows are one contiguous run (what a grouped GEMM takes)."""
+    expert e's rows are one contiguous run (what a grouped GEMM takes).
+    (``_backward``: the call of an autograd backward, set by the autograd
+    layers: a forward's chunk met by it is "out of step" on both ranks.)"""
     n = comm.world_size
     if _differentiable(x, out, out_splits_offsets, async_op, "all_to_all_vdev_2d"):
         return _autograd(comm, x, send_splits, int(experts_per_rank), stream, timeout)
     return _launch(comm, int(experts_per_rank), _IN_PREFIX, _OUT_EXPERT_MAJOR, x, send_splits,
-                   n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op)
+                   n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op,
+                   backward=_backward)
 
 
 @refusing
 def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any, experts_per_rank: int, *,
                               out: Any = None, out_splits_offsets: Any = None, stream: int | None = None,
                               timeout: float | None = None, async_op: bool = False,
-                              out_rows: int | None = None) -> Any:
+                              out_rows: int | None = None, _backward: bool = False) -> Any:
     """The MoE combine (torch's ``all_to_all_vdev_2d_offset``): x is
     expert-major as dispatch left it, ``in_splits_offsets`` [2, E * world]
     (dispatch's ``out_splits_offsets``) says which rows go back to each
@@ -546,4 +549,5 @@ def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any
                               "(the gradient would silently stop here): use moe_device.combine (or moe.combine) "
                               "for a differentiable combine, or pass x.detach()")
     return _launch(comm, int(experts_per_rank), _IN_OFFSETS, _OUT_RANK_MAJOR, x, in_splits_offsets,
-                   2 * n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op, out_rows)
+                   2 * n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op, out_rows,
+                   _backward)

@@ -79,15 +79,15 @@ def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
 
 
 def _dispatch_rows(comm: Communicator, x: torch.Tensor, splits: torch.Tensor, ne: int, out: torch.Tensor,
-                   oso: torch.Tensor, stream: int | None) -> None:
-    D.all_to_all_vdev_2d(comm, x, splits, ne, out=out, out_splits_offsets=oso, stream=stream)
+                   oso: torch.Tensor, stream: int | None, backward: bool = False) -> None:
+    D.all_to_all_vdev_2d(comm, x, splits, ne, out=out, out_splits_offsets=oso, stream=stream, _backward=backward)
     D.torch_after(comm, x, stream)
 
 
 def _combine_rows(comm: Communicator, x: torch.Tensor, so: torch.Tensor, ne: int, out: torch.Tensor,
-                  stream: int | None, alloc: Alloc) -> None:
+                  stream: int | None, alloc: Alloc, backward: bool = False) -> None:
     bso = alloc((2, so.shape[-1]), torch.int64)
-    D.all_to_all_vdev_2d_offset(comm, x, so, ne, out=out, out_splits_offsets=bso, stream=stream)
+    D.all_to_all_vdev_2d_offset(comm, x, so, ne, out=out, out_splits_offsets=bso, stream=stream, _backward=backward)
     D.torch_after(comm, x, stream)
 
 
@@ -109,7 +109,8 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         h: DeviceMoEHandle = ctx.h
         back = h.alloc((h.order.numel(),) + ctx.hidden, grad.dtype)
-        _combine_rows(h.comm, grad.contiguous(), h.splits_offsets, h.experts_per_rank, back, h.stream, h.alloc)
+        _combine_rows(h.comm, grad.contiguous(), h.splits_offsets, h.experts_per_rank, back, h.stream, h.alloc,
+                      backward=True)
         _zero_rows(back, h.dropped.index_select(0, h.order))  # never sent: nothing came back
         gtok = torch.zeros((h.num_tokens,) + ctx.hidden, dtype=grad.dtype, device=grad.device)
         gtok.index_add_(0, h.order // h.topk, back)
@@ -138,7 +139,7 @@ class _Combine(torch.autograd.Function):
         gout = h.alloc((ctx.rows,) + trailing, grad.dtype)
         gout.zero_()  # rows past what arrived get no gradient
         oso = h.alloc((2, h.splits_offsets.shape[-1]), torch.int64)
-        _dispatch_rows(h.comm, g, h.send_splits, h.experts_per_rank, gout, oso, h.stream)
+        _dispatch_rows(h.comm, g, h.send_splits, h.experts_per_rank, gout, oso, h.stream, backward=True)
         return gout, None
 
 
