@@ -769,3 +769,42 @@ def test_exit_without_close_flushes_queued_sends(transport, tmp_path):
     p = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", "2", str(script)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and "received 13" in p.stdout, p.stdout + p.stderr
+
+
+_EXIT_MANY = """
+import sys, time
+import varcomm
+cs = [varcomm.init(timeout=30) for _ in range(3)]
+if sys.argv[1] == "raise" and cs[0].rank == 0:
+    raise RuntimeError("rank 0 fails")
+if sys.argv[1] == "raise":
+    time.sleep(60)  # (the launcher stops this rank once rank 0 failed)
+print("done", cs[0].rank, flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_exit_without_close_is_prompt(transport, how, tmp_path):
+    """Three communicators left open at exit: the exit hook closed them in an
+    order of memory addresses, different on each rank, and on rdma each
+    close waits for the peer to close the same one (10 s a pair: 20 s here).
+    A rank failing with an uncaught exception waited up to 30 s (rank 0,
+    the store's host) for its peers to close before it exited, so the
+    launcher stopped the job that much later. Now the latest is closed
+    first on every rank, and a failing rank waits 1 s at most."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_many.py"
+    script.write_text(_EXIT_MANY)
+    env = dict(os.environ, VARCOMM_TRANSPORT=transport)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", "2", str(script), how], env=env,
+                       capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    if how == "exit":
+        assert p.returncode == 0 and p.stdout.count("done") == 2, p.stdout + p.stderr
+    else:
+        assert p.returncode != 0 and "rank 0 fails" in p.stderr, p.stdout + p.stderr
+    assert took < 9, f"{how} on {transport}: the job took {took:.1f} s to end"

@@ -4,8 +4,10 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
 import os
+import sys
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -182,16 +184,31 @@ class P2POp(NamedTuple):
     exact: bool = False
 
 
-_open: weakref.WeakSet[Communicator] = weakref.WeakSet()
+# Open communicators in creation order (weak: a dropped one is not kept alive).
+_open: dict[int, weakref.ref[Communicator]] = {}
+_made = itertools.count()
+# At exit after an uncaught exception (or ^C): how long close() waits for the
+# peers to close too. A failing rank exits promptly, so that its launcher
+# stops the job, rather than after up to 30 s.
+_FAILING_EXIT_WAIT_S = 1.0
 
 
 def _close_at_exit() -> None:
     """Communicators still open when the interpreter exits are closed as
     close() closes them: their queued sends are flushed first (an un-waited
     isend past a full ring was lost with the process), and the peers learn
-    that this rank left rather than that it died."""
-    for c in list(_open):
+    that this rank left rather than that it died. Latest first, as every rank
+    made them in the same order: in different orders, rdma ranks each waited
+    for the other to close another communicator (10 s a pair)."""
+    failing = getattr(sys, "last_value", None) is not None  # (set by an uncaught exception, not by sys.exit)
+    for key in sorted(_open, reverse=True):
+        c = _open.pop(key)()
+        if c is None:
+            continue
         try:
+            c._at_exit = True
+            if failing:
+                c._peer_wait_cap = _FAILING_EXIT_WAIT_S
             c.close()
         except BaseException:  # (exiting anyway: one communicator's error must not keep the others open)
             pass
@@ -221,6 +238,8 @@ class Communicator:
         self._owner = owner
         self._pid = os.getpid()
         self._closed = False
+        self._peer_wait_cap: float | None = None  # (close at a failing exit: _close_at_exit)
+        self._at_exit = False
         self._store_down = False  # a call found the store's host gone: close() leaves the store alone
         # Dropped receives whose message still has to be copied on (P2PWork settle):
         # run by the calls that follow (recv, irecv, isend, any wait, barrier, close).
@@ -251,7 +270,7 @@ class Communicator:
 
             self._fallback = Fallback(self._store, self.rank, self.world_size, self._timeout,
                                       _C.fallback_mover(self._c))
-        _open.add(self)
+        _open[next(_made)] = weakref.ref(self)
         # (Registered again, so that it runs before the fallback's own exit hook, registered at its import above:
         # atexit runs the latest first, and a flush through the fallback needs its mover.)
         atexit.unregister(_close_at_exit)
@@ -826,9 +845,18 @@ class Communicator:
             keep_store = self._owner is not None and self.rank == 0
             rdma = self._c.close_waits_for_peers
             if (keep_store or rdma or devices) and not store_down:
-                deadline = time.monotonic() + (30 if keep_store else 10)
+                limit = float(30 if keep_store else 10)
+                if self._peer_wait_cap is not None:
+                    limit = min(limit, self._peer_wait_cap)
+                start = time.monotonic()
+                deadline, said = start + limit, False
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
+                    if self._at_exit and not said and time.monotonic() - start > 1.0:
+                        said = True  # (a process that seems to hang at its exit says why)
+                        host = "it hosts the rendezvous store, and " if keep_store else ""
+                        print(f"varcomm: at exit, rank {self.rank} waits for rank(s) {missing} to close too (up to "
+                              f"{limit:.0f} s: {host}they may still write into its memory)", file=sys.stderr, flush=True)
                     self._c.progress()  # (and our goodbyes, once a full ring has room)
                     try:
                         missing = [r for r in missing if not self._store.check([f"left/{r}"])]
