@@ -856,7 +856,8 @@ class Communicator:
                         said = True  # (a process that seems to hang at its exit says why)
                         host = "it hosts the rendezvous store, and " if keep_store else ""
                         print(f"varcomm: at exit, rank {self.rank} waits for rank(s) {missing} to close too (up to "
-                              f"{limit:.0f} s: {host}they may still write into its memory)", file=sys.stderr, flush=True)
+                              f"{limit:.0f} s: {host}they may still write into its memory)", file=sys.stderr,
+                              flush=True)
                     self._c.progress()  # (and our goodbyes, once a full ring has room)
                     try:
                         missing = [r for r in missing if not self._store.check([f"left/{r}"])]
