@@ -808,3 +808,48 @@ def test_exit_without_close_is_prompt(transport, how, tmp_path):
     else:
         assert p.returncode != 0 and "rank 0 fails" in p.stderr, p.stdout + p.stderr
     assert took < 9, f"{how} on {transport}: the job took {took:.1f} s to end"
+
+
+_EXIT_FROZEN_HOST = """
+import os, signal, sys, time
+import varcomm
+comm = varcomm.init(timeout=120)
+comm.barrier()
+if comm.rank == 0:
+    time.sleep(1)  # (rank 1 has seen the barrier complete)
+    os.kill(os.getpid(), signal.SIGSTOP)  # the store's host stops answering (a partition, a frozen node)
+time.sleep(2)
+print("main done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, tmp_path):
+    """Rank 0, which hosts the rendezvous store, stops answering (SIGSTOP);
+    rank 1 exits without close(): the exit hook's close waited on each store
+    call up to the store's timeout (the communicator's, 120 s here), so the
+    process hung at its exit (on rdma; killed after 80 s in review). Store
+    calls at exit now give up after 5 s each."""
+    import signal
+    import subprocess
+    import sys
+
+    from varcomm.tools.run import free_port
+
+    script = tmp_path / "frozen.py"
+    script.write_text(_EXIT_FROZEN_HOST)
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VARCOMM_TRANSPORT=transport)
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        out, _ = procs[1].communicate(timeout=60)
+        assert "main done" in out and procs[1].returncode == 0, out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()

@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -191,6 +192,10 @@ _made = itertools.count()
 # peers to close too. A failing rank exits promptly, so that its launcher
 # stops the job, rather than after up to 30 s.
 _FAILING_EXIT_WAIT_S = 1.0
+# Each store call of a close at exit: a store host that stopped answering
+# (frozen, behind a partition) held it for the store's own timeout, at every
+# exit (torch's client does not shorten a call already made with set_timeout).
+_EXIT_STORE_S = 5.0
 
 
 def _close_at_exit() -> None:
@@ -834,7 +839,7 @@ class Communicator:
                 self._settle_orphans()  # those whose message is in; the rest fail with the close
             try:
                 if not store_down:
-                    self._store.set(f"left/{self.rank}", "1")
+                    self._bounded(self._store.set, f"left/{self.rank}", "1")
             except (RuntimeError, OSError):  # the store's host died: close without it
                 store_down = True
             if not store_down:  # (else its peers are gone with it: nothing to wait for)
@@ -860,7 +865,7 @@ class Communicator:
                               flush=True)
                     self._c.progress()  # (and our goodbyes, once a full ring has room)
                     try:
-                        missing = [r for r in missing if not self._store.check([f"left/{r}"])]
+                        missing = [r for r in missing if not self._bounded(self._store.check, [f"left/{r}"])]
                     except Exception:  # the store's owner left after every rank had
                         break
                     # A rank that died without closing will not come: stop waiting for it.
@@ -873,6 +878,29 @@ class Communicator:
             if self._fallback is not None:
                 self._fallback.close()
             self._c.close()
+
+    def _bounded(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A store call; at exit, given up (RuntimeError) after _EXIT_STORE_S,
+        its thread left behind (a daemon: it ends with the process)."""
+        if not self._at_exit:
+            return call(*args)
+        box: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                box.append((True, call(*args)))
+            except BaseException as e:  # (handed to the caller)
+                box.append((False, e))
+
+        t = threading.Thread(target=run, daemon=True, name="varcomm-exit-store")
+        t.start()
+        t.join(_EXIT_STORE_S)
+        if not box:
+            raise RuntimeError(f"the rendezvous store did not answer within {_EXIT_STORE_S:.0f} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def _flush(self, deadline: float) -> None:
         """Drive queued sends until written, `deadline`, or every receiver left
