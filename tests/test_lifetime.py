@@ -812,6 +812,7 @@ def test_exit_without_close_is_prompt(transport, how, tmp_path):
 
 _EXIT_FROZEN_HOST = """
 import os, signal, sys, time
+import numpy as np
 import varcomm
 comm = varcomm.init(timeout=120)
 comm.barrier()
@@ -819,17 +820,22 @@ if comm.rank == 0:
     time.sleep(1)  # (rank 1 has seen the barrier complete)
     os.kill(os.getpid(), signal.SIGSTOP)  # the store's host stops answering (a partition, a frozen node)
 time.sleep(2)
+if sys.argv[1] == "sending":
+    for _ in range(40):  # past the ring to the frozen rank: queued, flushed at exit
+        comm.isend(np.zeros(25, np.float32), 0)
 print("main done", flush=True)
 """
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, tmp_path):
+@pytest.mark.parametrize("how", ["idle", "sending"])
+def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, how, tmp_path):
     """Rank 0, which hosts the rendezvous store, stops answering (SIGSTOP);
     rank 1 exits without close(): the exit hook's close waited on each store
     call up to the store's timeout (the communicator's, 120 s here), so the
     process hung at its exit (on rdma; killed after 80 s in review). Store
-    calls at exit now give up after 5 s each."""
+    calls at exit now give up after 5 s each; also those of the flush of
+    sends queued to the frozen rank ("sending")."""
     import signal
     import subprocess
     import sys
@@ -843,7 +849,7 @@ def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, tmp_p
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), VARCOMM_TRANSPORT=transport)
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(script), how], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
         out, _ = procs[1].communicate(timeout=60)

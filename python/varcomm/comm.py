@@ -913,7 +913,7 @@ class Communicator:
             if now - checked > 0.05:  # the store is a round trip: not every pass
                 checked = now
                 try:
-                    if all(self._store.check([f"left/{p}"]) for p in pending):
+                    if all(self._bounded(self._store.check, [f"left/{p}"]) for p in pending):
                         return
                 except Exception:  # the store's owner left: so did its peers
                     return
