@@ -1652,7 +1652,8 @@ def test_explicit_stream_records_torch_tensors(fake_torch_streams):
 
 
 def test_moe_device_with_an_explicit_stream_runs_torchs_ops_on_it(fake_torch_streams, monkeypatch):
-    """moe_device.dispatch/combine of CUDA tensors with stream=: the routing,
+    """moe_device.dispatch/combine (and the differentiable all_to_all_vdev) of
+    CUDA tensors with stream=: the routing,
     the gathers and the weighted sum ran on torch's current stream while the
     kernels ran on the given one, unordered: a kernel could read rows not
     gathered yet. Now torch's ops of the call run on the given stream (so
@@ -1691,6 +1692,12 @@ def test_moe_device_with_an_explicit_stream_runs_torchs_ops_on_it(fake_torch_str
     launched_inside.clear()
     et, _, h = moe_device.dispatch(comm, tokens, ids, w, E, alloc=alloc)  # no stream=: torch's current one
     assert launched_inside == [[]]
+    # The differentiable device-split call: its out and its saved copy of out_splits_offsets were made on the
+    # current stream while the kernel wrote them on the given one.
+    launched_inside.clear()
+    x = _cuda_like((4, H)).requires_grad_(True)
+    out, oso = D.all_to_all_vdev(comm, x, _cuda_like((2,), torch.int64), stream=5)
+    assert out.requires_grad and launched_inside == [want], launched_inside
 
 
 @world(2, timeout=60)

@@ -129,5 +129,8 @@ def _row_bytes(x: torch.Tensor) -> int:
 def all_to_all_vdev_2d(comm: Communicator, x: torch.Tensor, splits: Any, experts_per_rank: int, stream: int | None,
                        timeout: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """alltoall_device.all_to_all_vdev_2d (experts_per_rank=1: all_to_all_vdev) carrying x's graph."""
-    out, oso = _VDev2d.apply(x, comm, splits, experts_per_rank, stream, timeout)  # type: ignore[no-untyped-call]
+    from . import alltoall_device as D
+
+    with D.torch_on(x, stream):  # (its out and the saved copy of out_splits_offsets are made on the kernels' stream)
+        out, oso = _VDev2d.apply(x, comm, splits, experts_per_rank, stream, timeout)  # type: ignore[no-untyped-call]
     return cast(torch.Tensor, out), cast(torch.Tensor, oso)

@@ -333,6 +333,18 @@ def synchronize(comm: Communicator, stream: int | None = None, timeout: float | 
         comm._device_p2p.synchronize(s, t)
 
 
+def torch_on(x: Any, stream: int | None) -> contextlib.AbstractContextManager[Any]:
+    """Torch CUDA tensors with an explicit stream: torch's own ops around a
+    call (allocations, gathers, copies; and so an autograd Function's
+    backward, which autograd runs on the forward's stream) run on that stream,
+    as the kernels do. On torch's current stream instead, a kernel could read
+    a gather not yet done, or a copy read an output the kernel had not yet
+    written."""
+    if stream is None or not x.is_cuda:
+        return contextlib.nullcontext()
+    return arrays.torch.cuda.stream(arrays.torch.cuda.ExternalStream(stream, device=x.device))
+
+
 def torch_after(comm: Communicator, x: Any, stream: int | None, timeout: float | None = None) -> None:
     """After a call on torch tensors not on a GPU (the stand-in driver's device
     memory, with an explicit stream): wait for the kernels (up to the call's

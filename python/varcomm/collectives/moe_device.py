@@ -24,7 +24,6 @@ since CPU torch ops are not ordered on a CUDA stream.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -59,17 +58,6 @@ class DeviceMoEHandle:
     stream: int | None
     alloc: Alloc
     dropped: torch.Tensor  # [T*K] bool, (t, k) order: pairs not sent (a -1, or an id outside [0, E))
-
-
-def _on(x: torch.Tensor, stream: int | None) -> contextlib.AbstractContextManager[Any]:
-    """CUDA tensors with an explicit stream: torch's own ops of the call (the
-    routing, the gathers, the weighted sum; and so their backward, which
-    autograd runs on the forward's stream) run on that stream, as the kernels
-    do. On torch's current stream instead, the kernels could read a gather
-    not yet done, or a zero_() could land after the kernel's rows."""
-    if stream is None or not x.is_cuda:
-        return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=x.device))
 
 
 def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
@@ -170,7 +158,7 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise InvalidArgument(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
     D._handle(comm)  # where there is no device all-to-all, that (not the routing below) is the error
-    with _on(tokens, stream):
+    with D.torch_on(tokens, stream):
         T, H = tokens.shape
         K = topk_ids.shape[1]
         al = _alloc_like(tokens, alloc)
@@ -202,6 +190,6 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: DeviceMoEH
     ``y[t] = sum_k topk_weights[t, k] * output(t, k)``. ``expert_outputs``
     has dispatch's layout (its rows past what arrived are ignored)."""
     h = handle
-    with _on(expert_outputs, h.stream):
+    with D.torch_on(expert_outputs, h.stream):
         per_tk: torch.Tensor = _Combine.apply(expert_outputs, h)  # type: ignore[no-untyped-call]
         return weighted_sum(per_tk, h.topk_weights, h.dropped)

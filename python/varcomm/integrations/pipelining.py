@@ -31,8 +31,8 @@ the shapes are the data's). Output k of C goes with tag ``7_000_000 + 1000 *
 C + k``, and input k of ``num_inputs`` N is received with tag ``7_000_000 +
 1000 * N + k``: where C and N differ, nothing pairs up (the receive times
 out naming the tags that did arrive) rather than one microbatch's second
-output becoming the next microbatch's input. Floating-point ones are the differentiable ones:
-their gradients come back (zeros where autograd gave none); the others (token
+output becoming the next microbatch's input. Floating-point ones are the
+differentiable ones: their gradients come back (zeros where autograd gave none); the others (token
 ids, ``cu_seqlens``) go forward only. A complex output is refused with
 ``TypeError`` (torch.distributed sends complex tensors as their real view,
 so the next stage would get a float ``[..., 2]`` tensor): send
