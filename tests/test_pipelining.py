@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -39,18 +40,18 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
-def _spy_sends(comm) -> list[torch.Tensor]:
-    """Record every tensor sent through a Communicator, alone or in a batch."""
-    sent: list[torch.Tensor] = []
+def _spy_sends(comm) -> list[tuple[torch.Tensor, int]]:
+    """Record every tensor sent through a Communicator, alone or in a batch, with its tag."""
+    sent: list[tuple[torch.Tensor, int]] = []
     real, real_batch = comm.isend, comm.batch_isend_irecv
 
-    def isend(t, *a, **k):
-        sent.append(t)
-        return real(t, *a, **k)
+    def isend(t, dst, tag=0, *a, **k):
+        sent.append((t, tag))
+        return real(t, dst, tag, *a, **k)
 
     def batch_isend_irecv(ops):
         ops = list(ops)
-        sent.extend(op.tensor for op in ops if op.op.__name__ == "isend")
+        sent.extend((op.tensor, op.tag) for op in ops if op.op.__name__ == "isend")
         return real_batch(ops)
 
     comm.isend, comm.batch_isend_irecv = isend, batch_isend_irecv
@@ -69,6 +70,14 @@ def _expected_row_counts(name: str, cfg: pv.Config, rank: int, world_size: int, 
         for mb in pv.make_batches(cfg, step, m, 0):
             rows[int(mb.cu_seqlens[-1])] += crossings
     return rows
+
+
+def _expected_num_inputs_told(name: str, rank: int, world_size: int) -> list[tuple[int, list[int]]]:
+    """(stage, [its num_inputs]) for this rank's stages whose previous stage is on another rank: each of
+    the example's stages takes 2 (hidden rows and cu_seqlens)."""
+    indices = ppv.stage_indices(name, rank, world_size)
+    home = {s: r for r in range(world_size) for s in ppv.stage_indices(name, r, world_size)}
+    return sorted((s, [2]) for s in indices if s > 0 and home[s - 1] != rank)
 
 
 def _schedules_match_one_process(names: tuple[str, ...], cfg: pv.Config) -> None:
@@ -99,10 +108,14 @@ def _schedules_match_one_process(names: tuple[str, ...], cfg: pv.Config) -> None
                        f"{name}: {pname} after {STEPS} steps")
             # Every activation and gradient went through varcomm with its own length, and
             # nothing else of that kind: no shape messages, no padding.
-            rows = Counter(x.shape[0] for x in sent if x.dim() == 2)
+            rows = Counter(x.shape[0] for x, _ in sent if x.dim() == 2)
             assert rows == _expected_row_counts(name, cfg, rank, n, counts), f"{name}: sent {rows}"
-            assert not [x for x in sent if x.dtype == torch.int64], f"{name}: a shape message was sent"
-            assert all(x.shape[-1] == cfg.hidden for x in sent if x.dim() == 2)
+            # Besides them, only each stage's num_inputs, once, to a previous stage on another rank
+            told = sorted((tag - 6_000_000, x.tolist()) for x, tag in sent if 6_000_000 <= tag < 7_000_000)
+            assert told == _expected_num_inputs_told(name, rank, n), f"{name}: num_inputs sent {told}"
+            assert not [x for x, tag in sent if x.dtype == torch.int64 and not 6_000_000 <= tag < 7_000_000], \
+                f"{name}: a shape message was sent"
+            assert all(x.shape[-1] == cfg.hidden for x, _ in sent if x.dim() == 2)
     finally:
         dist.destroy_process_group()
 
@@ -210,8 +223,12 @@ def test_a_stage_taking_fewer_inputs_than_the_last_one_sends_is_told_not_fed_the
     """Stage 0 returns two tensors, stage 1 keeps the default num_inputs=1:
     every activation went with tag 0, so stage 1 took microbatch 0's second
     output as microbatch 1's input (rows of 100s where 2s belong), with no
-    error. Now the tags say how many tensors were sent: nothing pairs up, and
-    the receive times out naming the tags that did arrive."""
+    error. Then the tags said how many tensors were sent, and nothing paired
+    up, but stage 1 learnt it only at its receive's timeout (the group's:
+    torch's default is 30 minutes). Now stage 1 tells stage 0 its num_inputs
+    when the schedule starts: stage 0 refuses its first send at once, naming
+    both counts, and stage 1 fails as soon as stage 0 stops, long before the
+    timeout."""
     from datetime import timedelta
 
     from torch.distributed.pipelining import ScheduleGPipe
@@ -224,20 +241,21 @@ def test_a_stage_taking_fewer_inputs_than_the_last_one_sends_is_told_not_fed_the
         def forward(self, x):
             return x + 0
 
-    dist.init_process_group("varcomm", timeout=timedelta(seconds=3))
-    try:
-        rank = dist.get_rank()
-        stage = VarcommPipelineStage(Two() if rank == 0 else One(), rank, 2)
-        schedule = ScheduleGPipe(stage, n_microbatches=2)
-        mbs = [torch.full((3, 2), float(i + 1)) for i in range(2)]
-        from varcomm.integrations import pipelining
+    dist.init_process_group("varcomm", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    stage = VarcommPipelineStage(Two() if rank == 0 else One(), rank, 2)
+    schedule = ScheduleGPipe(stage, n_microbatches=2)
+    mbs = [torch.full((3, 2), float(i + 1)) for i in range(2)]
+    from varcomm.integrations import pipelining
 
-        if rank == 0:
+    t0 = time.monotonic()
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"returns 2 tensors, and stage 1 takes 1 \(its num_inputs\)"):
             pipelining.step(schedule, mbs)
-        else:
-            with pytest.raises(Exception, match=r"messages from rank 0 wait here unreceived, with tags "
-                                                 r"7002000, 7002001"):
-                pipelining.step(schedule)
-        dist.barrier()
-    finally:
+        assert time.monotonic() - t0 < 10, "stage 0 learnt it from a timeout"
+        dist.destroy_process_group()  # what a rank that raised does on its way out
+    else:
+        with pytest.raises(Exception, match="rank 0"):
+            pipelining.step(schedule)
+        assert time.monotonic() - t0 < 20, "stage 1 waited for its timeout"
         dist.destroy_process_group()

@@ -29,9 +29,13 @@ What travels: every tensor a stage's forward returns goes to the next stage
 (``num_inputs`` says how many the next one takes: the count is the model's,
 the shapes are the data's). Output k of C goes with tag ``7_000_000 + 1000 *
 C + k``, and input k of ``num_inputs`` N is received with tag ``7_000_000 +
-1000 * N + k``: where C and N differ, nothing pairs up (the receive times
-out naming the tags that did arrive) rather than one microbatch's second
-output becoming the next microbatch's input. Floating-point ones are the
+1000 * N + k``: where C and N differ, nothing pairs up rather than one
+microbatch's second output becoming the next microbatch's input. Each stage
+also tells the previous one its ``num_inputs`` once, when its first schedule
+starts (one small message per pair of stages, ever; tag ``6_000_000 + stage
+index``), so the previous stage refuses its first send at once with
+ValueError naming both counts; its peer then fails when it stops (a closed
+peer), else at the receive's timeout, naming the tags that did arrive. Floating-point ones are the
 differentiable ones: their gradients come back (zeros where autograd gave none); the others (token
 ids, ``cu_seqlens``) go forward only. A complex output is refused with
 ``TypeError`` (torch.distributed sends complex tensors as their real view,
@@ -56,6 +60,7 @@ __all__ = ["VarcommPipelineStage", "step"]
 
 
 _ACT_TAG = 7_000_000  # (see the module's docstring: tags that say how many tensors the sender sent)
+_INPUTS_TAG = 6_000_000  # + the index of the stage that says how many inputs it takes
 
 
 def _act_tag(count: int, k: int, stage: int) -> int:
@@ -94,8 +99,11 @@ class VarcommPipelineStage(PipelineStage):
         self.num_inputs = num_inputs
         # torch's per-chunk check compares shapes with frozen metadata: here shapes are the data's
         self._runtime_validate = False
+        self._told_inputs = False  # this stage's num_inputs went to the previous one (once per stage)
+        self._told_work: dist.Work | None = None  # that message (kept: its tensor lives until sent)
+        self._next_inputs: tuple[dist.Work, torch.Tensor] | int | None = None  # the next stage's num_inputs
 
-    # ---- set-up: nothing to infer, nothing to exchange ---------------------------
+    # ---- set-up: no shapes to infer or exchange; num_inputs told once ---------------
 
     def _prepare_forward_infra(self, num_microbatches: int, args: Any, kwargs: dict[str, Any] | None = None,
                                has_backward: bool = False) -> None:
@@ -106,7 +114,37 @@ class VarcommPipelineStage(PipelineStage):
         for i in range(num_microbatches):
             self.args_recv_info[i] = self._recv_infos(i)
         self.act_send_info = {}  # every output goes to the next stage: get_fwd_send_ops
+        self._exchange_num_inputs()
         return None
+
+    def _exchange_num_inputs(self) -> None:
+        """Once per stage: tell the previous stage how many inputs this one takes, and post the
+        receive of the next stage's (checked at the first send: get_fwd_send_ops). A stage on this
+        same rank gets its inputs locally (set_local_fwd_input), so nothing goes there."""
+        if self._told_inputs:
+            return
+        self._told_inputs = True
+        me = dist.get_rank()
+        if not self.is_first and self._peer(self.stage_index - 1) != me:
+            self._told_work = dist.isend(torch.tensor([self.num_inputs], dtype=torch.int64),
+                                         self._peer(self.stage_index - 1), self.group, _INPUTS_TAG + self.stage_index)
+        if not self.is_last and self._peer(self.stage_index + 1) != me:
+            buf = torch.zeros(1, dtype=torch.int64)
+            work = dist.irecv(buf, self._peer(self.stage_index + 1), self.group, _INPUTS_TAG + self.stage_index + 1)
+            if work is not None:  # None only off the group, and a stage is in its group
+                self._next_inputs = (work, buf)
+
+    def _check_next_takes(self, count: int, fwd_chunk_id: int) -> None:
+        if isinstance(self._next_inputs, tuple):
+            work, buf = self._next_inputs
+            work.wait()
+            self._next_inputs = int(buf[0])
+        if isinstance(self._next_inputs, int) and self._next_inputs != count:
+            n = self._next_inputs
+            raise ValueError(f"{self.log_prefix} microbatch {fwd_chunk_id}: this stage's forward returns {count} "
+                             f"tensor{'s' if count != 1 else ''}, and stage {self.stage_index + 1} takes {n} "
+                             f"(its num_inputs): every output goes to the next stage, so make them agree "
+                             f"(VarcommPipelineStage(..., num_inputs={count}) there, or return {n} tensors here)")
 
     def _prepare_backward_infra(self, num_microbatches: int, loss_fn: Any = None, target: Any = None,
                                 received_grad_meta: Any = None, loss_kwargs: Any = None) -> None:
@@ -158,6 +196,7 @@ class VarcommPipelineStage(PipelineStage):
         if self.is_last:
             return []
         outputs, _ = self.fwd_cache[fwd_chunk_id]
+        self._check_next_takes(len(outputs), fwd_chunk_id)
         peer = self._peer(self.stage_index + 1)
         for t in outputs:
             if _tensor(t, "output", self.stage_index).is_complex():
