@@ -128,32 +128,46 @@ void AllToAll::start() {
       int s = (r - k + n) % n;
       recv_[s] = e_.irecv(s, tag_, nullptr, 0, 0, {}, true, dest_mem(s).device);
     }
+    // A peer known dead fails the call here, but only once every live peer
+    // has its part: they are in this call too, and would wait for it.
+    std::optional<Error> dead;
     for (int k = 1; k < n; ++k) {  // staggered destinations spread the load over receivers
       int d = (r + k) % n;
-      const A2AChunk& c = plan_.send[d];
-      if (e_.over_max_message(c.nbytes)) {
-        // Refused here in either strategy, before any byte is written; d
-        // learns which limit it was and expects no payload (kOverMaxMessage).
-        too_large_.push_back({d, e_.max_message_error(d, c.nbytes).what()});
-        sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kOverMaxMessage | kind()));
-        continue;
+      try {
+        send_part(d, two);
+      } catch (const Error& x) {
+        if (x.kind != ErrorKind::PeerFailure) throw;
+        if (!dead) dead = x;
       }
-      if (!two) {
-        try {
-          Mem m;
-          const void* src = source(d, &m);
-          sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device, kind()));
-          continue;
-        } catch (const Error& x) {
-          if (x.kind != ErrorKind::TooLarge) throw;
-          too_large_.push_back({d, x.what()});
-        }
-      }
-      // Two-phase: the counts first. One-phase: in place of a chunk over d's
-      // bound, so d learns why nothing came.
-      sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kind()));
     }
+    if (dead) throw *dead;
   });
+}
+
+// One peer's part of the first phase: its chunk, or a descriptor in place of it.
+void AllToAll::send_part(int d, bool two) {
+  const A2AChunk& c = plan_.send[d];
+  if (e_.over_max_message(c.nbytes)) {
+    // Refused here in either strategy, before any byte is written; d
+    // learns which limit it was and expects no payload (kOverMaxMessage).
+    too_large_.push_back({d, e_.max_message_error(d, c.nbytes).what()});
+    sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kOverMaxMessage | kind()));
+    return;
+  }
+  if (!two) {
+    try {
+      Mem m;
+      const void* src = source(d, &m);
+      sends_.push_back(e_.isend(d, tag_, src, c.nbytes, c.dtype, c.shape, c.ndim, m, 0, true, !c.mem.device, kind()));
+      return;
+    } catch (const Error& x) {
+      if (x.kind != ErrorKind::TooLarge) throw;
+      too_large_.push_back({d, x.what()});
+    }
+  }
+  // Two-phase: the counts first. One-phase: in place of a chunk over d's
+  // bound, so d learns why nothing came.
+  sends_.push_back(e_.isend_descriptor(d, tag_, c.nbytes, c.dtype, c.shape, c.ndim, kind()));
 }
 
 AllToAll::~AllToAll() { cleanup(); }
@@ -163,7 +177,9 @@ void AllToAll::guarded(F&& f) {
   try {
     f();
   } catch (const Error& x) {
-    cleanup();
+    // A dead peer breaks the call for this rank only: what it sends the live
+    // peers still goes, since they wait for it in this same call.
+    cleanup(x.kind == ErrorKind::PeerFailure);
     // A dead peer surfaces from one of many sends and receives: say which
     // collective it broke (the user called that, not a recv).
     const std::string op = op_name(plan_);
@@ -180,11 +196,15 @@ void AllToAll::guarded(F&& f) {
 // that still arrives is dropped and its slot freed; none holds caller memory
 // (every receive is posted without a buffer and copied out once matched),
 // but for a copy_out that streams into the output: reported too.
-void AllToAll::cleanup() {
+void AllToAll::cleanup(bool sends_go_on) {
   auto drop = [&](uint64_t& id, bool send, bool writes = false) {
     if (!id) return;
     try {
-      if (send) {
+      if (send && sends_go_on) {
+        // Sent on detached; one still reading the input is reported (a rendezvous
+        // whose head is out reads a copy of the core's own instead: let_go).
+        if (!e_.let_go(id) && e_.detach(id, true)) in_flight_.push_back(id);
+      } else if (send) {
         if (e_.cancel(id, true) == Engine::Cancelled::kKept) in_flight_.push_back(id);
       } else if (e_.detach(id, writes) && writes) {
         in_flight_.push_back(id);  // still streaming into the output (copy_out returned false): kept alive

@@ -125,8 +125,9 @@ class AllToAll {
   // The deadline passed: cancel what has not started, detach the rest, throw
   // TimeoutError naming a peer that did not answer.
   [[noreturn]] void timeout(double seconds);
-  // Give up (an error or an interrupt): cancel the sends not started, detach the rest.
-  void cleanup();
+  // Give up (an error or an interrupt): cancel the sends not started, detach
+  // the rest; with sends_go_on (a peer died), every send goes on detached.
+  void cleanup(bool sends_go_on = false);
   // Sends that cleanup() left in flight: the transport still reads their
   // source (the caller's input) until each id comes back from
   // Engine::take_recycled(), so the caller must keep the input alive until then.
@@ -139,6 +140,7 @@ class AllToAll {
   enum class Fate : uint8_t { Pending, Ok, OverBound, Mismatch, Rejected, Refused };
   void check(int src);
   bool wait_for(uint64_t id, std::chrono::steady_clock::time_point deadline);
+  void send_part(int d, bool two);
   void post_payloads();
   void local_copy();
   std::chrono::nanoseconds held_grace() const;

@@ -385,6 +385,46 @@ def test_dead_peer_fails_the_call_while_another_peer_is_late(transport):
     assert comm.recv(src=2 - r).item() == 2 - r
 
 
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90, expect_exit={2: None})
+def test_a_rank_that_knows_a_peer_died_still_sends_its_part_to_the_others(transport):
+    """Rank 2 sends its part of an all-to-all and dies; rank 1 enters the call
+    knowing it: its send to rank 2 failed first and it raised at once, never
+    sending rank 0 its part, so rank 0 (rank 2's part already in) waited for
+    its whole timeout and then blamed live rank 1. Now rank 1 still sends the
+    live ranks their parts and raises PeerFailure naming rank 2: rank 0
+    finishes with every row (rank 2's had arrived), and the survivors' channel
+    works."""
+    comm = _init(transport, bound=BOUND, slots=4, timeout=30)
+    r, n = comm.rank, comm.world_size
+    x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
+    A.all_to_all_v(comm, x, [2] * n)  # every pair connected
+    if r == 2:
+        A.all_to_all_v(comm, x, [2] * n, async_op=True)  # its part goes out
+        comm._c.progress()
+        time.sleep(0.5)
+        os._exit(3)
+    if r == 1:
+        time.sleep(2)  # rank 2's end is known here by now
+    t0 = time.monotonic()
+    if r == 1:
+        with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+            A.all_to_all_v(comm, x, [2] * n)
+    else:
+        try:
+            out, got = A.all_to_all_v(comm, x, [2] * n)
+        except varcomm.PeerFailure as e:  # also honest (rank 2's part may not have landed): but not rank 1
+            assert "rank 2" in str(e), e
+        else:
+            want = torch.cat([torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3)[2 * r:2 * r + 2]
+                              + 100 * s for s in range(n)])
+            assert torch.equal(out, want) and list(got) == [2] * n
+    took = time.monotonic() - t0
+    assert took < 10, f"rank {r} took {took:.1f} s: it waited for a part that a live rank never sent"
+    comm.send(torch.tensor([r]), dst=1 - r)  # the survivors' channel still works
+    assert comm.recv(src=1 - r).item() == 1 - r
+
+
 # Chunks over 32 KiB to a peer this rank can read straight out of (CMA) go by
 # rendezvous: the receiver copies each one from its sender into the output it
 # places once every count is in (Engine::rendezvous `held`, Request::hold).
