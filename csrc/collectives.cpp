@@ -35,6 +35,45 @@ std::string op_name(const A2APlan& p) {
 
 std::string input_name(const A2APlan& p) { return !p.input.empty() ? p.input : p.op == A2AOp::V ? "x" : "input"; }
 
+// An output that overlaps the input (an in-place all-to-all) would be
+// written while peers still read the input (a rendezvous chunk is copied out
+// of its sender's memory when its receiver gets to it; a queued eager one
+// when a slot frees): wrong rows with no error. Refused before the call
+// takes its number, so the caller refuses it to the peers too.
+void refuse_overlap(const A2APlan& p) {
+  struct Range {
+    uintptr_t lo, hi;
+  };
+  for (bool device : {false, true}) {
+    std::vector<Range> outs;
+    auto add = [&](const void* d, uint64_t n, const Mem& m) {
+      if (d && n && m.device == device) outs.push_back({uintptr_t(d), uintptr_t(d) + n});
+    };
+    if (p.op == A2AOp::List)
+      for (const A2AChunk& o : p.outs) add(o.data, o.nbytes, o.mem);
+    else
+      add(p.out, p.out_cap, p.out_mem);
+    if (outs.empty()) continue;
+    std::sort(outs.begin(), outs.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
+    std::vector<uintptr_t> reach(outs.size());  // the furthest end among outs[0..i]
+    for (size_t i = 0; i < outs.size(); ++i) reach[i] = std::max(outs[i].hi, i ? reach[i - 1] : 0);
+    for (const A2AChunk& c : p.send) {
+      if (!c.data || !c.nbytes || c.mem.device != device) continue;
+      const uintptr_t lo = uintptr_t(c.data), hi = lo + c.nbytes;
+      // the outputs that start before this chunk ends; one of them overlaps it if any reaches past its start
+      size_t k = size_t(std::lower_bound(outs.begin(), outs.end(), hi,
+                                         [](const Range& r, uintptr_t v) { return r.lo < v; }) - outs.begin());
+      if (k && reach[k - 1] > lo) {
+        throw Error(ErrorKind::Invalid,
+                    op_name(p) + ": the output overlaps " + input_name(p) +
+                        " (an in-place all-to-all, which varcomm does not do: peers read " + input_name(p) +
+                        " while this rank's output is written, so rows would be overwritten before they are "
+                        "sent); pass an output of its own, or a clone of " + input_name(p) + " as the input");
+      }
+    }
+  }
+}
+
 A2AChunk chunk_of(const MsgInfo& m) {
   A2AChunk c;
   c.nbytes = m.nbytes;
@@ -105,6 +144,7 @@ AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), ran
   if (plan_.user_tag < 0 || plan_.user_tag > kMaxCollTag)
     throw Error(ErrorKind::Invalid, "tag " + std::to_string(plan_.user_tag) + " out of range [0, " +
                                         std::to_string(kMaxCollTag) + "] for a collective");
+  refuse_overlap(plan_);
   tag_ = coll_tag(plan_.user_tag, e_.next_collective());
   recv_.assign(n, 0);
   payload_.assign(n, 0);

@@ -740,6 +740,63 @@ def test_a_call_one_rank_refuses_fails_on_every_rank_and_the_next_is_right(trans
 
 
 @pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=120)
+def test_an_in_place_all_to_all_is_refused_on_every_rank_not_answered_with_wrong_rows(transport):
+    """all_to_all_single(x, x), all_to_all_v(x, out=x) and all_to_all(parts,
+    parts) returned wrong rows with no error once chunks went by rendezvous
+    (peers read x after its owner had written what it received over it).
+    Now each is InvalidArgument where it was made, refused to the peers
+    (MessageMismatch naming it), with x left as it was; outputs next to the
+    input in one buffer are not overlaps; and the next call is right."""
+    with _init(transport, bound=1 << 20, slots=4, timeout=30) as comm:  # (two-phase holds chunks to it)
+        r, n = comm.rank, comm.world_size
+        rows = 64  # 64 x 1024 float32: 256 KiB chunks, over the eager size (rendezvous)
+
+        def fresh() -> torch.Tensor:
+            return torch.arange(n * rows * 1024, dtype=torch.float32).reshape(n * rows, 1024) + 1e6 * r
+
+        want = torch.cat([(torch.arange(n * rows * 1024, dtype=torch.float32).reshape(n * rows, 1024)
+                           + 1e6 * s)[r * rows:(r + 1) * rows] for s in range(n)])
+        for form in ("single", "v", "list", "v, out shifted one row"):
+            for culprit in (None, 1):  # every rank in place, then rank 1 only
+                x, in_place = fresh(), culprit is None or r == culprit
+                if form == "single":
+                    call = lambda: A.all_to_all_single(comm, x if in_place else torch.empty_like(x), x)  # noqa: E731
+                elif form == "v":
+                    call = lambda: A.all_to_all_v(comm, x, [rows] * n, out=x if in_place else None)  # noqa: E731
+                elif form == "list":
+                    parts = list(x.chunk(n))
+                    call = lambda: A.all_to_all(  # noqa: E731
+                        comm, parts if in_place else [torch.empty_like(p) for p in parts], parts)
+                else:
+                    buf = torch.empty(n * rows + 1, 1024)
+                    buf[1:] = x
+                    x = buf[1:]
+                    call = lambda: A.all_to_all_v(  # noqa: E731
+                        comm, x, [rows] * n, out=buf[:n * rows] if in_place else None)
+                before = x.clone()
+                if in_place:
+                    with pytest.raises(varcomm.InvalidArgument, match="overlaps .*in-place all-to-all"):
+                        call()
+                else:
+                    with pytest.raises(varcomm.MessageMismatch, match="rank 1 refused"):
+                        call()
+                assert torch.equal(x, before), f"{form}: the refused call changed the input"
+        # Outputs right next to the input (one buffer) are no overlap
+        buf = torch.empty(2 * n * rows, 1024)
+        x, out = buf[:n * rows], buf[n * rows:]
+        x.copy_(fresh())
+        A.all_to_all_single(comm, out, x)
+        assert torch.equal(out, want) and torch.equal(x, fresh())
+        parts = list(buf.chunk(2 * n))
+        outs, ins = parts[:n], parts[n:]
+        for k in range(n):
+            ins[k].copy_(fresh()[k * rows:(k + 1) * rows])
+        A.all_to_all(comm, outs, ins)
+        assert torch.equal(torch.cat(outs), want)
+
+
+@pytest.mark.parametrize("transport", MODES)
 @world(2, timeout=120)
 def test_a_dropped_async_call_does_not_block_the_line_that_dropped_it(transport):
     """Rank 1 starts an all-to-all with async_op, drops the Work, then sends
