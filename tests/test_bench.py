@@ -213,6 +213,74 @@ def test_cli_relaunches_itself_and_plots(tmp_path: Path) -> None:
         assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def _mpi_relaunch_or_skip() -> None:
+    if importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None:
+        pytest.skip("needs mpi4py and mpirun (varcomm-bench's mpirun relaunch)")
+
+
+def _procs_of(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -ww" not in line]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_relaunching_cli_stops_mpirun_and_its_ranks(tmp_path: Path, sig: str) -> None:
+    """varcomm-bench under its own mpirun (a session of its own): SIGTERM or SIGHUP
+    (timeout(1), a batch system, a closed terminal) ended varcomm-bench alone, and
+    mpirun and both ranks ran on, re-parented to init. Now the job stops with it."""
+    import signal
+    import time
+
+    _mpi_relaunch_or_skip()
+    marker = f"--json {tmp_path}/sig.json"  # names this job's processes
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for k in _JOB_VARS:
+        env.pop(k, None)
+    p = subprocess.Popen([sys.executable, "-m", "varcomm_bench", "p2p", "--tests", "latency", "-b", "8", "-e", "1M",
+                          "-r", "50", "--baselines", "mpi4py", "-q", *marker.split()], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, restore_signals=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_procs_of(marker)) < 4:  # varcomm-bench, mpirun, 2 ranks
+            assert p.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        time.sleep(1)
+        p.send_signal(getattr(signal, sig))
+        assert p.wait(timeout=30) == 128 + getattr(signal, sig)
+        deadline = time.monotonic() + 15
+        while _procs_of(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _procs_of(marker), f"left running after {sig}: {_procs_of(marker)}"
+    finally:
+        for line in _procs_of(marker):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_a_rank_that_fails_under_mpirun_stops_the_job_at_once() -> None:
+    """One rank raises under varcomm-bench's mpirun: it waited in MPI_Finalize while
+    the others spun in their next MPI call, until --timeout, whose message hid the
+    error. Now the failing rank aborts the job: it ends at once, with the traceback."""
+    import time
+
+    _mpi_relaunch_or_skip()
+    env_fail = "VARCOMM_BENCH_TEST_RAISE_ON_RANK"
+    os.environ[env_fail] = "1"
+    try:
+        t0 = time.monotonic()
+        r = _cli(["p2p", "--tests", "latency", "-b", "8", "-e", "64", "-r", "2", "--baselines", "mpi4py", "-q",
+                  "--timeout", "120"], timeout=150)
+    finally:
+        del os.environ[env_fail]
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "raised on rank 1 for the test" in r.stderr, r.stderr[-3000:]
+    assert "did not finish" not in r.stderr
+    assert took < 60, f"took {took:.0f} s: the job waited for its timeout"
+
+
 @world(2, timeout=60, requires=("libfabric",))
 def test_raw_libfabric_provider() -> None:
     """--fi-provider, else the provider varcomm's rdma route chose (the core's

@@ -130,6 +130,17 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error(tmp_path: Path, bad: st
     assert "--timeout must be a number of seconds > 0" in res.stderr and "ran" not in res.stdout
 
 
+@pytest.mark.parametrize("bad", ["99999", "0", "-5"])
+def test_a_master_port_that_is_no_port_is_a_usage_error(tmp_path: Path, bad: str) -> None:
+    """--master-port 99999 started the ranks: rank 0 died in torch's TCPStore with a
+    raw TypeError, and rank 1 said another program owned the port. Now it is a
+    usage error naming the range, before any rank starts."""
+    prog = script(tmp_path, "print('ran')\n")
+    res = launch("-n", "2", "--master-port", bad, prog)
+    assert res.returncode == 2, res.stderr
+    assert "--master-port must be a TCP port in 1..65535" in res.stderr and "ran" not in res.stdout
+
+
 def test_grandchildren_are_killed(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         import subprocess

@@ -374,7 +374,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_device(a)
     if not _in_launcher():
         return _relaunch(args_in, a)
-    return run_job(a)
+    try:
+        return run_job(a)
+    except Exception:
+        _abort_mpi_job()
+        raise
+
+
+def _abort_mpi_job() -> None:
+    """A rank that fails under mpirun stops the job now: otherwise it waits in
+    MPI_Finalize while its peers spin in their next MPI call, until --timeout,
+    which then hides the error."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    mpi.COMM_WORLD.Abort(1)
 
 
 # ---- the job -------------------------------------------------------------------------------
@@ -392,6 +410,8 @@ def run_job(a: argparse.Namespace) -> int:
     ctx = Ctx(a)
     results: list[dict[str, Any]] = []
     try:
+        if os.environ.get("VARCOMM_BENCH_TEST_RAISE_ON_RANK", "") == str(ctx.rank):  # (core.py's test hooks)
+            raise RuntimeError(f"raised on rank {ctx.rank} for the test (VARCOMM_BENCH_TEST_RAISE_ON_RANK)")
         if ctx.rank == 0 and not a.quiet:
             log(f"{a.cmd} on {ctx.world} ranks ({os.environ.get('VARCOMM_BENCH_LAUNCHER') or _launcher_name()}), "
                 f"{a.dtype} on {a.device}, transport {a.transport}, baselines {','.join(a.baselines) or 'none'}")
@@ -477,6 +497,16 @@ def _mpi_choice(a: argparse.Namespace) -> str | None:
     return None
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stopped_by(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
 def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
     """Not under a launcher: run this same command on --nranks ranks."""
     import varcomm
@@ -506,9 +536,13 @@ def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
             if k in ("MASTER_ADDR", "MASTER_PORT", "PYTHONPATH", "OMP_NUM_THREADS") or k.startswith("VARCOMM_"):
                 mp += ["-x", k]
         p = subprocess.Popen(mp + cmd, start_new_session=True)
+        # mpirun runs in a session of its own (so that stopping it reaches every rank): a SIGTERM or SIGHUP
+        # to this process (timeout(1), a batch system, a closed terminal) must stop that group too
+        stops = (signal.SIGTERM, signal.SIGHUP)
+        before = {s: signal.signal(s, _stopped_by) for s in stops}
         try:
             return p.wait(timeout=timeout)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        except (subprocess.TimeoutExpired, KeyboardInterrupt, _Stopped) as e:
             os.killpg(p.pid, signal.SIGTERM)
             try:
                 p.wait(timeout=10)
@@ -516,8 +550,14 @@ def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
                 os.killpg(p.pid, signal.SIGKILL)
             if isinstance(e, KeyboardInterrupt):
                 raise
+            if isinstance(e, _Stopped):
+                log(f"stopped by {signal.Signals(e.signum).name}: the job's ranks were stopped too")
+                return 128 + e.signum
             log(f"the job did not finish in {timeout:g} s (--timeout): stopped")
             return 124
+        finally:
+            for s, h in before.items():
+                signal.signal(s, h)
     if why != "not selected":
         os.environ["VARCOMM_BENCH_NO_MPI"] = f"not run under mpirun: {why}"
     os.environ["VARCOMM_BENCH_LAUNCHER"] = f"varcomm.run -n {n}"

@@ -20,6 +20,8 @@ Timing rules (every subcommand):
   messages (all-to-all: wrong results). ``VARCOMM_BENCH_CORRUPT=1`` (or a
   comma list of method names) flips a byte of each received message before
   the check: a test hook that proves ``-c`` catches corruption.
+  ``VARCOMM_BENCH_TEST_RAISE_ON_RANK=r``: rank r raises once the job is up, a
+  test hook that proves a failing rank stops the job at once.
 """
 from __future__ import annotations
 

@@ -334,7 +334,7 @@ def _report(
     result = 0
     if timed_out and not own_failures:
         ranks = ",".join(map(str, timed_out))
-        lines.append(f"timeout after {timeout:g} s: ranks {ranks} still running")
+        lines.append(f"timeout after {timeout:g} s: rank{'s' if len(timed_out) > 1 else ''} {ranks} still running")
         result = TIMEOUT_EXIT
     for i, r in enumerate(own_failures):
         lines.append(_describe(r, codes[r]) + (" (first failure)" if i == 0 and len(own_failures) > 1 else ""))
@@ -395,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("missing PROGRAM")
     if args.n < 1:
         parser.error("-n must be at least 1")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        # 99999 reached torch's TCPStore, which failed rank 0 with a TypeError and told rank 1 another program owned it
+        parser.error(f"--master-port must be a TCP port in 1..65535, not {args.master_port}")
     if args.timeout is not None and not args.timeout > 0:  # NaN too
         # -1 stopped the job at once ("timeout after -1 s"), 0 meant no timeout at all
         parser.error(f"--timeout must be a number of seconds > 0, not {args.timeout:g}")
