@@ -275,6 +275,37 @@ def test_fake_vdev_calls_on_alternating_streams_are_ordered(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_arrays_of_an_explicit_stream_live_until_it_ran(fake_cuda):
+    """Torch tensors in memory the GPU addresses (here: any host memory, for
+    the stand-in), with an explicit stream=: nothing kept them alive. A
+    temporary send_splits tensor was freed when the call returned and its
+    memory reused before the delayed kernel read it: garbage splits
+    ("send_splits ... give rows [0, 139727403844520)"), or another call's
+    routing. Now the handle keeps them until their stream ran the call, and
+    lets them go then (nothing piles up)."""
+    os.environ["FAKE_CUDA_DELAY_US"] = "2000"
+    try:
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, n = comm.rank, comm.world_size
+        with comm:
+            h = D._handle(comm)
+            s = gpu.stream()
+            for it in range(3):
+                x = torch.full((2 * n, 4), float(10 * it + r))
+                out, oso = D.all_to_all_vdev(comm, x, torch.tensor([2] * n), stream=s)  # a temporary splits tensor
+                assert h.kept >= 1, "nothing kept alive while the stream had not run the call"
+                junk = [torch.full((n,), 123456789, dtype=torch.int64) for _ in range(50)]  # reuses freed memory
+                D.synchronize(comm, s)
+                del junk
+                assert _host(oso)[0].tolist() == [2] * n, f"call {it}: counts from a reused splits tensor"
+                assert _host(out)[:2 * n, 0].tolist() == [float(10 * it + q) for q in range(n) for _ in range(2)]
+                assert h.kept == 0, f"{h.kept} objects still kept after the stream ran"
+            comm.barrier()
+    finally:
+        os.environ.pop("FAKE_CUDA_DELAY_US", None)
+
+
+@world(2, timeout=120)
 def test_fake_synchronize_without_a_stream_waits_for_every_stream(fake_cuda):
     """The README's `D.synchronize(comm)`, no stream named: it waits for the
     calls on every stream they ran on (it took torch's current stream, which

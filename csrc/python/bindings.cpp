@@ -1236,6 +1236,11 @@ struct DeviceA2AHandle {
   py::object comm;  // keeps the Comm (and its engine) alive
 #ifdef VARCOMM_HAVE_CUDA
   std::unique_ptr<DeviceA2A> a;
+  // keep(): objects alive until their stream passed the mark taken then
+  std::map<uint64_t, py::object> kept;
+  void drop_passed() {  // (with the GIL: it may free the objects)
+    for (uint64_t m : a->take_passed()) kept.erase(m);
+  }
 #endif
 };
 
@@ -1330,16 +1335,37 @@ void bind_device_a2a(py::module_& m) {
       .def("alloc", [](DeviceA2AHandle& h, uint64_t n) { return h.a->alloc(n); }, py::arg("nbytes"))
       .def("free", [](DeviceA2AHandle& h, uintptr_t p, uintptr_t stream) { h.a->free(p, stream); }, py::arg("ptr"),
            py::arg("stream"))
+      // obj stays alive until `stream` ran what is enqueued on it now: arrays a
+      // call uses on a stream their allocator does not order (dropped by the
+      // caller, their memory could be reused before the kernels read it).
+      .def(
+          "keep",
+          [](DeviceA2AHandle& h, py::object obj, uintptr_t stream) {
+            h.drop_passed();
+            h.kept.emplace(h.a->mark(stream), std::move(obj));
+          },
+          py::arg("obj"), py::arg("stream"))
+      .def_property_readonly("kept", [](DeviceA2AHandle& h) { return h.kept.size(); })
       .def("synchronize",
            [](DeviceA2AHandle& h, std::optional<uintptr_t> stream, std::optional<double> timeout) {
              timeout = timeout_of(timeout);
-             py::gil_scoped_release nogil;
-             h.a->synchronize(stream, timeout);
+             try {
+               py::gil_scoped_release nogil;
+               h.a->synchronize(stream, timeout);
+             } catch (...) {
+               h.drop_passed();
+               throw;
+             }
+             h.drop_passed();
            },
            py::arg("stream"), py::arg("timeout"))
       .def("close", [](DeviceA2AHandle& h) {
-        py::gil_scoped_release nogil;
-        h.a->close();
+        {
+          py::gil_scoped_release nogil;
+          h.a->close();
+        }
+        h.drop_passed();
+        h.kept.clear();  // closed: nothing of its runs any more
       })
 #endif
       ;

@@ -103,8 +103,11 @@ struct DeviceA2A::Impl {
   struct Pending {
     uintptr_t p, stream;
     CUevent ev;  // recorded on stream at free(); null: it was capturing then (recorded once it is not)
+    uint64_t mark = 0;  // p 0: a mark() whose stream passed goes to `passed` instead of a free
   };
-  std::vector<Pending> pending;  // allocations to free once their stream ran what was enqueued before free()
+  std::vector<Pending> pending;  // allocations to free (and marks) once their stream ran what was enqueued before
+  uint64_t marks = 0;
+  std::vector<uint64_t> passed;  // marks whose stream passed, for take_passed()
   // A dead peer never writes its flag or credit, and the caller may wait on
   // the stream without ever calling synchronize (torch.cuda.synchronize, a
   // later kernel): this thread aborts the kernels' waits once the engine
@@ -145,7 +148,10 @@ struct DeviceA2A::Impl {
       Pending& q = pending[i];
       if (!q.ev && !all) q.ev = event_on(q.stream);
       if (all || (q.ev && event_done(d.EventQuery(q.ev)))) {
-        d.MemFree(CUdeviceptr(q.p));
+        if (q.p)
+          d.MemFree(CUdeviceptr(q.p));
+        else
+          passed.push_back(q.mark);
         if (q.ev) d.EventDestroy(q.ev);
         pending[i] = pending.back();
         pending.pop_back();
@@ -738,6 +744,25 @@ void DeviceA2A::free(uintptr_t p, uintptr_t stream) {
   // Freed at a later launch or synchronize (sweep): this thread may be
   // capturing another stream, where a query or free would break the capture.
   m.pending.push_back({p, stream, m.event_on(stream)});
+}
+
+uint64_t DeviceA2A::mark(uintptr_t stream) {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  const uint64_t id = ++m.marks;
+  if (!m.retained) {  // closed: nothing runs any more
+    m.passed.push_back(id);
+    return id;
+  }
+  Ctx scope(m.d, m.ctx);
+  m.pending.push_back({0, stream, m.event_on(stream), id});
+  return id;
+}
+
+std::vector<uint64_t> DeviceA2A::take_passed() {
+  Impl& m = *impl_;
+  std::lock_guard<std::mutex> g(m.mu);
+  return std::move(m.passed);
 }
 
 std::string DeviceA2A::describe() const {

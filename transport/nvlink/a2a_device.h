@@ -98,6 +98,11 @@ class DeviceA2A {
   // stream must still exist; while it is capturing, at a later look), then
   // at a later launch, synchronize or close.
   void free(uintptr_t p, uintptr_t stream);
+  // The same for what the caller keeps alive (arrays on a stream whose
+  // allocator does not order their reuse): a mark that take_passed() returns
+  // once `stream` ran what is enqueued on it now (close: at once).
+  uint64_t mark(uintptr_t stream);
+  std::vector<uint64_t> take_passed();
   uint64_t cap() const { return cap_; }
   std::string describe() const;
 

@@ -14,8 +14,9 @@ Arrays: torch CUDA tensors (ordered on torch's current stream), any object
 with ``__cuda_array_interface__`` (cupy, numba; ordered on its ``stream``
 entry, or the legacy default stream), or, with an explicit ``stream=``,
 torch tensors in memory the GPU addresses directly (the CPU stand-in
-driver's device memory in tests; pinned, mapped host memory). Outputs not
-given are allocated bound-sized: torch CUDA tensors for torch CUDA inputs,
+driver's device memory in tests; pinned, mapped host memory), which
+varcomm keeps alive until that stream ran the call (torch CUDA tensors are
+``record_stream``'ed for it instead). Outputs not given are allocated bound-sized: torch CUDA tensors for torch CUDA inputs,
 else a ``DeviceArray`` (``__cuda_array_interface__``) in memory varcomm
 allocated.
 
@@ -187,16 +188,25 @@ class DeviceArray:
         return f"DeviceArray(shape={self.shape}, dtype={dtypes.describe(self.word)}, ptr={self.ptr:#x})"
 
 
-def _record(devs: tuple[_Dev, ...], stream: int, explicit: bool) -> None:
-    """With an explicit stream=, the kernels read and write torch tensors on a
-    stream the caching allocator does not know: without this it could hand
-    their memory (an out allocated here on the current stream, a dropped
-    input) to new tensors while the kernels still use it."""
+def _record(h: Any, devs: tuple[_Dev, ...], stream: int, explicit: bool) -> None:
+    """After a launch with an explicit stream=: the kernels read and write
+    arrays on a stream their allocator does not know, which without this
+    could hand their memory (an out allocated here on the current stream, a
+    dropped input such as a temporary splits tensor) to new arrays while the
+    kernels still use it. Torch CUDA tensors are record_stream'ed; the others
+    (torch tensors in memory the GPU addresses, cupy arrays) are kept alive
+    by the handle until the stream passed this point. varcomm's own
+    DeviceArray frees itself in stream order already."""
     if not explicit:
         return
+    keep = []
     for d in devs:
         if d.cuda:
             d.obj.record_stream(arrays.torch.cuda.ExternalStream(stream, device=d.obj.device))
+        elif not isinstance(d.obj, DeviceArray):
+            keep.append(d.obj)
+    if keep:
+        h.keep(tuple(keep), stream)
 
 
 def is_device_splits(splits: Any) -> bool:
@@ -266,9 +276,9 @@ def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | 
         raise InvalidArgument("x must have at least one dimension (rows along dim 0)")
     rd, rb = _splits(comm, rows, 1, "rows", stream)
     s = stream if stream is not None else xd.stream if xd.stream is not None else 0
-    _record((xd, rd), int(s), stream is not None)
     h.launch_p2p(True, int(dst), xd.word, xd.row_bytes, xd.ptr, xd.shape[0], rd.ptr, rb, int(s),
                  comm._timeout if timeout is None else timeout)
+    _record(h, (xd, rd), int(s), stream is not None)
 
 
 def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: int | None = None,
@@ -285,9 +295,9 @@ def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: 
     if rd.word != _I64 or int(np.prod(rd.shape)) != 1:
         raise InvalidArgument("rows_out must be one int64 on the device")
     s = stream if stream is not None else od.stream if od.stream is not None else 0
-    _record((od, rd), int(s), stream is not None)
     h.launch_p2p(False, int(src), od.word, od.row_bytes, od.ptr, od.shape[0], rd.ptr, 8, int(s),
                  comm._timeout if timeout is None else timeout)
+    _record(h, (od, rd), int(s), stream is not None)
 
 
 def capacity_rows(comm: Communicator, row_bytes: int) -> int:
@@ -471,9 +481,9 @@ def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_lay
                               f"{dtypes.describe(oso.word)} {oso.shape}")
     if timeout is not None:
         _C.check_timeout(timeout)
-    _record((xd, sd, od, oso), int(s), stream is not None)
     h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0], oso.ptr,
              int(s), comm._timeout if timeout is None else timeout, backward)
+    _record(h, (xd, sd, od, oso), int(s), stream is not None)
     result = (out, out_splits_offsets)
     return DeviceWork(comm, int(s), result) if async_op else result
 
