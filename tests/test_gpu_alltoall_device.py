@@ -1292,7 +1292,7 @@ def test_fake_dead_peer_aborts_the_kernels(fake_cuda):
         os._exit(3)
     D.all_to_all_vdev(comm, x, sp, out=out)  # the kernels would wait 30 s (the timeout): the abort comes first
     # PeerFailure ("aborted"), not TimeoutError: the abort, not the kernels' timeout, ended the wait.
-    with pytest.raises(varcomm.PeerFailure, match="aborted while waiting for rank 1"):
+    with pytest.raises(varcomm.PeerFailure, match=r"aborted .*rank 1 .*\(the kernel was waiting for rank 1\)"):
         D.synchronize(comm, s)
     with pytest.raises(varcomm.PeerFailure):
         D.all_to_all_vdev(comm, x, sp, out=out)
@@ -1319,8 +1319,35 @@ def test_fake_dead_peer_aborts_the_kernels_without_synchronize(fake_cuda):
         os._exit(3)
     D.all_to_all_vdev(comm, x, sp, out=out)
     gpu.sync(s)
-    with pytest.raises(varcomm.PeerFailure, match="aborted while waiting for rank 1"):
+    with pytest.raises(varcomm.PeerFailure, match=r"aborted .*rank 1 .*\(the kernel was waiting for rank 1\)"):
         D.synchronize(comm, s)
+    comm.close()
+
+
+@world(3, timeout=120, expect_exit={2: None})
+def test_fake_dead_peer_is_the_one_named_not_the_live_one_waited_for(fake_cuda):
+    """Rank 2 dies; rank 1 joins the next call a second late, so rank 0's
+    kernel is waiting for live rank 1 when the abort comes: the error named
+    rank 1 ("aborted while waiting for rank 1"), the rank that was fine. Now
+    it names rank 2, what happened to it, and carries it as the peer."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, n, s = comm.rank, comm.world_size, gpu.stream()
+    x = FakeArray(gpu, (2 * n, 4), "float32", s)
+    sp = FakeArray(gpu, (n,), "int64", s)
+    sp.host[...] = [2] * n
+    out = FakeArray(gpu, (64, 4), "float32", s)
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    D.synchronize(comm, s)
+    comm.barrier()
+    if r == 2:
+        os._exit(3)
+    if r == 1:
+        time.sleep(1)
+    D.all_to_all_vdev(comm, x, sp, out=out)
+    with pytest.raises(varcomm.PeerFailure, match=r"aborted .*: .*rank 2 .*exited" if r == 0 else "aborted") as e:
+        D.synchronize(comm, s)
+    if r == 0:  # (rank 1 may find rank 0 closed first)
+        assert e.value.peer == 2, e.value.peer
     comm.close()
 
 

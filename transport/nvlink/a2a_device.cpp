@@ -121,9 +121,7 @@ struct DeviceA2A::Impl {
     std::unique_lock<std::mutex> g(watch_mu);
     while (!watch_cv.wait_for(g, std::chrono::milliseconds(100), [this] { return watch_stop; })) {
       g.unlock();
-      bool dead = false;
-      for (int q = 0; q < world && !dead; ++q) dead = q != rank && !e.peer_error(q).empty();
-      if (dead) abort();
+      const bool dead = abort_if_a_peer_died();
       g.lock();
       if (dead) return;
     }
@@ -245,7 +243,9 @@ struct DeviceA2A::Impl {
       case a2a::kErrOutFull:
         return Error(ErrorKind::TooLarge, rk(r.a) + "'s " + std::to_string(r.b) + " rows do not fit out after " +
                                               std::to_string(r.c) + " rows of " + std::to_string(r.d) + call +
-                                              ": dropped (0 rows from it); pass a larger out",
+                                              ": dropped (0 rows from it); pass a larger out (in a MoE combine, "
+                                              "whose out its dispatch sized: a rank passed the handle of another "
+                                              "dispatch, or the ranks are out of step)",
                      int(r.a));
       case a2a::kErrBadSplits:
         // The marker sits in expert 0's split (rows from 0) and counts at most the input's rows.
@@ -288,8 +288,10 @@ struct DeviceA2A::Impl {
                                              "error says why)" + call + ": 0 rows from it",
                      int(r.a));
       case a2a::kErrPeerSplits:  // a call the peer refused (the host path's MessageMismatch too)
-        return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input (in moe.dispatch: topk_ids "
-                                             "outside [-1, num_experts))" + call + ": 0 rows from it", int(r.a));
+        return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input (or, in a MoE "
+                                             "dispatch, topk_ids outside [-1, num_experts))" + call +
+                                             ": 0 rows from it",
+                     int(r.a));
       case a2a::kErrTimeout:
         return Error(ErrorKind::Timeout, me + "'s device all-to-all kernel timed out waiting for " + rk(r.a) +
                                              (r.b ? "'s data" : "'s credit (it has not consumed the last call)") +
@@ -312,6 +314,11 @@ struct DeviceA2A::Impl {
                            "; is every rank calling it? Its kernels were aborted, so the device path of this "
                            "communicator stays failed",
                        int(r.a));
+        if (const int gone = dead_peer.load(std::memory_order_acquire); gone >= 0)
+          return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted" + call + ": " +
+                                                   e.peer_error(gone) + " (the kernel was waiting for " + rk(r.a) +
+                                                   "); the device path of this communicator stays failed",
+                       gone);
         return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted while waiting for " + rk(r.a) +
                                                  call + " (a peer failed or the communicator closed); the "
                                                  "device path of this communicator stays failed",
@@ -362,9 +369,24 @@ struct DeviceA2A::Impl {
     return b;
   }
   void abort() { __atomic_store_n(&err->abort, 1ull, __ATOMIC_RELEASE); }
+  // A dead peer never writes its flag or credit: end the kernels' waits now,
+  // naming it (dead_peer, set first).
+  bool abort_if_a_peer_died() {
+    for (int q = 0; q < world; ++q)
+      if (q != rank && !e.peer_error(q).empty()) {
+        int none = -1;
+        dead_peer.compare_exchange_strong(none, q, std::memory_order_acq_rel);
+        abort();
+        return true;
+      }
+    return false;
+  }
   // Set (before abort()) when a host wait ran past its timeout: the kernels'
   // kErrAborted then means a timeout here, not a peer's failure.
   std::atomic<int64_t> host_timeout_ms{-1};
+  // Set (before abort()) by the watcher: the peer found dead. A kernel then
+  // names the rank it was waiting for, which may be alive and waiting too.
+  std::atomic<int> dead_peer{-1};
 
   void release() {
     stop_watching();
@@ -695,9 +717,7 @@ void DeviceA2A::wait_until(const std::function<int()>& query, const char* what,
     if (r == CUDA_SUCCESS) break;
     if (r != CUDA_ERROR_NOT_READY) m.check(r, what);
     if (i % 256 == 255) {
-      // A dead peer never writes its flag or credit: end the kernels' waits now.
-      for (int q = 0; q < m.world; ++q)
-        if (q != m.rank && !m.e.peer_error(q).empty()) m.abort();
+      m.abort_if_a_peer_died();
       if (timeout && Clock::now() - start > std::chrono::duration<double>(*timeout) &&
           !__atomic_load_n(&m.err->abort, __ATOMIC_ACQUIRE)) {  // (a dead peer's abort stays a PeerFailure)
         m.host_timeout_ms.store(int64_t(*timeout * 1000), std::memory_order_release);
