@@ -17,8 +17,8 @@ torch tensors in memory the GPU addresses directly (the CPU stand-in
 driver's device memory in tests; pinned, mapped host memory), which
 varcomm keeps alive until that stream ran the call (torch CUDA tensors are
 ``record_stream``'ed for it instead). Outputs not given are allocated
-bound-sized: torch CUDA tensors for torch CUDA inputs, else a ``DeviceArray`` (``__cuda_array_interface__``) in memory varcomm
-allocated.
+bound-sized: torch CUDA tensors for torch CUDA inputs, else a
+``DeviceArray`` (``__cuda_array_interface__``) in memory varcomm allocated.
 
 Errors are found by the kernels and recorded in host-mapped memory; the
 host raises them at ``DeviceWork.synchronize()``, at ``synchronize(comm)``,
