@@ -575,11 +575,49 @@ void AllToAll::timeout(double seconds) {
     // Said in the call's terms (the point-to-point text names the internal
     // tag and gives point-to-point advice).
     e_.timeout_message(late, seconds, &peer);
-    msg += ": " + rank_str(peer) + (receiving ? " has not sent its part of this call" : " has not taken its part") +
-           " (is every rank making the same collective calls, in the same order?)";
+    const std::string sent = receiving && peer >= 0 ? other_calls_from(peer) : "";
+    msg += ": " + (!sent.empty() ? sent
+                                 : rank_str(peer) + (receiving ? " has not sent its part of this call"
+                                                               : " has not taken its part") +
+                                       " (is every rank making the same collective calls, in the same order?)");
   }
   cleanup();  // `late` with the rest: an in-flight send is reported
   throw Error(ErrorKind::Timeout, msg, peer);
+}
+
+// Why `peer`'s part of this call is not here, from what it did send that
+// waits unmatched: a collective's part under another tag (the ranks passed
+// different tags), or parts of other calls (out of step). Empty: nothing.
+std::string AllToAll::other_calls_from(int peer) {
+  std::vector<int64_t> tags;
+  try {
+    tags = e_.unreceived_tags(peer);
+  } catch (const Error&) {
+    return "";
+  }
+  std::vector<int64_t> other_tags;
+  size_t other_calls = 0;
+  for (int64_t t : tags) {
+    if (t < kCollTagBase) continue;  // point-to-point
+    const int64_t user = t / kCollTagBase - 1;
+    if (user != plan_.user_tag) {
+      if (std::find(other_tags.begin(), other_tags.end(), user) == other_tags.end()) other_tags.push_back(user);
+    } else if (t != tag_ && t != tag_ + 1) {
+      ++other_calls;
+    }
+  }
+  std::sort(other_tags.begin(), other_tags.end());
+  std::string msg;
+  if (!other_tags.empty())
+    msg += rank_str(peer) + "'s part of a collective with tag " +
+           (other_tags.size() == 1 ? std::to_string(other_tags[0]) : list_str(other_tags)) + " waits here " +
+           "unreceived, where " + rank_str(rank_) + " called with tag " + std::to_string(plan_.user_tag) +
+           ": every rank must pass the same tag";
+  if (other_calls)
+    msg += (msg.empty() ? "" : "; ") + std::to_string(other_calls) + " part" + (other_calls == 1 ? "" : "s") +
+           " of other calls from " + rank_str(peer) + " wait here unreceived, but not this call's: the ranks are " +
+           "out of step (every rank must make the same collective calls, in the same order)";
+  return msg;
 }
 
 std::optional<Error> AllToAll::error() const {

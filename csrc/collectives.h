@@ -141,6 +141,7 @@ class AllToAll {
   void check(int src);
   bool wait_for(uint64_t id, std::chrono::steady_clock::time_point deadline);
   void send_part(int d, bool two);
+  std::string other_calls_from(int peer);
   void post_payloads();
   void local_copy();
   std::chrono::nanoseconds held_grace() const;

@@ -1988,19 +1988,30 @@ std::string Engine::nothing_arrived(int peer) {
   return nothing_arrived_locked(peer);
 }
 
+std::vector<int64_t> Engine::unreceived_tags(int peer) {
+  std::lock_guard<std::mutex> g(mu_);
+  return unreceived_tags_locked(peer);
+}
+
+std::vector<int64_t> Engine::unreceived_tags_locked(int peer) {
+  std::vector<int64_t> tags;
+  const char* base = region_->base();
+  for (auto& a : peers_[peer].ready) {
+    if (a.claimed) continue;
+    const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a.slot) + kHeaderOff);
+    if (!(h->flags & kChunk)) tags.push_back(h->tag);
+  }
+  for (auto& x : peers_[peer].returned) tags.push_back(x.hdr.tag);
+  return tags;
+}
+
 std::string Engine::nothing_arrived_locked(int peer) {
   std::string msg = "; nothing arrived (is the peer sending with this tag?";
   // Messages of the peer that did arrive but match no receive: the usual
   // cause is a tag (or call order) that differs between the two sides, and
   // saying which tags they carry points at it.
   std::map<int64_t, size_t> other;
-  const char* base = region_->base();
-  for (auto& a : peers_[peer].ready) {
-    if (a.claimed) continue;
-    const auto* h = reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a.slot) + kHeaderOff);
-    if (!(h->flags & kChunk)) ++other[h->tag];
-  }
-  for (auto& x : peers_[peer].returned) ++other[x.hdr.tag];
+  for (int64_t t : unreceived_tags_locked(peer)) ++other[t];
   if (!other.empty()) {
     size_t n = 0, i = 0;
     std::string tags;

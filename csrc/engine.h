@@ -198,6 +198,8 @@ class Engine {
   // A receive's timeout text when nothing came: "; nothing arrived (...)",
   // naming the slots of peer's this rank still holds.
   std::string nothing_arrived(int peer);
+  // Tags of the messages from `peer` that arrived and match no receive (each once per message).
+  std::vector<int64_t> unreceived_tags(int peer);
   // Copies the payload and frees the slot: true. False when the message is a
   // rendezvous whose data streams in (protocol.h kChunk): wait(id) then.
   bool copy_out(uint64_t id, void* dst, Mem mem = {});
@@ -487,6 +489,7 @@ class Engine {
   // pending mark and the stream's reference go.
   void drop_landing(Peer::Stream& st);
   std::string nothing_arrived_locked(int peer);
+  std::vector<int64_t> unreceived_tags_locked(int peer);
   // Posted receive `id` takes a given-back landed message (Peer::returned).
   void take_returned(int peer, uint64_t id, std::deque<Peer::Returned>::iterator ret);
 

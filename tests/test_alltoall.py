@@ -794,6 +794,27 @@ def test_an_in_place_all_to_all_is_refused_on_every_rank_not_answered_with_wrong
 
 @pytest.mark.parametrize("transport", MODES)
 @world(2, timeout=120)
+def test_a_tag_that_differs_between_ranks_is_named_at_the_timeout(transport):
+    """Rank 1 passes tag=5, rank 0 none: each waited its timeout and was told
+    the other "has not sent its part", though it had, under another tag. Now
+    the timeout says whose part waits under which tag, and that every rank
+    must pass the same one; the next call (same tags) pairs up."""
+    with _init(transport, bound=BOUND, slots=4, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        x = torch.full((2 * n, 3), float(r))
+        mine, theirs = (0, 5) if r == 0 else (5, 0)
+        # (the tags: [3, 5] where the other rank gave up first and made its next call)
+        with pytest.raises(varcomm.TimeoutError, match=rf"timed out after 2 s: rank {1 - r}'s part of a collective "
+                                                         rf"with tag [^:]*\b{theirs}\b[^:]* waits here unreceived, "
+                                                         rf"where rank {r} called with tag {mine}: every rank must "
+                                                         r"pass the same tag"):
+            A.all_to_all_v(comm, x, [2] * n, tag=mine, timeout=2)
+        got, rs = A.all_to_all_v(comm, x, [2] * n, tag=3)
+        assert rs == [2] * n and got[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("transport", MODES)
+@world(2, timeout=120)
 def test_a_dropped_async_call_does_not_block_the_line_that_dropped_it(transport):
     """Rank 1 starts an all-to-all with async_op, drops the Work, then sends
     rank 0 what rank 0 waits for before it joins the call: the drop returns at
