@@ -89,6 +89,7 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
              (["p2p", "--window", "0"], "--window", "must be >= 1"),
              (["p2p", "-f", "1"], "-f/--stepfactor", "must be >= 2"),
              (["p2p", "-b", "lots"], "-b/--minbytes", "lots"),
+             (["p2p", "-b", "64K", "-e", "8"], "-e/--maxbytes", "below -b/--minbytes"),
              (["all", "--nranks", "1"], "--nranks", "must be >= 2"),
              (["p2p", "--nope"], "unrecognized arguments", "--nope")]
     for args, option, detail in cases:
@@ -169,6 +170,8 @@ def test_check_catches_corruption(tmp_path: Path) -> None:
     assert rc == 1  # non-zero exit
     doc = json.loads(out.read_text())
     assert doc["wrong_total"] > 0
+    per = report.wrong_by_method(doc["results"])  # what the FAILED line lists, hidden variants too
+    assert sum(per.values()) == doc["wrong_total"] and per["varcomm"] > 0 and per["fallback"] > 0, per
     for r in doc["results"]:
         for p in r["points"]:
             assert p["methods"]["varcomm"]["wrong"] > 0, (r["test"], p["size"])

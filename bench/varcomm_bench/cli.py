@@ -370,7 +370,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import moe
 
         return moe.main(args_in[1:])
-    a = _finish_args(_parser().parse_args(args_in))
+    parser = _parser()
+    a = _finish_args(parser.parse_args(args_in))
+    if a.minbytes is not None and a.maxbytes is not None and a.maxbytes < a.minbytes:
+        parser.error(f"-e/--maxbytes: {fmt_bytes(a.maxbytes)} is below -b/--minbytes {fmt_bytes(a.minbytes)}; "
+                     "give the smallest size with -b and the largest with -e")
     _check_device(a)
     if not _in_launcher():
         return _relaunch(args_in, a)
@@ -440,7 +444,10 @@ def run_job(a: argparse.Namespace) -> int:
     print(report.osu(doc) if a.osu else report.text(doc), flush=True)
     _write(a, doc)
     if doc["wrong_total"]:
-        log(f"FAILED: -c found {doc['wrong_total']} wrong messages/results (see #wrong)")
+        per = report.wrong_by_method(results)
+        log(f"FAILED: -c found {doc['wrong_total']} wrong messages/results: "
+            + ", ".join(f"{m} {k}" for m, k in per.items())
+            + " (#wrong in the tables; every column, variants too, in --json and --osu)")
         return 1
     return 0
 

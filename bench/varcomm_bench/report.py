@@ -101,6 +101,17 @@ def wrong_total(results: list[dict[str, Any]]) -> int:
     return sum(d["wrong"] or 0 for r in results for p in r["points"] for d in p["methods"].values())
 
 
+def wrong_by_method(results: list[dict[str, Any]]) -> dict[str, int]:
+    """Wrong messages per column, the table's hidden variants (varcomm-numpy, mpi4py-torch, ...) too."""
+    per: dict[str, int] = {}
+    for r in results:
+        for p in r["points"]:
+            for m, d in p["methods"].items():
+                if d["wrong"]:
+                    per[m] = per.get(m, 0) + d["wrong"]
+    return per
+
+
 def describe(doc: dict[str, Any]) -> str:
     mc = doc["machine"]
     fi = mc.get("libfabric", {})
