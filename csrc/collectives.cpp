@@ -313,15 +313,28 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
       }
       MsgInfo m = e_.info(recv_[s]);
       got_[s] = chunk_of(m);
-      if (!(m.flags & kRefusedCall) && bool(m.flags & kBackwardCall) != plan_.backward) {
+      const bool crossed = bool(m.flags & kBackwardCall) != plan_.backward;
+      const uint64_t agree = (m.flags & kAgreeMask) >> kAgreeShift;
+      if (!(m.flags & kRefusedCall) && (crossed || agree != plan_.agree)) {
         // A forward met a backward (a rank ran no backward through a
-        // differentiable all-to-all): taken and dropped, as any refused chunk.
+        // differentiable all-to-all), or a value every rank passes alike
+        // differs: taken and dropped, as any refused chunk, on both sides
+        // (a chunk of no rows too, which has nothing else to check).
         fate_[s] = Fate::Rejected;
-        why_[s] = rank_str(s) + " ran " + (plan_.backward ? "a forward" : "an autograd backward's") +
-                  " all-to-all where " + rank_str(rank_) + " ran " + (plan_.backward ? "a backward" : "a forward") +
-                  ": the ranks are out of step (every rank must run backward through the same differentiable "
-                  "all-to-alls, in the same order)";
-        mismatch_ = crossed_ = true;
+        if (crossed)
+          why_[s] = rank_str(s) + " ran " + (plan_.backward ? "a forward" : "an autograd backward's") +
+                    " all-to-all where " + rank_str(rank_) + " ran " + (plan_.backward ? "a backward" : "a forward") +
+                    ": the ranks are out of step (every rank must run backward through the same differentiable "
+                    "all-to-alls, in the same order)";
+        else if (agree >> kAgreeKindShift != plan_.agree >> kAgreeKindShift)
+          why_[s] = rank_str(s) + " ran another collective where " + rank_str(rank_) + " ran " + op_name(plan_) +
+                    ": the ranks are out of step (every rank must make the same collective calls, in the same order)";
+        else
+          why_[s] = rank_str(s) + " passed " + plan_.agree_name + " " +
+                    std::to_string(agree & ((1u << kAgreeKindShift) - 1)) + " where " + rank_str(rank_) + " passed " +
+                    std::to_string(plan_.agree & ((1u << kAgreeKindShift) - 1)) + plan_.agree_why;
+        mismatch_ = true;
+        crossed_ = crossed_ || crossed;
         if (m.flags & kDescriptor) {
           e_.release(recv_[s]);
           recv_[s] = 0;

@@ -70,6 +70,13 @@ struct A2APlan {
   // An autograd backward's all-to-all: its chunks say so (kBackwardCall), and
   // one that meets a forward's is refused on both sides.
   bool backward = false;
+  // A value every rank passes alike (in every chunk's header: kAgreeShift,
+  // its kind in the top 4 bits), 0 for none: a chunk with another, of no rows
+  // too, fails the call on both sides naming `agree_name` and both values,
+  // then `agree_why`; one of another kind, as out of step (moe.dispatch:
+  // num_experts; moe.combine and the backwards: which dispatch they undo).
+  uint32_t agree = 0;
+  std::string agree_name, agree_why;
   A2AStrategy strategy = A2AStrategy::OnePhase;
   int64_t user_tag = 0;
   std::vector<A2AChunk> send;  // [world]
@@ -148,7 +155,8 @@ class AllToAll {
   const void* source(int dst, Mem* mem) const;
   void* dest(int src) const;
   Mem dest_mem(int src) const;
-  uint64_t kind() const { return plan_.backward ? kBackwardCall : 0; }  // header flags of this call's kind
+  // Header flags of this call's kind.
+  uint64_t kind() const { return (plan_.backward ? kBackwardCall : 0) | uint64_t(plan_.agree) << kAgreeShift; }
   template <class F>
   void guarded(F&& f);
 

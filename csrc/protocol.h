@@ -88,6 +88,13 @@ constexpr uint64_t kOverMaxMessage = 128;
 // step, where the two paired a gradient with a forward's rows unnoticed
 // whenever their shapes agreed.
 constexpr uint64_t kBackwardCall = uint64_t(1) << 16;
+// Bits 32-55 of a collective's chunk or descriptor: a value every rank passes
+// alike for that call (A2APlan::agree; 0: none), checked by each receiver;
+// its top 4 bits say what kind of value it is (kAgreeKindShift), so two
+// calls of different kinds are out of step, not a mismatch of values.
+constexpr int kAgreeShift = 32;
+constexpr uint64_t kAgreeMask = 0xFFFFFFull << kAgreeShift;
+constexpr int kAgreeKindShift = 20;
 // The credit value that asks a rendezvous sender to stream (see kRendezvous).
 constexpr uint64_t kStreamCredit = 1ull << 63;
 // The credit value that asks a rendezvous sender to write the data itself,
@@ -161,7 +168,7 @@ constexpr uint64_t kArrayMask = 0xFFull << kArrayShift;
 // Every flag a header of host memory may carry: a transport that checks what
 // arrives (the fallback's) refuses any other bit. A new flag goes here too.
 constexpr uint64_t kHostHeaderFlags = kDescriptor | kRendezvous | kChunk | kRefusedCall | kSlowSlots | kGoodbye |
-                                      kOverMaxMessage | kBackwardCall | kArrayMask;
+                                      kOverMaxMessage | kBackwardCall | kAgreeMask | kArrayMask;
 // A receive's out dtype word (DLPack, 24 bits) with this bit: the message
 // must fill out exactly (torch.distributed.recv's contract), else it is
 // refused and kept like one that does not fit (Engine::misfit).

@@ -245,11 +245,52 @@ def test_a_peer_with_another_num_experts_is_named_not_carried_on():
         ids = torch.tensor([[3], [2], [3], [2]]) if r == 0 else torch.tensor([[0], [0], [1], [1]])
         other, theirs = 1 - r, 2 if r == 0 else 4
         with pytest.raises(varcomm.MessageMismatch,
-                           match=f"rank {other} dispatched with num_experts={theirs}.*this rank with "
-                                 f"num_experts={E}") as ei:
+                           match=f"rank {other} passed num_experts {theirs} where rank {r} passed {E}: every rank "
+                                 "must pass the same num_experts") as ei:
             dispatch(comm, torch.ones(4, 3), ids, torch.ones(4, 1), E)
         assert ei.value.peer == other
         comm.barrier()
+
+
+@world(3, timeout=60)
+def test_another_num_experts_is_told_to_a_rank_it_sends_no_rows():
+    """Rank 1 passes num_experts=6 where the others pass 3; it routes every
+    token to rank 0, so rank 2 gets no rows from it. num_experts travelled in
+    the rows only: ranks 0 and 1 raised, rank 2 returned as if nothing were
+    wrong and went on alone into combine. Now every dispatch chunk carries it,
+    a chunk of no rows too: every rank raises, naming the difference, and the
+    next call pairs up."""
+    with varcomm.init(timeout=30) as comm:
+        r = comm.rank
+        E = 6 if r == 1 else 3
+        ids = torch.zeros((4, 1), dtype=torch.int64)  # every token to expert 0 (rank 0)
+        with pytest.raises(varcomm.MessageMismatch, match=r"passed num_experts [36] where rank \d passed [36]: every "
+                                                          r"rank must pass the same num_experts"):
+            dispatch(comm, torch.ones(4, 3), ids, torch.ones(4, 1), E)
+        got, rows = A.all_to_all_v(comm, torch.arange(3.0) + 10 * r, [1, 1, 1])
+        assert rows == [1, 1, 1] and got.tolist() == [r, 10.0 + r, 20.0 + r]
+
+
+@world(2, timeout=60)
+def test_a_handle_of_an_earlier_dispatch_is_told_even_where_the_row_counts_agree():
+    """Rank 0 combines with the handle of the step before, whose row counts
+    equal this step's: rank 0 got its tokens back in the wrong order and
+    rank 1's combine went through, with no error anywhere. Now the combine's
+    chunks say which dispatch they undo: both ranks raise MessageMismatch
+    naming the stale handle, and the next call pairs up."""
+    with varcomm.init(timeout=30) as comm:
+        r, E, T = comm.rank, 2, 4
+        ids = torch.tensor([[0], [1], [0], [1]])
+        tok = torch.arange(T * 3, dtype=torch.float32).reshape(T, 3) + 100 * r
+        et, _, old = dispatch(comm, tok, ids, torch.ones(T, 1), E)
+        assert torch.equal(combine(comm, et, old), tok)
+        et, _, new = dispatch(comm, tok.flip(0), ids, torch.ones(T, 1), E)  # the same counts, other rows
+        with pytest.raises(varcomm.MessageMismatch, match=r"passed the handle of dispatch call \d+ where rank \d "
+                                                          r"passed \d+: a rank combined with the handle of another "
+                                                          r"dispatch"):
+            combine(comm, et, old if r == 0 else new)
+        et, _, h = dispatch(comm, tok, ids, torch.ones(T, 1), E)
+        assert torch.equal(combine(comm, et, h), tok)
 
 
 @world(2, timeout=60)
@@ -408,14 +449,18 @@ def test_combine_checks_its_handle_the_rows_sent_back_and_names_moe_in_peers_err
                 combine(comm, et, h)
         assert A.all_to_all_v(other, torch.arange(2) + 10 * r, [1, 1])[0].tolist() == [r, 10 + r]
         et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
-        if r == 0:  # 2 rows of width 6 back, where 3 belong: rank 1 dispatched (its packed rows are 4 + 2 wide)
-            with pytest.raises(varcomm.MessageMismatch, match=r"moe.combine on rank 0: rank 1 sent back 2 rows "
-                                                              r"where 3 belong.*out of step") as ei:
+        # Rank 0 combines while rank 1 dispatches again: each chunk says which kind of call it belongs to
+        # (A2APlan::agree), so both are told out of step, even where the rows' count and width agree
+        if r == 0:
+            with pytest.raises(varcomm.MessageMismatch, match=r"^moe.combine on rank 0: rank 1 ran another "
+                                                              r"collective where rank 0 ran moe.combine: the ranks "
+                                                              r"are out of step") as ei:
                 combine(comm, torch.ones(et.shape[0], 6), h)
             assert ei.value.peer == 1
-        else:  # rank 0's expert outputs (1.0s) where its packed tokens belong: not a num_experts of 1065353216
-            with pytest.raises(varcomm.MessageMismatch, match=r"^moe.dispatch on rank 1: the rows from rank 0 are "
-                                                              r"not moe.dispatch's.*out of step"):
+        else:
+            with pytest.raises(varcomm.MessageMismatch, match=r"^moe.dispatch on rank 1: rank 0 ran another "
+                                                              r"collective where rank 1 ran moe.dispatch: the ranks "
+                                                              r"are out of step"):
                 dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)
         # In step again: a width mismatch in combine names it in combine's terms.
         et, _, h = dispatch(comm, torch.ones(T, 4), ids, torch.ones(T, 1), E)

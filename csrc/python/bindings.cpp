@@ -1099,7 +1099,8 @@ void bind_collectives(py::module_& m) {
         [](py::object comm, int op, int strategy, int64_t tag, uintptr_t x, uint64_t row_bytes,
            const std::vector<int64_t>& splits, uint32_t dtype, const std::vector<int64_t>& trailing, uintptr_t out,
            uint64_t cap, std::optional<std::vector<int64_t>> expect, py::object keep, int64_t stream,
-           uintptr_t x_host, std::string name, std::string input, bool backward) {
+           uintptr_t x_host, std::string name, std::string input, bool backward, uint32_t agree,
+           std::string agree_name, std::string agree_why) {
           Mem mem = mem_of(stream);
           A2APlan p = rows_plan(A2AOp(op), reinterpret_cast<const void*>(x), row_bytes, splits, dtype, trailing, mem,
                                 reinterpret_cast<const void*>(x_host));
@@ -1108,6 +1109,9 @@ void bind_collectives(py::module_& m) {
           p.name = std::move(name);
           p.input = std::move(input);
           p.backward = backward;
+          p.agree = agree & uint32_t(kAgreeMask >> kAgreeShift);
+          p.agree_name = std::move(agree_name);
+          p.agree_why = std::move(agree_why);
           p.out = reinterpret_cast<void*>(out);
           p.out_cap = cap;
           p.out_mem = mem;
@@ -1117,7 +1121,8 @@ void bind_collectives(py::module_& m) {
         py::arg("comm"), py::arg("op"), py::arg("strategy"), py::arg("tag"), py::arg("x"), py::arg("row_bytes"),
         py::arg("splits"), py::arg("dtype"), py::arg("trailing"), py::arg("out"), py::arg("cap"),
         py::arg("expect") = py::none(), py::arg("keep") = py::none(), py::arg("stream") = -1,
-        py::arg("x_host") = 0, py::arg("name") = "", py::arg("input") = "", py::arg("backward") = false);
+        py::arg("x_host") = 0, py::arg("name") = "", py::arg("input") = "", py::arg("backward") = false,
+        py::arg("agree") = 0, py::arg("agree_name") = "", py::arg("agree_why") = "");
   // A collective this rank refuses before it starts (AllToAll::refuse).
   m.def(
       "all_to_all_refuse",

@@ -182,7 +182,8 @@ class AllToAll:
 def all_to_all_rows(comm: Comm, op: int, strategy: int, tag: int, x: int, row_bytes: int, splits: Sequence[int],
                     dtype: int, trailing: Sequence[int], out: int, cap: int,
                     expect: Sequence[int] | None = None, keep: object = None, stream: int = -1,
-                    x_host: int = 0, name: str = "", input: str = "", backward: bool = False) -> AllToAll: ...
+                    x_host: int = 0, name: str = "", input: str = "", backward: bool = False, agree: int = 0,
+                    agree_name: str = "", agree_why: str = "") -> AllToAll: ...
 # sends[d]: (ptr, nbytes, dtype word, shape[, stream[, host copy's ptr]]); outs[s]: (ptr, cap, dtype word,
 # shape[, stream]); an out of None is allocated (host memory for stream -1, else device memory on stream).
 def all_to_all_refuse(comm: Comm, tag: int) -> None: ...

@@ -29,13 +29,15 @@ _BACKWARD = ("all_to_all_v's backward", "gradient", True)
 
 def exchange(comm: Communicator, x: torch.Tensor, splits: list[int], label: tuple[str, str, bool], *,
              expect: list[int] | None = None, rule: str = "", why: str = "", tag: int | None = None,
-             timeout: float | None = None) -> tuple[torch.Tensor, list[int]]:
+             timeout: float | None = None,
+             agree: tuple[int, int, str, str] = (0, 0, "", "")) -> tuple[torch.Tensor, list[int]]:
     """all_to_all_v of x, named `label` (alltoall.labelled: operation, input,
-    backward). A timeout gets `rule` appended; rows back from a rank that
-    differ from `expect` (what this rank sent it, or received from it, in the
-    step undone) are MessageMismatch naming it, then `why`."""
+    backward), carrying `agree` (alltoall.agreeing). A timeout gets `rule`
+    appended; rows back from a rank that differ from `expect` (what this rank
+    sent it, or received from it, in the step undone) are MessageMismatch
+    naming it, then `why`."""
     try:
-        with alltoall.labelled(*label):
+        with alltoall.labelled(*label), alltoall.agreeing(*agree):
             got, rows = alltoall.all_to_all_v(comm, x, splits, tag=tag, timeout=timeout)
     except TimeoutError as e:
         if not rule:

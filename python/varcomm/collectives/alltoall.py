@@ -73,6 +73,27 @@ _label: contextvars.ContextVar[tuple[str, str, bool]] = contextvars.ContextVar("
                                                                               default=("", "", False))
 
 
+# A value every rank passes alike for the row-form all-to-alls started inside
+# (the core's A2APlan::agree): (kind << 20 | value, its name, why it must agree); 0: none.
+_agreed: contextvars.ContextVar[tuple[int, str, str]] = contextvars.ContextVar("varcomm_a2a_agree",
+                                                                             default=(0, "", ""))
+AGREE_NUM_EXPERTS, AGREE_DISPATCH = 1, 2  # the kinds of values (csrc/protocol.h kAgreeKindShift)
+
+
+@contextlib.contextmanager
+def agreeing(kind: int, value: int, name: str, why: str) -> Iterator[None]:
+    """Row-form all-to-alls started inside carry `value` (20 bits) of `kind`
+    (1..15) in every chunk's header: a rank whose value differs fails the
+    call on every rank it sends to or receives from, a rank it sends no rows
+    too, with "rank s passed <name> v where rank r passed w<why>"; a rank
+    whose kind differs (another call, or none) is out of step."""
+    token = _agreed.set((kind << 20 | value & 0xFFFFF if kind else 0, name, why))
+    try:
+        yield
+    finally:
+        _agreed.reset(token)
+
+
 @contextlib.contextmanager
 def labelled(name: str, input: str, backward: bool = False) -> Iterator[None]:
     """Row-form all-to-alls started inside are named `name` (their input
@@ -93,8 +114,9 @@ def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, split
           trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None,
           stream: int = -1, x_host: int = 0) -> _C.AllToAll:
     name, input, backward = _label.get()
+    agree, agree_name, agree_why = _agreed.get()
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
-                              expect, keep, stream, x_host, name, input, backward)
+                              expect, keep, stream, x_host, name, input, backward, agree, agree_name, agree_why)
 
 
 def _list(comm: Communicator, sends: list[tuple[Any, ...]], outs: list[tuple[Any, ...] | None], keep: object,

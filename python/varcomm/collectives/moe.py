@@ -7,6 +7,9 @@ local expert. One message per rank pair: no count exchange. Each routed row
 carries its local expert index in 4 bytes of extra elements appended to the
 token (rows keep the tokens' dtype, so the header's dtype and shape check
 applies), so the receiver can group rows per expert without a second message.
+Every chunk's header also carries num_experts, and a combine's (and each
+backward's) which dispatch it undoes (the core's A2APlan::agree): a rank that
+differs fails the call on every rank, a rank it sends no rows included.
 
     expert_tokens, tokens_per_expert, handle = dispatch(comm, tokens, topk_ids, topk_weights, E)
     # expert_tokens[: tokens_per_expert[0]] go to local expert 0, and so on
@@ -59,6 +62,7 @@ class MoEHandle:
     tokens_per_expert: torch.Tensor  # [E/n] int64
     topk_weights: torch.Tensor  # [T, K], as given (may require grad)
     place: Any = None  # the tokens' device memory (arrays.DeviceMemory.place), None for host memory
+    call: int = 0  # the dispatch's collective number (the same on every rank): _undoing
 
 
 # What each all-to-all is called in the errors every rank gets: (operation, input, backward).
@@ -66,19 +70,37 @@ _DISPATCH = ("moe.dispatch", "packing of tokens", False)
 _COMBINE = ("moe.combine", "expert_outputs", False)
 _DISPATCH_BACK = ("moe.dispatch's backward", "gradient", True)
 _COMBINE_BACK = ("moe.combine's backward", "gradient", True)
+
+
+def _num_experts(num_experts: int) -> tuple[int, int, str, str]:
+    """What every rank's dispatch chunks carry and check (alltoall.agreeing), so that a
+    rank that receives no rows from a peer with another num_experts fails too."""
+    return alltoall.AGREE_NUM_EXPERTS, num_experts, "num_experts", ": every rank must pass the same num_experts"
+
+
+def _undoing(call: int) -> tuple[int, int, str, str]:
+    """What the all-to-alls undoing a dispatch carry and check: which dispatch (its
+    collective number, the same on every rank). A rank that passes the handle of
+    another dispatch fails on every rank, where equal row counts went through silently."""
+    return alltoall.AGREE_DISPATCH, call % 0xFFFFF, "the handle of dispatch call", (
+        ": a rank combined with the handle of another dispatch (each combine takes the handle its own "
+        "dispatch returned, in this step), or the ranks are out of step")
+
+
 _BACKWARD_RULE = ("; every rank must run backward through moe.dispatch and moe.combine (tokens and expert outputs "
                   "requiring grad on all ranks or on none), in the same order")
 
 
 def _all_to_all_v(comm: Communicator, x: torch.Tensor, splits: list[int], place: Any, label: tuple[str, str, bool],
-                  expect: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+                  expect: list[int] | None = None, *,
+                  agree: tuple[int, int, str, str] = (0, 0, "", "")) -> tuple[torch.Tensor, list[int]]:
     """all_to_all_v of a tensor, in `place`'s memory (None: the host): the
     result is a tensor there too. `expect`: the rows each rank must send
     back (what this rank sent it, or received from it, in the step undone)."""
     if place is not None:
         x = arrays.device_memory().to(x, place)
     return a2a_autograd.exchange(
-        comm, x, splits, label, expect=expect, rule=_BACKWARD_RULE if label[2] else "",
+        comm, x, splits, label, expect=expect, rule=_BACKWARD_RULE if label[2] else "", agree=agree,
         why="the ranks are out of step (a peer ran another moe.dispatch, moe.combine or collective here), or a "
             "peer passed a handle from another dispatch")
 
@@ -116,25 +138,25 @@ class _Dispatch(torch.autograd.Function):
         src_rows = order // K
         local_expert = (flat[order] % per_rank).to(torch.int32)
         # One row per (token, k): the token's elements, then its local expert
-        # index and the sender's num_experts (two int32, so a receiver of rows
-        # from a rank with another num_experts says so) in the bytes of `extra`
-        # more elements of the tokens' dtype. The
-        # rows keep the tokens' dtype and width, so the message header carries
-        # them and a rank whose tokens differ in either raises MessageMismatch
-        # (rows packed as bytes matched whenever their byte counts did: float32
-        # [T, 4] and float16 [T, 8] went through, reinterpreted).
+        # index (an int32) in the bytes of `extra` more elements of the
+        # tokens' dtype. The rows keep the tokens' dtype and width, so the
+        # message header carries them and a rank whose tokens differ in either
+        # raises MessageMismatch (rows packed as bytes matched whenever their
+        # byte counts did: float32 [T, 4] and float16 [T, 8] went through,
+        # reinterpreted). num_experts travels in the header (agree).
         x = tokens.detach().contiguous()
         isz = x.element_size()
         hb = H * isz
-        extra = -(-8 // isz)
+        extra = -(-4 // isz)
         wb = (H + extra) * isz
         packed = _empty((order.numel(), H + extra), x.dtype, place)
         pb = packed.view(torch.uint8).reshape(-1, wb)
         pb[:, :hb] = x.view(torch.uint8).reshape(T, hb).index_select(0, src_rows)
-        meta = torch.stack([local_expert, torch.full_like(local_expert, num_experts)], dim=1)
-        pb[:, hb:hb + 8] = meta.view(torch.uint8).reshape(-1, 8)
+        pb[:, hb:hb + 4] = local_expert.view(torch.uint8).reshape(-1, 4)
+        call = comm._c.collectives  # the number this dispatch's all-to-all takes (core: next_collective)
         try:
-            recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place, _DISPATCH)
+            recv, recv_splits = _all_to_all_v(comm, packed, send_splits, place, _DISPATCH,
+                                              agree=_num_experts(num_experts))
         except MessageMismatch as e:
             if "same dtype and trailing shape" not in str(e):
                 raise  # a peer's refusal, not its tokens
@@ -144,7 +166,7 @@ class _Dispatch(torch.autograd.Function):
                 f"moe.dispatch on rank {comm.rank}: tokens differ in dtype or hidden size between ranks (this "
                 f"rank's are {x.dtype} [T, {H}]; every rank must pass one dtype and H), or a peer ran another "
                 f"collective here (moe.combine: the ranks are out of step). The rows sent carry "
-                f"{extra} more element(s) of the tokens' dtype for the expert index and num_experts, so the shapes "
+                f"{extra} more element(s) of the tokens' dtype for the expert index, so the shapes "
                 f"below are H + "
                 f"that: {str(e).removeprefix(f'moe.dispatch on rank {comm.rank}: ')}")
             err.peer = e.peer
@@ -152,24 +174,23 @@ class _Dispatch(torch.autograd.Function):
         rb = recv.view(torch.uint8).reshape(-1, wb)
         # A copy of its own (offset 0, 4-aligned): contiguous() keeps one row's
         # slice in place, at byte hb, which view(int32) refuses unless 4 | hb.
-        got = rb[:, hb:hb + 8].clone(memory_format=torch.contiguous_format).view(torch.int32).to(torch.int64)
-        le = got[:, 0]
-        _check_local_experts(comm, le, got[:, 1], recv_splits, per_rank, num_experts)
+        le = rb[:, hb:hb + 4].clone(memory_format=torch.contiguous_format).view(torch.int32).reshape(-1).to(torch.int64)
         perm = torch.sort(le, stable=True).indices
         tokens_per_expert = torch.bincount(le, minlength=per_rank)
         # H = 0: no bytes to view as x.dtype (nor a -1 to infer from 0 elements)
         expert_tokens = rb[:, :hb].index_select(0, perm).view(x.dtype) if H else recv.new_empty((perm.numel(), 0))
-        handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K, place))
+        handle_box.append((order, send_splits, recv_splits, perm, tokens_per_expert, T, K, place, call))
         ctx.comm = comm
-        ctx.meta = (order, send_splits, recv_splits, perm, T, K, place)
+        ctx.meta = (order, send_splits, recv_splits, perm, T, K, place, call)
         ctx.mark_non_differentiable(tokens_per_expert)
         return expert_tokens, tokens_per_expert
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _g_counts: Any) -> Any:
-        order, send_splits, recv_splits, perm, T, K, place = ctx.meta
+        order, send_splits, recv_splits, perm, T, K, place, call = ctx.meta
         g = _unpermute(grad, perm)
-        back, _ = _all_to_all_v(ctx.comm, g, recv_splits, place, _DISPATCH_BACK, send_splits)  # in send order
+        back, _ = _all_to_all_v(ctx.comm, g, recv_splits, place, _DISPATCH_BACK, send_splits,  # in send order
+                                agree=_undoing(call))
         gtok = back.new_zeros((T,) + tuple(grad.shape[1:]))
         gtok.index_add_(0, order // K, back)
         return gtok, None, None, None, None
@@ -178,10 +199,10 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, expert_outputs: torch.Tensor, comm: Any, order: torch.Tensor, send_splits: list[int],
-                recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any) -> torch.Tensor:
+                recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any, call: int) -> torch.Tensor:
         y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
         try:  # [T*K, H'] in send (expert-sorted) order
-            back, _ = _all_to_all_v(comm, y, recv_splits, place, _COMBINE, send_splits)
+            back, _ = _all_to_all_v(comm, y, recv_splits, place, _COMBINE, send_splits, agree=_undoing(call))
         except MessageMismatch as e:
             if "same dtype and trailing shape" not in str(e):
                 raise
@@ -192,44 +213,16 @@ class _Combine(torch.autograd.Function):
         tk = back.new_zeros((T * K,) + tuple(back.shape[1:]))  # masked (-1) pairs stay 0
         tk[order] = back  # (t, k) order
         ctx.comm = comm
-        ctx.meta = (order, send_splits, recv_splits, perm, place, expert_outputs.device)
+        ctx.meta = (order, send_splits, recv_splits, perm, place, expert_outputs.device, call)
         return tk.reshape((T, K) + tuple(back.shape[1:]))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        order, send_splits, recv_splits, perm, place, device = ctx.meta
+        order, send_splits, recv_splits, perm, place, device, call = ctx.meta
         g = grad.reshape((-1,) + tuple(grad.shape[2:])).index_select(0, order).contiguous()
-        recv, _ = _all_to_all_v(ctx.comm, g, send_splits, place, _COMBINE_BACK, recv_splits)  # received order
-        return (recv.index_select(0, perm).to(device),) + (None,) * 8
-
-
-def _check_local_experts(comm: Any, le: torch.Tensor, their_experts: torch.Tensor, recv_splits: list[int],
-                         per_rank: int, num_experts: int) -> None:
-    """Every received row comes from a rank with this num_experts and names one
-    of this rank's experts; a rank with another num_experts (its own E/n
-    experts per rank) would make tokens_per_expert and expert_tokens carry on
-    silently. Each rank that receives rows from such a peer raises."""
-    if not le.numel():
-        return
-    bad = (le < 0) | (le >= per_rank) | (their_experts != num_experts)
-    if not bool(bad.any()):
-        return
-    row = int(bad.nonzero()[0, 0])
-    src = int(torch.searchsorted(torch.tensor(recv_splits).cumsum(0), row, right=True))
-    theirs = int(their_experts[row])
-    if theirs <= 0 or theirs % comm.world_size or theirs > 1 << 24:  # not a num_experts: not dispatch's rows
-        err = MessageMismatch(
-            f"moe.dispatch on rank {comm.rank}: the rows from rank {src} are not moe.dispatch's (they name "
-            f"num_experts={theirs}): the ranks are out of step (rank {src} ran moe.combine or another collective "
-            f"where this rank ran moe.dispatch)")
-        err.peer = src
-        raise err
-    err = MessageMismatch(
-        f"moe.dispatch on rank {comm.rank}: rank {src} dispatched with num_experts={int(their_experts[row])} "
-        f"(routing a token to its local expert {int(le[row])}), this rank with num_experts={num_experts} over "
-        f"{comm.world_size} ranks; every rank must pass the same num_experts")
-    err.peer = src
-    raise err
+        recv, _ = _all_to_all_v(ctx.comm, g, send_splits, place, _COMBINE_BACK, recv_splits,  # received order
+                                agree=_undoing(call))
+        return (recv.index_select(0, perm).to(device),) + (None,) * 9
 
 
 def _unpermute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -280,8 +273,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     box: list[Any] = []
     # Function.apply is unannotated in torch.
     expert_tokens, tokens_per_expert = _Dispatch.apply(tokens, box, topk_ids, num_experts, comm)  # type: ignore[no-untyped-call]
-    order, send_splits, recv_splits, perm, tpe, T, K, place = box[0]
-    handle = MoEHandle(comm, T, K, order, send_splits, recv_splits, perm, tpe, topk_weights, place)
+    order, send_splits, recv_splits, perm, tpe, T, K, place, call = box[0]
+    handle = MoEHandle(comm, T, K, order, send_splits, recv_splits, perm, tpe, topk_weights, place, call)
     return expert_tokens, tokens_per_expert, handle
 
 
@@ -327,7 +320,7 @@ def combine(comm: Communicator, expert_outputs: torch.Tensor, handle: MoEHandle 
                               f"{handle.perm.numel()}")
     h = handle
     per_tk: torch.Tensor = _Combine.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
-        expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk, h.place)
+        expert_outputs, comm, h.order, h.send_splits, h.recv_splits, h.perm, h.num_tokens, h.topk, h.place, h.call)
     dropped = torch.ones(h.num_tokens * h.topk, dtype=torch.bool, device=h.order.device)
     dropped[h.order] = False
     return weighted_sum(per_tk, h.topk_weights, dropped)
