@@ -40,7 +40,8 @@ std::string input_name(const A2APlan& p) { return !p.input.empty() ? p.input : p
 // of its sender's memory when its receiver gets to it; a queued eager one
 // when a slot frees): wrong rows with no error. Refused before the call
 // takes its number, so the caller refuses it to the peers too.
-void refuse_overlap(const A2APlan& p) {
+void refuse_overlap(const A2APlan& p, int rank) {
+  if (p.send.size() < 2) return;  // no peers: the one chunk is a local copy
   struct Range {
     uintptr_t lo, hi;
   };
@@ -57,8 +58,12 @@ void refuse_overlap(const A2APlan& p) {
     std::sort(outs.begin(), outs.end(), [](const Range& a, const Range& b) { return a.lo < b.lo; });
     std::vector<uintptr_t> reach(outs.size());  // the furthest end among outs[0..i]
     for (size_t i = 0; i < outs.size(); ++i) reach[i] = std::max(outs[i].hi, i ? reach[i - 1] : 0);
-    for (const A2AChunk& c : p.send) {
+    for (size_t d = 0; d < p.send.size(); ++d) {
+      const A2AChunk& c = p.send[d];
       if (!c.data || !c.nbytes || c.mem.device != device) continue;
+      // The list form's own chunk into its own output, the same memory: a
+      // local copy onto itself, which no peer reads (what other chunks overlap is refused)
+      if (p.op == A2AOp::List && int(d) == rank && c.data == p.outs[d].data) continue;
       const uintptr_t lo = uintptr_t(c.data), hi = lo + c.nbytes;
       // the outputs that start before this chunk ends; one of them overlaps it if any reaches past its start
       size_t k = size_t(std::lower_bound(outs.begin(), outs.end(), hi,
@@ -144,7 +149,7 @@ AllToAll::AllToAll(Engine& e, A2APlan plan) : e_(e), plan_(std::move(plan)), ran
   if (plan_.user_tag < 0 || plan_.user_tag > kMaxCollTag)
     throw Error(ErrorKind::Invalid, "tag " + std::to_string(plan_.user_tag) + " out of range [0, " +
                                         std::to_string(kMaxCollTag) + "] for a collective");
-  refuse_overlap(plan_);
+  refuse_overlap(plan_, rank_);
   tag_ = coll_tag(plan_.user_tag, e_.next_collective());
   recv_.assign(n, 0);
   payload_.assign(n, 0);
@@ -241,9 +246,14 @@ void AllToAll::cleanup(bool sends_go_on) {
     if (!id) return;
     try {
       if (send && sends_go_on) {
-        // Sent on detached; one still reading the input is reported (a rendezvous
-        // whose head is out reads a copy of the core's own instead: let_go).
-        if (!e_.let_go(id) && e_.detach(id, true)) in_flight_.push_back(id);
+        // Sent on detached, from a copy of the core's own where they would
+        // read the input later (queued, or a rendezvous whose head is out):
+        // the caller, told the call failed, may change its input at once.
+        // One still reading it (device memory) is reported.
+        if (e_.own_queued(id))
+          e_.detach(id);
+        else if (!e_.let_go(id) && e_.detach(id, true))
+          in_flight_.push_back(id);
       } else if (send) {
         if (e_.cancel(id, true) == Engine::Cancelled::kKept) in_flight_.push_back(id);
       } else if (e_.detach(id, writes) && writes) {
@@ -436,7 +446,7 @@ void AllToAll::local_copy() {
   const Mem dm = dest_mem(rank_);
   // On the stream, like every other chunk's copy into the output.
   if (c.mem.device || dm.device) return e_.copy_local(d, c.data, c.nbytes, c.mem.device ? c.mem : dm);
-  std::memcpy(d, c.data, c.nbytes);
+  if (d != c.data) std::memcpy(d, c.data, c.nbytes);  // (the same memory: in place, refuse_overlap)
 }
 
 // A device chunk to a receiver with no device route goes from its host copy.
@@ -615,7 +625,7 @@ std::string AllToAll::other_calls_from(int peer) {
     const int64_t user = t / kCollTagBase - 1;
     if (user != plan_.user_tag) {
       if (std::find(other_tags.begin(), other_tags.end(), user) == other_tags.end()) other_tags.push_back(user);
-    } else if (t != tag_ && t != tag_ + 1) {
+    } else if (t > tag_ + 1) {  // a later call's (an earlier one's: left from a call this rank gave up on)
       ++other_calls;
     }
   }
@@ -627,9 +637,10 @@ std::string AllToAll::other_calls_from(int peer) {
            "unreceived, where " + rank_str(rank_) + " called with tag " + std::to_string(plan_.user_tag) +
            ": every rank must pass the same tag";
   if (other_calls)
-    msg += (msg.empty() ? "" : "; ") + std::to_string(other_calls) + " part" + (other_calls == 1 ? "" : "s") +
-           " of other calls from " + rank_str(peer) + " wait here unreceived, but not this call's: the ranks are " +
-           "out of step (every rank must make the same collective calls, in the same order)";
+    msg += (msg.empty() ? "" : "; ") + std::to_string(other_calls) + (other_calls == 1 ? " part" : " parts") +
+           " of later calls from " + rank_str(peer) + (other_calls == 1 ? " waits" : " wait") +
+           " here unreceived, but not this call's: the ranks are out of step (every rank must make the same "
+           "collective calls, in the same order)";
   return msg;
 }
 

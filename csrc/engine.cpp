@@ -1368,6 +1368,18 @@ Engine::Cancelled Engine::move_rendezvous(uint64_t id) {
   return Cancelled::kMoved;
 }
 
+bool Engine::own_queued(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  Request& r = get(id);
+  if (r.state != ReqState::Queued || r.kind != ReqKind::Send || r.mem.device || r.own || !r.data || !r.nbytes)
+    return false;
+  std::unique_ptr<char[]> own(new char[r.nbytes]);
+  std::memcpy(own.get(), r.data, r.nbytes);
+  r.data = own.get();
+  r.own = std::move(own);
+  return true;
+}
+
 bool Engine::let_go(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   Request& r = get(id);

@@ -220,6 +220,10 @@ class Engine {
   // the caller's buffer is its own again. False: wait on (not written yet, not
   // a rendezvous, or completed or failed meanwhile).
   bool let_go(uint64_t id);
+  // The same for a send not written yet (queued) of host memory: its data is
+  // copied into memory of the core's own, which it is sent from later; true
+  // then. False: not queued, device memory, or its own already.
+  bool own_queued(uint64_t id);
   // Why `id` timed out, for the TimeoutError (and its peer); the caller cancels it.
   std::string timeout_message(uint64_t id, double seconds, int* peer);
   // The caller drops it: finish in the background, recycle. True when it goes

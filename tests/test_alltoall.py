@@ -425,6 +425,49 @@ def test_a_rank_that_knows_a_peer_died_still_sends_its_part_to_the_others(transp
     assert comm.recv(src=1 - r).item() == 1 - r
 
 
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90, expect_exit={2: None})
+def test_parts_still_queued_when_a_dead_peer_fails_the_call_go_from_a_copy(transport):
+    """As above, with rank 1's ring to rank 0 full (8 messages to its 4
+    slots), so its part for rank 0 is still queued when the call raises
+    PeerFailure: it went later from rank 1's input, which rank 1, told the call
+    had failed, had overwritten with -1s, and rank 0 took those rows with no
+    error. Now the queued part goes from a copy taken when the call raised."""
+    comm = _init(transport, bound=BOUND, slots=4, timeout=30)
+    r, n = comm.rank, comm.world_size
+    x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
+    A.all_to_all_v(comm, x, [2] * n)  # every pair connected
+    if r == 2:
+        A.all_to_all_v(comm, x, [2] * n, async_op=True)  # its part goes out
+        comm._c.progress()
+        time.sleep(0.5)
+        os._exit(3)
+    if r == 1:
+        works = [comm.isend(torch.tensor([k]), dst=0) for k in range(8)]  # more than rank 0's slots for it
+        time.sleep(2)  # rank 2's end is known here by now
+        with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+            A.all_to_all_v(comm, x, [2] * n)
+        x.fill_(-1.0)  # the call failed: its input is the caller's again
+        for w in works:
+            w.wait()
+        assert comm.recv(src=0).item() == 7
+        return
+    work = A.all_to_all_v(comm, x, [2] * n, async_op=True)  # started before rank 2's end is known
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:  # rank 2's part lands; rank 1's is queued behind its 8 messages
+        work.is_completed()
+        time.sleep(0.05)
+    assert [comm.recv(src=1).item() for _ in range(8)] == list(range(8))
+    if transport.endswith("two-phase"):  # rank 2 died before its payload phase: the call fails here too
+        with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+            work.wait()
+    else:
+        out, got = work.wait()
+        want = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3)[0:2] + 100
+        assert torch.equal(out[2:4], want), f"rank 1's rows: {out[2:4].tolist()}"
+    comm.send(torch.tensor([7]), dst=1)
+
+
 # Chunks over 32 KiB to a peer this rank can read straight out of (CMA) go by
 # rendezvous: the receiver copies each one from its sender into the output it
 # places once every count is in (Engine::rendezvous `held`, Request::hold).
@@ -790,6 +833,18 @@ def test_an_in_place_all_to_all_is_refused_on_every_rank_not_answered_with_wrong
             ins[k].copy_(fresh()[k * rows:(k + 1) * rows])
         A.all_to_all(comm, outs, ins)
         assert torch.equal(torch.cat(outs), want)
+
+
+@world(1, timeout=60)
+def test_in_place_is_fine_where_no_peer_reads_the_input():
+    """One rank (no peers), and the list form's own part into its own output:
+    a local copy onto itself, not refused as in-place (what a peer reads is)."""
+    with varcomm.init(timeout=10) as comm:
+        x = torch.arange(6.0).reshape(3, 2)
+        A.all_to_all_single(comm, x, x)
+        parts = list(x.chunk(1))
+        A.all_to_all(comm, parts, parts)
+        assert torch.equal(x, torch.arange(6.0).reshape(3, 2))
 
 
 @pytest.mark.parametrize("transport", MODES)

@@ -306,6 +306,41 @@ def test_fake_arrays_of_an_explicit_stream_live_until_it_ran(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_a_call_that_raises_an_earlier_error_keeps_its_arrays_too(fake_cuda):
+    """A call raises the error of an earlier call once its own kernels are
+    enqueued: its arrays were not kept (nor record_stream'ed) then, so its
+    temporary splits tensor could be reused before the kernel read it
+    ("send_splits ... give rows [0, 94872619954267)" on the next look)."""
+    os.environ["FAKE_CUDA_DELAY_US"] = "20000"
+    try:
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, n = comm.rank, comm.world_size
+        with comm:
+            h, s = D._handle(comm), gpu.stream()
+            x = torch.full((2 * n, 4), float(r))
+            D.all_to_all_vdev(comm, x, torch.tensor([2] * n), out=torch.empty((3 if r == 1 else 8, 4)), stream=s)
+            if r == 0:
+                D.synchronize(comm, s)
+            else:
+                time.sleep(0.5)  # its "out too small" is recorded, not raised yet
+            x2 = torch.full((2 * n, 4), 10.0 + r)
+            if r == 1:
+                with pytest.raises(varcomm.MessageTooLarge):  # the earlier call's error, this call enqueued
+                    D.all_to_all_vdev(comm, x2, torch.tensor([2] * n), stream=s)  # a temporary splits tensor
+                assert h.kept >= 1, "the enqueued call's arrays were not kept"
+                junk = [torch.full((n,), 123456789, dtype=torch.int64) for _ in range(200)]  # reuses freed memory
+                D.synchronize(comm, s)  # the call itself was right
+                del junk
+            else:
+                out, oso = D.all_to_all_vdev(comm, x2, torch.tensor([2] * n), stream=s)
+                D.synchronize(comm, s)
+                assert _host(oso)[0].tolist() == [2] * n
+            comm.barrier()
+    finally:
+        os.environ.pop("FAKE_CUDA_DELAY_US", None)
+
+
+@world(2, timeout=120)
 def test_fake_synchronize_without_a_stream_waits_for_every_stream(fake_cuda):
     """The README's `D.synchronize(comm)`, no stream named: it waits for the
     calls on every stream they ran on (it took torch's current stream, which

@@ -423,6 +423,9 @@ def run_job(a: argparse.Namespace) -> int:
             ctx.a = for_bench(a, bench)
             results += mods[bench].run(ctx)
         info = machine(ctx) if ctx.rank == 0 else None
+    except Exception:
+        _abort_mpi_job()  # before close(), which on rank 0 (the store's host) waits for the peers
+        raise
     finally:
         ctx.close()
     if ctx.rank != 0:
@@ -550,6 +553,8 @@ def _relaunch(args_in: list[str], a: argparse.Namespace) -> int:
         try:
             return p.wait(timeout=timeout)
         except (subprocess.TimeoutExpired, KeyboardInterrupt, _Stopped) as e:
+            for s in stops:  # a second signal must not cut the stopping short
+                signal.signal(s, signal.SIG_IGN)
             os.killpg(p.pid, signal.SIGTERM)
             try:
                 p.wait(timeout=10)

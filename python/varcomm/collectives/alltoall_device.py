@@ -276,9 +276,11 @@ def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | 
         raise InvalidArgument("x must have at least one dimension (rows along dim 0)")
     rd, rb = _splits(comm, rows, 1, "rows", stream)
     s = stream if stream is not None else xd.stream if xd.stream is not None else 0
-    h.launch_p2p(True, int(dst), xd.word, xd.row_bytes, xd.ptr, xd.shape[0], rd.ptr, rb, int(s),
-                 comm._timeout if timeout is None else timeout)
-    _record(h, (xd, rd), int(s), stream is not None)
+    try:  # (a launch that raises an earlier call's error has enqueued its kernels all the same)
+        h.launch_p2p(True, int(dst), xd.word, xd.row_bytes, xd.ptr, xd.shape[0], rd.ptr, rb, int(s),
+                     comm._timeout if timeout is None else timeout)
+    finally:
+        _record(h, (xd, rd), int(s), stream is not None)
 
 
 def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: int | None = None,
@@ -295,9 +297,11 @@ def recv_rows(comm: Communicator, out: Any, rows_out: Any, src: int, *, stream: 
     if rd.word != _I64 or int(np.prod(rd.shape)) != 1:
         raise InvalidArgument("rows_out must be one int64 on the device")
     s = stream if stream is not None else od.stream if od.stream is not None else 0
-    h.launch_p2p(False, int(src), od.word, od.row_bytes, od.ptr, od.shape[0], rd.ptr, 8, int(s),
-                 comm._timeout if timeout is None else timeout)
-    _record(h, (od, rd), int(s), stream is not None)
+    try:
+        h.launch_p2p(False, int(src), od.word, od.row_bytes, od.ptr, od.shape[0], rd.ptr, 8, int(s),
+                     comm._timeout if timeout is None else timeout)
+    finally:
+        _record(h, (od, rd), int(s), stream is not None)
 
 
 def capacity_rows(comm: Communicator, row_bytes: int) -> int:
@@ -481,9 +485,11 @@ def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_lay
                               f"{dtypes.describe(oso.word)} {oso.shape}")
     if timeout is not None:
         _C.check_timeout(timeout)
-    h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0], oso.ptr,
-             int(s), comm._timeout if timeout is None else timeout, backward)
-    _record(h, (xd, sd, od, oso), int(s), stream is not None)
+    try:  # (a launch that raises an earlier call's error has enqueued its kernels all the same)
+        h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0],
+                 oso.ptr, int(s), comm._timeout if timeout is None else timeout, backward)
+    finally:
+        _record(h, (xd, sd, od, oso), int(s), stream is not None)
     result = (out, out_splits_offsets)
     return DeviceWork(comm, int(s), result) if async_op else result
 
