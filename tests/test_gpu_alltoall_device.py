@@ -306,6 +306,45 @@ def test_fake_arrays_of_an_explicit_stream_live_until_it_ran(fake_cuda):
 
 
 @world(2, timeout=120)
+def test_fake_a_device_array_used_on_another_stream_lives_until_that_stream_ran(fake_cuda):
+    """A DeviceArray (an output varcomm allocated, freed in its own stream's
+    order) passed to a call on another explicit stream and dropped: it was
+    freed once its own stream was idle, while the other stream's kernel had
+    yet to read it. Now the handle keeps it until that stream ran the call."""
+    import gc
+    import weakref
+
+    os.environ["FAKE_CUDA_DELAY_US"] = "20000"
+    try:
+        gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+        r, n, W = comm.rank, comm.world_size, 4
+        with comm:
+            s1, s2 = gpu.stream(), gpu.stream()
+            x = FakeArray(gpu, (2 * n, W), "float32", s1)
+            x.host[...] = r
+            sp = FakeArray(gpu, (n,), "int64", s1)
+            sp.host[...] = 2
+            out, oso = D.all_to_all_vdev(comm, x, sp, stream=s1)  # out: a DeviceArray ordered on s1
+            D.synchronize(comm, s1)
+            assert isinstance(out, D.DeviceArray)
+            sp2 = FakeArray(gpu, (n,), "int64", s2)
+            sp2.host[...] = [1] * n
+            alive = weakref.ref(out)
+            got, oso2 = D.all_to_all_vdev(comm, out, sp2, stream=s2)  # reads out on s2, 20 ms per operation
+            del out
+            gc.collect()
+            assert alive() is not None, "freed while a kernel on another stream had yet to read it"
+            D.synchronize(comm, s2)
+            gc.collect()
+            assert alive() is None, "still kept after its stream ran the call"
+            assert _host(oso2)[0].tolist() == [1] * n
+            assert _host(got)[:n, 0].tolist() == [float(r // 2)] * n  # row r of out (from rank r // 2) from each
+            comm.barrier()
+    finally:
+        os.environ.pop("FAKE_CUDA_DELAY_US", None)
+
+
+@world(2, timeout=120)
 def test_fake_a_call_that_raises_an_earlier_error_keeps_its_arrays_too(fake_cuda):
     """A call raises the error of an earlier call once its own kernels are
     enqueued: its arrays were not kept (nor record_stream'ed) then, so its

@@ -196,14 +196,15 @@ def _record(h: Any, devs: tuple[_Dev, ...], stream: int, explicit: bool) -> None
     kernels still use it. Torch CUDA tensors are record_stream'ed; the others
     (torch tensors in memory the GPU addresses, cupy arrays) are kept alive
     by the handle until the stream passed this point. varcomm's own
-    DeviceArray frees itself in stream order already."""
+    DeviceArray frees itself in its own stream's order: kept too when the
+    call runs on another."""
     if not explicit:
         return
     keep = []
     for d in devs:
         if d.cuda:
             d.obj.record_stream(arrays.torch.cuda.ExternalStream(stream, device=d.obj.device))
-        elif not isinstance(d.obj, DeviceArray):
+        elif not isinstance(d.obj, DeviceArray) or d.obj.stream != stream:
             keep.append(d.obj)
     if keep:
         h.keep(tuple(keep), stream)
