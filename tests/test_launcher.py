@@ -141,6 +141,17 @@ def test_a_master_port_that_is_no_port_is_a_usage_error(tmp_path: Path, bad: str
     assert "--master-port must be a TCP port in 1..65535" in res.stderr and "ran" not in res.stdout
 
 
+def test_a_rank_count_far_over_the_cores_needs_oversubscribe(tmp_path: Path) -> None:
+    """-n 5000 (a typo) started 5000 processes on a 2-core machine. Now more than
+    16 ranks per core (at least 64) is a usage error unless --oversubscribe."""
+    prog = script(tmp_path, "print('ran')\n")
+    res = launch("-n", "5000", prog)
+    assert res.returncode == 2, res.stderr
+    assert "pass --oversubscribe if you mean it" in res.stderr and "ran" not in res.stdout
+    res = launch("-n", "3", "--oversubscribe", prog)  # the flag itself is accepted
+    assert res.returncode == 0 and res.stdout.count("ran") == 3, res.stderr
+
+
 def test_grandchildren_are_killed(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         import subprocess

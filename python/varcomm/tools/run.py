@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m varcomm.run -n N [--timeout S] [--tag-output] [--master-port P] PROGRAM [ARGS...]
+    python -m varcomm.run -n N [--timeout S] [--tag-output] [--master-port P] [--oversubscribe] PROGRAM [ARGS...]
     python -m varcomm.run -n N [options] -m MODULE [ARGS...]
 
 Each rank is a child process with a torchrun-compatible environment (RANK,
@@ -373,7 +373,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="varcomm-run",
-        usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] (PROGRAM | -m MODULE) [ARGS...]",
+        usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] [--oversubscribe] (PROGRAM | -m MODULE) [ARGS...]",
         description="Start N local ranks of PROGRAM with torchrun-compatible environment variables. "
                     "A PROGRAM ending in .py, -m MODULE and a bare python/python3 run on this launcher's "
                     "interpreter (" + sys.executable + "); give a path to run another.",
@@ -382,7 +382,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="stop the job after S seconds (exit 124)")
     p.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank]")
     p.add_argument("--master-port", type=int, default=None, help="MASTER_PORT (default: a free port)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help=f"allow more than {_MAX_PER_CORE} ranks per core (at least {_MAX_FLOOR} ranks always)")
     return p
+
+
+# More ranks than this per core is refused without --oversubscribe (mpirun refuses
+# any oversubscription by default): a typo of -n 5000 started 5000 processes.
+_MAX_PER_CORE, _MAX_FLOOR = 16, 64
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -395,6 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("missing PROGRAM")
     if args.n < 1:
         parser.error("-n must be at least 1")
+    cap = max(_MAX_FLOOR, _MAX_PER_CORE * (os.cpu_count() or 1))
+    if args.n > cap and not args.oversubscribe:
+        parser.error(f"-n {args.n} is more than {cap} ranks on {os.cpu_count()} cores; pass --oversubscribe if you "
+                     "mean it")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         # 99999 reached torch's TCPStore, which failed rank 0 with a TypeError and told rank 1 another program owned it
         parser.error(f"--master-port must be a TCP port in 1..65535, not {args.master_port}")
