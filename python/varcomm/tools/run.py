@@ -373,7 +373,8 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="varcomm-run",
-        usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] [--oversubscribe] (PROGRAM | -m MODULE) [ARGS...]",
+        usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] [--oversubscribe] "
+              "(PROGRAM | -m MODULE) [ARGS...]",
         description="Start N local ranks of PROGRAM with torchrun-compatible environment variables. "
                     "A PROGRAM ending in .py, -m MODULE and a bare python/python3 run on this launcher's "
                     "interpreter (" + sys.executable + "); give a path to run another.",
