@@ -1373,7 +1373,8 @@ bool Engine::own_queued(uint64_t id) {
   Request& r = get(id);
   if (r.state != ReqState::Queued || r.kind != ReqKind::Send || r.mem.device || r.own || !r.data || !r.nbytes)
     return false;
-  std::unique_ptr<char[]> own(new char[r.nbytes]);
+  std::unique_ptr<char[]> own(new (std::nothrow) char[r.nbytes]);
+  if (!own) return false;  // (the caller keeps the send reading its buffer instead)
   std::memcpy(own.get(), r.data, r.nbytes);
   r.data = own.get();
   r.own = std::move(own);
@@ -1406,10 +1407,15 @@ void Engine::withdraw_heads(int peer) {
     if (r.state != ReqState::InFlight || !r.rndv || r.streaming) continue;
     uint64_t* w = rv_word_at(peer, r.head_slot, kRvStateOff);
     if (!w) return;  // not a shm pair: nobody copies out of our memory
-    uint64_t want = rv_word(r.head_seq, r.own ? kRvMoved : kRvOffered);
-    if (__atomic_compare_exchange_n(w, &want, rv_word(r.head_seq, kRvWithdrawn), false, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_ACQUIRE))
-      continue;  // the caller fails it
+    // Offered, or moved (move_rendezvous) after it went out; a send whose
+    // data was ours before it went out (own_queued) is offered with r.own set.
+    auto withdraw = [&](uint64_t& want) {
+      return __atomic_compare_exchange_n(w, &want, rv_word(r.head_seq, kRvWithdrawn), false, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE);
+    };
+    uint64_t want = rv_word(r.head_seq, kRvOffered);
+    if (withdraw(want)) continue;  // the caller fails it
+    if (want == rv_word(r.head_seq, kRvMoved) && withdraw(want)) continue;
     if (want != rv_word(r.head_seq, kRvClaimed)) continue;  // answered already
     std::string why;
     if (await_head_credit(id, Clock::now() + kClaimWait, &why) != Await::kAnswered) {

@@ -468,6 +468,50 @@ def test_parts_still_queued_when_a_dead_peer_fails_the_call_go_from_a_copy(trans
     comm.send(torch.tensor([7]), dst=1)
 
 
+@world(3, timeout=120, expect_exit={2: None})
+def test_a_queued_part_sent_from_a_copy_is_withdrawn_at_close_not_read_after_free():
+    """As above, with rank 1's part for rank 0 a rendezvous (48 KiB, read by
+    rank 0 out of rank 1's memory), still queued when the call raised: it went
+    from the copy, and rank 1's close(), with rank 0 not reading, could not
+    withdraw its head (the copy looked like data moved after the head went
+    out), freed the copy and left the head offered. Rank 0 then read freed
+    memory (-7s rank 1 had reused it for) as rank 1's rows, with no error. Now
+    the head is withdrawn: rank 0 raises PeerFailure instead."""
+    W, BIG = 16, 768
+    comm = varcomm.init(transport="shm", bound=64 * 1024, slots=4, timeout=60, cma="on", landing=0)
+    r, n = comm.rank, comm.world_size
+    splits = [BIG if (r == 1 and d == 0) else 1 for d in range(n)]
+    x = torch.arange(sum(splits) * W, dtype=torch.float32).reshape(-1, W) + 1000 * r
+    A.all_to_all_v(comm, torch.zeros(n, W), [1] * n)  # every pair connected
+    if r == 2:
+        A.all_to_all_v(comm, x, splits, async_op=True)
+        comm._c.progress()
+        time.sleep(0.5)
+        os._exit(3)
+    if r == 1:
+        works = [comm.isend(torch.tensor([k]), dst=0) for k in range(8)]  # more than rank 0's slots for it
+        time.sleep(2)
+        with pytest.raises(varcomm.PeerFailure, match="rank 2"):
+            A.all_to_all_v(comm, x, splits)
+        for w in works:
+            w.wait()
+        comm.close()  # its flush waits ~10 s for rank 0 (asleep), then withdraws what rank 0 did not take
+        junk = [torch.full((BIG * W,), -7.0) for _ in range(8)]  # reuses freed memory
+        time.sleep(12)
+        del junk
+        return
+    work = A.all_to_all_v(comm, x, splits, async_op=True)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        work.is_completed()
+        time.sleep(0.05)
+    assert [comm.recv(src=1).item() for _ in range(8)] == list(range(8))
+    time.sleep(16)  # no progress here while rank 1 closes
+    with pytest.raises(varcomm.PeerFailure, match="rank 1"):
+        out, _ = work.wait()
+        assert not torch.equal(out[1:2], torch.full((1, W), -7.0)), "rank 1's rows are freed memory"
+
+
 # Chunks over 32 KiB to a peer this rank can read straight out of (CMA) go by
 # rendezvous: the receiver copies each one from its sender into the output it
 # places once every count is in (Engine::rendezvous `held`, Request::hold).

@@ -77,7 +77,9 @@ _label: contextvars.ContextVar[tuple[str, str, bool]] = contextvars.ContextVar("
 # (the core's A2APlan::agree): (kind << 20 | value, its name, why it must agree); 0: none.
 _agreed: contextvars.ContextVar[tuple[int, str, str]] = contextvars.ContextVar("varcomm_a2a_agree",
                                                                              default=(0, "", ""))
-AGREE_NUM_EXPERTS, AGREE_DISPATCH = 1, 2  # the kinds of values (csrc/protocol.h kAgreeKindShift)
+# The kinds of values (csrc/protocol.h kAgreeKindShift): moe.dispatch's num_experts, and which dispatch a
+# combine, a dispatch's backward or a combine's backward undoes.
+AGREE_NUM_EXPERTS, AGREE_COMBINE, AGREE_DISPATCH_BACK, AGREE_COMBINE_BACK = 1, 2, 3, 4
 
 
 @contextlib.contextmanager
@@ -87,6 +89,8 @@ def agreeing(kind: int, value: int, name: str, why: str) -> Iterator[None]:
     call on every rank it sends to or receives from, a rank it sends no rows
     too, with "rank s passed <name> v where rank r passed w<why>"; a rank
     whose kind differs (another call, or none) is out of step."""
+    if not 0 <= kind < 16:
+        raise ValueError(f"agreeing: kind {kind} is not in 0..15")
     token = _agreed.set((kind << 20 | value & 0xFFFFF if kind else 0, name, why))
     try:
         yield

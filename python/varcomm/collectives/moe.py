@@ -78,11 +78,12 @@ def _num_experts(num_experts: int) -> tuple[int, int, str, str]:
     return alltoall.AGREE_NUM_EXPERTS, num_experts, "num_experts", ": every rank must pass the same num_experts"
 
 
-def _undoing(call: int) -> tuple[int, int, str, str]:
+def _undoing(kind: int, call: int) -> tuple[int, int, str, str]:
     """What the all-to-alls undoing a dispatch carry and check: which dispatch (its
-    collective number, the same on every rank). A rank that passes the handle of
-    another dispatch fails on every rank, where equal row counts went through silently."""
-    return alltoall.AGREE_DISPATCH, call % 0xFFFFF, "the handle of dispatch call", (
+    collective number, the same on every rank), and which of them it is (`kind`:
+    combine, or either backward). A rank that passes the handle of another dispatch
+    than its peers fails on every rank, where equal row counts went through silently."""
+    return kind, call % 0xFFFFF, "the handle of dispatch call", (
         ": a rank combined with the handle of another dispatch (each combine takes the handle its own "
         "dispatch returned, in this step), or the ranks are out of step")
 
@@ -190,7 +191,7 @@ class _Dispatch(torch.autograd.Function):
         order, send_splits, recv_splits, perm, T, K, place, call = ctx.meta
         g = _unpermute(grad, perm)
         back, _ = _all_to_all_v(ctx.comm, g, recv_splits, place, _DISPATCH_BACK, send_splits,  # in send order
-                                agree=_undoing(call))
+                                agree=_undoing(alltoall.AGREE_DISPATCH_BACK, call))
         gtok = back.new_zeros((T,) + tuple(grad.shape[1:]))
         gtok.index_add_(0, order // K, back)
         return gtok, None, None, None, None
@@ -202,7 +203,8 @@ class _Combine(torch.autograd.Function):
                 recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any, call: int) -> torch.Tensor:
         y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
         try:  # [T*K, H'] in send (expert-sorted) order
-            back, _ = _all_to_all_v(comm, y, recv_splits, place, _COMBINE, send_splits, agree=_undoing(call))
+            back, _ = _all_to_all_v(comm, y, recv_splits, place, _COMBINE, send_splits,
+                                    agree=_undoing(alltoall.AGREE_COMBINE, call))
         except MessageMismatch as e:
             if "same dtype and trailing shape" not in str(e):
                 raise
@@ -221,7 +223,7 @@ class _Combine(torch.autograd.Function):
         order, send_splits, recv_splits, perm, place, device, call = ctx.meta
         g = grad.reshape((-1,) + tuple(grad.shape[2:])).index_select(0, order).contiguous()
         recv, _ = _all_to_all_v(ctx.comm, g, send_splits, place, _COMBINE_BACK, recv_splits,  # received order
-                                agree=_undoing(call))
+                                agree=_undoing(alltoall.AGREE_COMBINE_BACK, call))
         return (recv.index_select(0, perm).to(device),) + (None,) * 9
 
 
@@ -262,6 +264,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     n = comm.world_size
     if num_experts <= 0 or num_experts % n:
         raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of the world size {n}")
+    if num_experts >= 1 << 20:  # (every chunk's header carries it in 20 bits: alltoall.agreeing)
+        raise InvalidArgument(f"num_experts={num_experts}: at most {(1 << 20) - 1} experts")
     if tokens.dim() != 2:
         raise InvalidArgument(f"tokens must be [T, H], got shape {tuple(tokens.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens.shape[0]:
