@@ -431,9 +431,11 @@ void AllToAll::place(int s, void* out, Mem mem, const std::string& why) {
 
 void* AllToAll::dest(int s) const {
   if (fate_[s] != Fate::Ok) return nullptr;
+  // The rows land only when every chunk is right: an error writes nothing
+  // (in the list form either: not the outputs of the sources that were right).
+  if (mismatch_) return nullptr;
   if (plan_.op == A2AOp::List) return const_cast<void*>(plan_.outs[s].data);
-  // The rows land only when every chunk is right: an error writes nothing.
-  if (mismatch_ || overflow_ || !plan_.out) return nullptr;
+  if (overflow_ || !plan_.out) return nullptr;
   return static_cast<char*>(plan_.out) + offset_[s];
 }
 

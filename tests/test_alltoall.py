@@ -879,6 +879,29 @@ def test_an_in_place_all_to_all_is_refused_on_every_rank_not_answered_with_wrong
         assert torch.equal(torch.cat(outs), want)
 
 
+@pytest.mark.parametrize("transport", MODES)
+@world(3, timeout=90)
+def test_a_list_form_call_that_fails_writes_none_of_its_outputs(transport):
+    """all_to_all(outs, ins) with one output too small on rank 1: it raised
+    MessageMismatch with its other outputs already filled, where
+    all_to_all_v with a bad out writes nothing. Now neither does the list
+    form; the peers' calls go through, and the next call is right."""
+    with _init(transport, bound=BOUND, slots=4, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        ins = [torch.full((3, 4), float(r + 1)) for _ in range(n)]
+        outs = [torch.full((2 if (r == 1 and q == 0) else 3, 4), -7.0) for q in range(n)]
+        if r == 1:
+            with pytest.raises(varcomm.MessageMismatch, match="output_tensor_list\\[0\\]"):
+                A.all_to_all(comm, outs, ins)
+            assert all(bool((o == -7.0).all()) for o in outs), [o[:, 0].tolist() for o in outs]
+        else:
+            A.all_to_all(comm, outs, ins)
+            assert [o[0, 0].item() for o in outs] == [q + 1.0 for q in range(n)]
+        outs = [torch.empty(3, 4) for _ in range(n)]
+        A.all_to_all(comm, outs, ins)
+        assert [o[0, 0].item() for o in outs] == [q + 1.0 for q in range(n)]
+
+
 @world(1, timeout=60)
 def test_in_place_is_fine_where_no_peer_reads_the_input():
     """One rank (no peers), and the list form's own part into its own output:
