@@ -152,6 +152,17 @@ def test_a_rank_count_far_over_the_cores_needs_oversubscribe(tmp_path: Path) -> 
     assert res.returncode == 0 and res.stdout.count("ran") == 3, res.stderr
 
 
+def test_an_unknown_variable_is_one_plain_line_from_the_launcher(tmp_path: Path) -> None:
+    """VARCOMM_BOUNDS (a typo) came out of the launcher as a raw `warnings` line
+    naming run.py's source line. Now it is one line in the launcher's words."""
+    prog = script(tmp_path, "print('ran')\n")
+    res = launch("-n", "2", prog, extra_env={"VARCOMM_BOUNDS": "1K"})
+    assert res.returncode == 0, res.stderr
+    assert ("varcomm-run: warning: VARCOMM_BOUNDS is not a varcomm variable (did you mean VARCOMM_BOUND?)"
+            in res.stderr), res.stderr
+    assert "run.py:" not in res.stderr and "UserWarning" not in res.stderr, res.stderr
+
+
 def test_grandchildren_are_killed(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         import subprocess

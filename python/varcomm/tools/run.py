@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
@@ -414,9 +415,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # -1 stopped the job at once ("timeout after -1 s"), 0 meant no timeout at all
         parser.error(f"--timeout must be a number of seconds > 0, not {args.timeout:g}")
     try:  # a bad VARCOMM_* value would fail every rank the same way: say so once, start none
-        resolve_valid()
+        with warnings.catch_warnings(record=True) as seen:  # (an unknown name: the ranks warn too)
+            warnings.simplefilter("always")
+            resolve_valid()
     except ValueError as e:
         parser.error(str(e))
+    for w in seen:
+        print(f"varcomm-run: warning: {w.message}", file=sys.stderr)
     return launch(
         _command(program),
         args.n,
