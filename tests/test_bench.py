@@ -306,6 +306,17 @@ def test_raw_libfabric_provider() -> None:
         assert fi_provider(ctx, comm) == "shm"
 
 
+def test_the_machine_line_says_when_fi_pingpong_never_ran() -> None:
+    """The machine line said "libfabric 1.17.0 (verbs)" where fi_pingpong, asked
+    for verbs, failed at every size: it named a provider nothing ran on."""
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(fi_provider_used="verbs", fi_seen_provider=None)
+    assert cli.provider_used(ctx) == "verbs asked for; fi_pingpong did not run"
+    ctx.fi_seen_provider = "tcp;ofi_rxm"
+    assert cli.provider_used(ctx) == "tcp;ofi_rxm"
+
+
 @pytest.mark.skipif("rdma-gpu" not in varcomm.build_info()["transports"],
                     reason="needs the rdma-gpu transport (libfabric and CUDA support at build time)")
 @pytest.mark.parametrize("hmem", ["0", "1"])

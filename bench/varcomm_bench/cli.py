@@ -81,6 +81,11 @@ def _cmd_out(argv: list[str]) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def provider_used(ctx: Any) -> str:
+    """The provider fi_pingpong reported running on; one asked for that never ran, said so."""
+    return ctx.fi_seen_provider or f"{ctx.fi_provider_used} asked for; fi_pingpong did not run"
+
+
 def machine(ctx: Any = None) -> dict[str, Any]:
     info: dict[str, Any] = {"hostname": platform.node(), "kernel": platform.release(), "arch": platform.machine(),
                             "python": platform.python_version(), "cores": os.cpu_count()}
@@ -133,7 +138,7 @@ def machine(ctx: Any = None) -> dict[str, Any]:
         fi["providers"] = [ln.rstrip(":") for ln in provs.splitlines() if ln.endswith(":")]
     if ctx is not None:
         if getattr(ctx, "fi_provider_used", None):
-            fi["provider_used"] = getattr(ctx, "fi_seen_provider", None) or ctx.fi_provider_used
+            fi["provider_used"] = provider_used(ctx)
         if ctx.mpi is not None:
             info["mpi"] = ctx.mpi.Get_library_version().strip().splitlines()[0].rstrip("\x00").strip()
         info["transport"] = ctx.transport
