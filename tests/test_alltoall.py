@@ -385,6 +385,14 @@ def test_dead_peer_fails_the_call_while_another_peer_is_late(transport):
     assert comm.recv(src=2 - r).item() == 2 - r
 
 
+def _send_its_part_and_die(comm, x: torch.Tensor, splits: list[int]) -> None:
+    """This rank's part of an all-to-all goes out; then the rank dies in the call."""
+    A.all_to_all_v(comm, x, splits, async_op=True)
+    comm._c.progress()
+    time.sleep(0.5)
+    os._exit(3)
+
+
 @pytest.mark.parametrize("transport", MODES)
 @world(3, timeout=90, expect_exit={2: None})
 def test_a_rank_that_knows_a_peer_died_still_sends_its_part_to_the_others(transport):
@@ -400,10 +408,7 @@ def test_a_rank_that_knows_a_peer_died_still_sends_its_part_to_the_others(transp
     x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
     A.all_to_all_v(comm, x, [2] * n)  # every pair connected
     if r == 2:
-        A.all_to_all_v(comm, x, [2] * n, async_op=True)  # its part goes out
-        comm._c.progress()
-        time.sleep(0.5)
-        os._exit(3)
+        _send_its_part_and_die(comm, x, [2] * n)
     if r == 1:
         time.sleep(2)  # rank 2's end is known here by now
     t0 = time.monotonic()
@@ -438,10 +443,7 @@ def test_parts_still_queued_when_a_dead_peer_fails_the_call_go_from_a_copy(trans
     x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
     A.all_to_all_v(comm, x, [2] * n)  # every pair connected
     if r == 2:
-        A.all_to_all_v(comm, x, [2] * n, async_op=True)  # its part goes out
-        comm._c.progress()
-        time.sleep(0.5)
-        os._exit(3)
+        _send_its_part_and_die(comm, x, [2] * n)
     if r == 1:
         works = [comm.isend(torch.tensor([k]), dst=0) for k in range(8)]  # more than rank 0's slots for it
         time.sleep(2)  # rank 2's end is known here by now
@@ -484,10 +486,7 @@ def test_a_queued_part_sent_from_a_copy_is_withdrawn_at_close_not_read_after_fre
     x = torch.arange(sum(splits) * W, dtype=torch.float32).reshape(-1, W) + 1000 * r
     A.all_to_all_v(comm, torch.zeros(n, W), [1] * n)  # every pair connected
     if r == 2:
-        A.all_to_all_v(comm, x, splits, async_op=True)
-        comm._c.progress()
-        time.sleep(0.5)
-        os._exit(3)
+        _send_its_part_and_die(comm, x, splits)
     if r == 1:
         works = [comm.isend(torch.tensor([k]), dst=0) for k in range(8)]  # more than rank 0's slots for it
         time.sleep(2)

@@ -83,7 +83,7 @@ def _undoing(kind: int, call: int) -> tuple[int, int, str, str]:
     collective number, the same on every rank), and which of them it is (`kind`:
     combine, or either backward). A rank that passes the handle of another dispatch
     than its peers fails on every rank, where equal row counts went through silently."""
-    return kind, call % 0xFFFFF, "the handle of dispatch call", (
+    return kind, call, "the handle of dispatch call", (
         ": a rank combined with the handle of another dispatch (each combine takes the handle its own "
         "dispatch returned, in this step), or the ranks are out of step")
 
