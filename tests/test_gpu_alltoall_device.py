@@ -1317,6 +1317,46 @@ def test_fake_moe_combine_over_the_wrong_communicator_is_refused_where_the_peer_
 
 
 @world(2, timeout=120)
+def test_fake_moe_a_handle_of_an_earlier_dispatch_is_told_even_where_the_row_counts_agree(fake_cuda):
+    """Rank 0 combines (and, through autograd, runs backward) with the handle
+    of the dispatch before, whose row counts equal this one's: the chunks
+    passed every check, rank 0 got rank 1's rows of the other dispatch back
+    and rank 1 went on, with no error. Now the dispatch's kernel writes its
+    call number into the handle, and the combine's and backward's chunks carry
+    it: both ranks raise MessageMismatch naming both dispatch calls, and the
+    next calls pair up."""
+    from varcomm.collectives import moe_device
+
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s = comm.rank, gpu.stream()
+    E, T = 2, 4
+    told = r"passed the handle of dispatch call (\d+) to .* where rank \d passed the handle of dispatch call " \
+           r"(?!\1)\d+ \(device all-to-all call \d+\): a rank combined with the handle of another dispatch"
+    with comm:
+        ids = torch.tensor([[0], [1], [0], [1]])
+        tok = torch.arange(T * 3, dtype=torch.float32).reshape(T, 3) + 100 * r
+        w = torch.ones(T, 1)
+        et, _, old = moe_device.dispatch(comm, tok, ids, w, E, stream=s)
+        assert torch.equal(moe_device.combine(comm, et, old), tok)
+        et, _, new = moe_device.dispatch(comm, tok.flip(0), ids, w, E, stream=s)  # the same counts, other rows
+        with pytest.raises(varcomm.MessageMismatch, match=told):
+            moe_device.combine(comm, et, old if r == 0 else new)
+        # dispatch's backward (a combine of the gradients) with the stale handle
+        t = tok.clone().requires_grad_(True)
+        et, _, h1 = moe_device.dispatch(comm, t, ids, w, E, stream=s)
+        et2, _, h2 = moe_device.dispatch(comm, t, ids, w, E, stream=s)
+        y = moe_device.combine(comm, et2 * 2, h2)
+        assert torch.equal(y, 2 * tok)
+        stale = moe_device.combine(comm, et * 3, h1)  # h1's combine, fine on both ranks
+        assert torch.equal(stale, 3 * tok)
+        with pytest.raises(varcomm.MessageMismatch, match=told):
+            (y if r == 0 else stale).sum().backward()  # rank 0 runs h2's backward first, rank 1 h1's
+        et, _, h = moe_device.dispatch(comm, tok, ids, w, E, stream=s)  # in step again
+        assert torch.equal(moe_device.combine(comm, et, h), tok)
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_moe_topk_ids_out_of_range_are_named_and_nothing_is_sent(fake_cuda):
     """topk_ids outside [-1, E) on rank 1 (not read on the host): rank 1's
     dispatch raises InvalidArgument counting them, rank 0's MessageMismatch

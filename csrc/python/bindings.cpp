@@ -1284,9 +1284,11 @@ void bind_device_a2a(py::module_& m) {
            [](DeviceA2AHandle& h, unsigned ne, unsigned in_layout, unsigned out_layout, uint32_t dtype,
               uint64_t row_bytes, uintptr_t x, uint64_t x_rows, uintptr_t splits, unsigned splits_bytes, uintptr_t out,
               uint64_t out_rows, uintptr_t out_splits_offsets, uintptr_t stream, std::optional<double> timeout,
-              bool backward) {
+              bool backward, uintptr_t dispatch, bool dispatch_set) {
              DeviceA2ACall c;
              c.backward = backward;
+             c.dispatch = dispatch;
+             c.dispatch_set = dispatch_set;
              c.ne = ne;
              c.in_layout = in_layout;
              c.out_layout = out_layout;
@@ -1306,7 +1308,7 @@ void bind_device_a2a(py::module_& m) {
            py::arg("ne"), py::arg("in_layout"), py::arg("out_layout"), py::arg("dtype"), py::arg("row_bytes"),
            py::arg("x"), py::arg("x_rows"), py::arg("splits"), py::arg("splits_bytes"), py::arg("out"),
            py::arg("out_rows"), py::arg("out_splits_offsets"), py::arg("stream"), py::arg("timeout"),
-           py::arg("backward") = false)
+           py::arg("backward") = false, py::arg("dispatch") = 0, py::arg("dispatch_set") = false)
       // This rank's part of the next call refused on the host: launched with no
       // data, so every rank's call numbers stay in step (receivers: MessageMismatch).
       .def("refuse",

@@ -203,7 +203,10 @@ class DeviceAllToAll:
     # in_layout 0: splits' prefix sums, 1: [2, world*ne] splits and offsets; out_layout 0 expert-major, 1 rank-major.
     def launch(self, ne: int, in_layout: int, out_layout: int, dtype: int, row_bytes: int, x: int, x_rows: int,
                splits: int, splits_bytes: int, out: int, out_rows: int, out_splits_offsets: int, stream: int,
-               timeout: float | None, backward: bool = False) -> None: ...
+               timeout: float | None, backward: bool = False, dispatch: int = 0,
+               dispatch_set: bool = False) -> None: ...
+    # dispatch: an int64 in device memory (MoE): a dispatch (dispatch_set) writes its call number there, its
+    # combine and backwards check it against their peers'.
     # Point-to-point on a handle set up for it: send x (rows: the device row count, rows_bytes 4 or 8),
     # or receive into a bound-sized out (rows: an int64 the kernel writes the received row count to).
     def launch_p2p(self, send: bool, peer: int, dtype: int, row_bytes: int, data: int, rows_cap: int, rows: int,

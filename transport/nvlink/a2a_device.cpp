@@ -276,6 +276,15 @@ struct DeviceA2A::Impl {
           return std::string(k >> 16 & 1 ? "an autograd backward's " : "") + name + ", " + std::to_string(ne) +
                  " expert" + (ne == 1 ? "" : "s") + " per rank";
         };
+        if ((r.b & 0xffffffffu) == (r.c & 0xffffffffu))  // the same call, undoing another dispatch (call_kind)
+          return Error(ErrorKind::Mismatch,
+                       rk(r.a) + " passed the handle of dispatch call " + std::to_string(r.b >> 32) + " to " +
+                           what(r.b) + " where " + me + " passed the handle of dispatch call " +
+                           std::to_string(r.c >> 32) + call +
+                           ": a rank combined with the handle of another dispatch (each combine, and each "
+                           "backward, takes the handle its own dispatch returned, in this step), or the ranks are "
+                           "out of step (0 rows from it)",
+                       int(r.a));
         return Error(ErrorKind::Mismatch, rk(r.a) + " ran " + what(r.b) + " where " + me + " ran " + what(r.c) +
                                              call + ": the ranks are out of step (0 rows from it). Every rank must "
                                              "make the same device calls in the same order, after an error too: a "
@@ -578,6 +587,8 @@ a2a::Args args_of(const DeviceA2ACall& c, int rank, int world, uint64_t cap, CUd
   a.splits_bytes = c.splits_bytes;
   a.refused = c.refused;
   a.backward = c.backward;
+  a.dispatch = reinterpret_cast<a2a::u64*>(c.dispatch);
+  a.dispatch_set = c.dispatch_set;
   a.dtype = c.dtype;
   a.cap = cap;
   a.row_bytes = c.row_bytes;

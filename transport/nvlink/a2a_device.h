@@ -53,6 +53,12 @@ struct DeviceA2ACall {
   // An autograd backward's call: a forward's chunk met by it (a rank ran no
   // backward and went on) is "out of step", not rows of the same shape taken.
   bool backward = false;
+  // MoE (moe_device): an int64 in device memory. A dispatch (dispatch_set)
+  // writes its call number there from its kernel; its combine and both
+  // backwards carry and check it, so a handle of another dispatch than the
+  // peers' fails every rank's call ("out of step"). 0: a plain all-to-all.
+  uintptr_t dispatch = 0;
+  bool dispatch_set = false;
 };
 
 class DeviceA2A {

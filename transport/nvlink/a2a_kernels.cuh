@@ -130,6 +130,7 @@ struct Args {
                                        // out_splits_offsets are not touched, every receiver gets kRefused
   unsigned dtype;                      // dtype word of x and out
   unsigned backward;                   // 1: an autograd backward's call (its kind differs from a forward's)
+  unsigned dispatch_set;               // 1: this call is a MoE dispatch: it writes its number to *dispatch
   u64 cap;                             // payload bytes of every slot (same on every rank)
   u64 row_bytes;
   u64 x_rows, out_rows;
@@ -138,6 +139,9 @@ struct Args {
   const void* splits;                  // [world * ne] or, kInOffsets, [2, world * ne]
   unsigned char* out;
   i64* out_splits_offsets;             // [2, world * ne]: rows, then row offsets, in the out layout's order
+  u64* dispatch;                       // MoE (moe_device): the number of the dispatch a combine or backward
+                                       // undoes, in device memory (its kernels write it: graph replays too);
+                                       // null for the plain all-to-alls
   unsigned char* ws;                   // this rank's workspace
   unsigned char* peer_ws[kMaxRanks];   // every rank's workspace as mapped here (ours at [rank])
   ErrorRecord* err;                    // host-mapped
@@ -311,8 +315,13 @@ VC_HD inline void copy_bytes(unsigned char* dst, const unsigned char* src, u64 n
     copy_words<unsigned char>(dst, src, n, t, nt, coherent);
 }
 
+// The top half: the dispatch a MoE combine or backward undoes (the dispatch's
+// call number, the same on every rank), so a rank passing the handle of
+// another dispatch than its peers' is out of step even where the row counts
+// agree.
 VC_HD inline u64 call_kind(const Args& a) {
-  return u64(a.in_layout) | u64(a.out_layout) << 4 | u64(a.ne) << 8 | u64(a.backward != 0) << 16;
+  const u64 undoes = a.dispatch && !a.dispatch_set ? *a.dispatch & 0xffffffffu : 0;
+  return u64(a.in_layout) | u64(a.out_layout) << 4 | u64(a.ne) << 8 | u64(a.backward != 0) << 16 | undoes << 32;
 }
 
 VC_HD inline i64 split_at(const Args& a, u64 i) {
@@ -338,6 +347,8 @@ VC_HD inline void send_phase0(const Args& a, SendShared& sh, unsigned d) {
   sh.go = 0;
   sh.status = kOk;
   sh.rows = 0;
+  // (block 0 only: one writer; this call's combine, later on the stream, reads it)
+  if (a.dispatch_set && a.dispatch && d == 0) *a.dispatch = sh.call;
   // Calls must run one after another (the number read above is the last
   // call's, advanced at its very end). Every send block counts itself: while
   // they do, world blocks start per call, so another number here means a
@@ -474,7 +485,7 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
   for (unsigned e = 0; e < ne; ++e) sh.col[e] = sh.pre[e] = sh.cnt[e] = 0;
   u64 placed = 0, before_s = 0;  // rows taken so far; of the taken sources before s
   bool mine_taken = false;
-  const u64 mine = u64(a.dtype) << 32 | a.row_bytes;
+  const u64 mine = u64(a.dtype) << 32 | a.row_bytes, my_kind = call_kind(a);
   for (unsigned q = 0; q < W; ++q) {
     const u64 st = ctl(a, int(q), kStatus), rows = ctl(a, int(q), kRows);
     const u64 dt = ctl(a, int(q), kDtype), rb = ctl(a, int(q), kRowBytes);
@@ -486,8 +497,8 @@ VC_HD inline void recv_phase0(const Args& a, RecvShared& sh, unsigned s) {
     }
     if (ok) {
       const u64 kind = ctl(a, int(q), kKind);
-      if (kind != call_kind(a)) {
-        if (q == s) report(a, kErrPeerCall, sh.call, q, kind, call_kind(a), 0);
+      if (kind != my_kind) {
+        if (q == s) report(a, kErrPeerCall, sh.call, q, kind, my_kind, 0);
         ok = false;
       }
     }

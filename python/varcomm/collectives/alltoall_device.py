@@ -383,12 +383,12 @@ def _splits(comm: Communicator, splits: Any, n: int, what: str, stream: int | No
 
 def _launch(comm: Communicator, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any, splits_len: int,
             out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None, async_op: bool,
-            out_rows: int | None = None, backward: bool = False) -> Any:
+            out_rows: int | None = None, backward: bool = False, dispatch: Any = None) -> Any:
     h = _handle(comm)  # (set up on first use: a collective, before anything is refused)
     before = launched(comm)
     try:
         return _checked_launch(comm, h, ne, in_layout, out_layout, x, splits, splits_len, out, out_splits_offsets,
-                               stream, timeout, async_op, out_rows, backward)
+                               stream, timeout, async_op, out_rows, backward, dispatch)
     except Exception as e:
         refuse_unlaunched(comm, e, before, x, stream, timeout)
         raise
@@ -456,7 +456,7 @@ def refuse(comm: Communicator, like: Any = None, stream: int | None = None, time
 
 def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_layout: int, x: Any, splits: Any,
                     splits_len: int, out: Any, out_splits_offsets: Any, stream: int | None, timeout: float | None,
-                    async_op: bool, out_rows: int | None, backward: bool) -> Any:
+                    async_op: bool, out_rows: int | None, backward: bool, dispatch: Any) -> Any:
     n = comm.world_size
     xd = _describe(comm, x, "x", stream)
     if len(xd.shape) == 0:
@@ -484,13 +484,20 @@ def _checked_launch(comm: Communicator, h: Any, ne: int, in_layout: int, out_lay
     if oso.word != _I64 or int(np.prod(oso.shape)) != 2 * n * ne:
         raise InvalidArgument(f"out_splits_offsets must be int64 with {2 * n * ne} entries ([2, {n * ne}]), not "
                               f"{dtypes.describe(oso.word)} {oso.shape}")
+    kept: tuple[_Dev, ...] = (xd, sd, od, oso)
+    if dispatch is not None:  # (moe_device's: one int64 its dispatch's kernel writes)
+        dd = _describe(comm, dispatch, "dispatch", stream)
+        if dd.word != _I64 or int(np.prod(dd.shape)) != 1:
+            raise InvalidArgument("the dispatch number must be one int64 on the device")
+        kept += (dd,)
     if timeout is not None:
         _C.check_timeout(timeout)
     try:  # (a launch that raises an earlier call's error has enqueued its kernels all the same)
         h.launch(ne, in_layout, out_layout, xd.word, rb, xd.ptr, xd.shape[0], sd.ptr, sb, od.ptr, od.shape[0],
-                 oso.ptr, int(s), comm._timeout if timeout is None else timeout, backward)
+                 oso.ptr, int(s), comm._timeout if timeout is None else timeout, backward,
+                 0 if dispatch is None else dd.ptr, dispatch is not None and in_layout == _IN_PREFIX and not backward)
     finally:
-        _record(h, (xd, sd, od, oso), int(s), stream is not None)
+        _record(h, kept, int(s), stream is not None)
     result = (out, out_splits_offsets)
     return DeviceWork(comm, int(s), result) if async_op else result
 
@@ -542,7 +549,7 @@ def all_to_all_vdev(comm: Communicator, x: Any, send_splits: Any, *, out: Any = 
 @refusing
 def all_to_all_vdev_2d(comm: Communicator, x: Any, send_splits: Any, experts_per_rank: int, *, out: Any = None,
                        out_splits_offsets: Any = None, stream: int | None = None, timeout: float | None = None,
-                       async_op: bool = False, _backward: bool = False) -> Any:
+                       async_op: bool = False, _backward: bool = False, _dispatch: Any = None) -> Any:
     """The MoE dispatch (torch's ``all_to_all_vdev_2d``): x's rows are sorted by
     global expert, ``send_splits[d * E + e]`` of them for local expert e of
     rank d (E = experts_per_rank). ``out`` is expert-major: for each local
@@ -550,26 +557,29 @@ def all_to_all_vdev_2d(comm: Communicator, x: Any, send_splits: Any, experts_per
     + s]`` rows from source s for expert e, ``[1][...]`` where they start, so
     expert e's rows are one contiguous run (what a grouped GEMM takes).
     (``_backward``: the call of an autograd backward, set by the autograd
-    layers: a forward's chunk met by it is "out of step" on both ranks.)"""
+    layers: a forward's chunk met by it is "out of step" on both ranks.
+    ``_dispatch``: moe_device's one-int64 device tensor; a forward dispatch's
+    kernel writes its call number there, a backward carries and checks it.)"""
     n = comm.world_size
     if _differentiable(x, out, out_splits_offsets, async_op, "all_to_all_vdev_2d"):
         return _autograd(comm, x, send_splits, int(experts_per_rank), stream, timeout)
     return _launch(comm, int(experts_per_rank), _IN_PREFIX, _OUT_EXPERT_MAJOR, x, send_splits,
                    n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op,
-                   backward=_backward)
+                   backward=_backward, dispatch=_dispatch)
 
 
 @refusing
 def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any, experts_per_rank: int, *,
                               out: Any = None, out_splits_offsets: Any = None, stream: int | None = None,
                               timeout: float | None = None, async_op: bool = False,
-                              out_rows: int | None = None, _backward: bool = False) -> Any:
+                              out_rows: int | None = None, _backward: bool = False, _dispatch: Any = None) -> Any:
     """The MoE combine (torch's ``all_to_all_vdev_2d_offset``): x is
     expert-major as dispatch left it, ``in_splits_offsets`` [2, E * world]
     (dispatch's ``out_splits_offsets``) says which rows go back to each
     source. ``out`` is rank-major: from rank 0 its rows for its experts 0, 1,
     ..., then rank 1's, ...: exactly the order this rank sent them in.
-    ``out_splits_offsets[0][s * E + e]``, ``[1][...]``: counts and offsets."""
+    ``out_splits_offsets[0][s * E + e]``, ``[1][...]``: counts and offsets.
+    (``_dispatch``: the dispatch undone, as in all_to_all_vdev_2d.)"""
     n = comm.world_size
     if arrays.is_torch(x) and x.requires_grad and arrays.torch.is_grad_enabled():
         # Its backward would have to put each gradient row back where in_splits_offsets took it from, which need
@@ -579,4 +589,4 @@ def all_to_all_vdev_2d_offset(comm: Communicator, x: Any, in_splits_offsets: Any
                               "for a differentiable combine, or pass x.detach()")
     return _launch(comm, int(experts_per_rank), _IN_OFFSETS, _OUT_RANK_MAJOR, x, in_splits_offsets,
                    2 * n * int(experts_per_rank), out, out_splits_offsets, stream, timeout, async_op, out_rows,
-                   _backward)
+                   _backward, _dispatch)

@@ -58,6 +58,9 @@ class DeviceMoEHandle:
     stream: int | None
     alloc: Alloc
     dropped: torch.Tensor  # [T*K] bool, (t, k) order: pairs not sent (a -1, or an id outside [0, E))
+    # [1] int64: the dispatch's call number, written by its kernel (graph replays too); combine and both
+    # backwards carry and check it, so a handle of another dispatch than the peers' is out of step.
+    dispatch_no: torch.Tensor
 
 
 def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
@@ -67,15 +70,17 @@ def _alloc_like(x: torch.Tensor, alloc: Alloc | None) -> Alloc:
 
 
 def _dispatch_rows(comm: Communicator, x: torch.Tensor, splits: torch.Tensor, ne: int, out: torch.Tensor,
-                   oso: torch.Tensor, stream: int | None, backward: bool = False) -> None:
-    D.all_to_all_vdev_2d(comm, x, splits, ne, out=out, out_splits_offsets=oso, stream=stream, _backward=backward)
+                   oso: torch.Tensor, stream: int | None, dispatch_no: torch.Tensor, backward: bool = False) -> None:
+    D.all_to_all_vdev_2d(comm, x, splits, ne, out=out, out_splits_offsets=oso, stream=stream, _backward=backward,
+                         _dispatch=dispatch_no)
     D.torch_after(comm, x, stream)
 
 
 def _combine_rows(comm: Communicator, x: torch.Tensor, so: torch.Tensor, ne: int, out: torch.Tensor,
-                  stream: int | None, alloc: Alloc, backward: bool = False) -> None:
+                  stream: int | None, alloc: Alloc, dispatch_no: torch.Tensor, backward: bool = False) -> None:
     bso = alloc((2, so.shape[-1]), torch.int64)
-    D.all_to_all_vdev_2d_offset(comm, x, so, ne, out=out, out_splits_offsets=bso, stream=stream, _backward=backward)
+    D.all_to_all_vdev_2d_offset(comm, x, so, ne, out=out, out_splits_offsets=bso, stream=stream, _backward=backward,
+                                _dispatch=dispatch_no)
     D.torch_after(comm, x, stream)
 
 
@@ -88,7 +93,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tokens: torch.Tensor, h: DeviceMoEHandle, x: torch.Tensor, rows: int) -> Any:
         out = h.alloc((rows,) + tuple(tokens.shape[1:]), tokens.dtype)
-        _dispatch_rows(h.comm, x, h.send_splits, h.experts_per_rank, out, h.splits_offsets, h.stream)
+        _dispatch_rows(h.comm, x, h.send_splits, h.experts_per_rank, out, h.splits_offsets, h.stream, h.dispatch_no)
         ctx.h = h
         ctx.hidden = tuple(tokens.shape[1:])
         return out
@@ -98,7 +103,7 @@ class _Dispatch(torch.autograd.Function):
         h: DeviceMoEHandle = ctx.h
         back = h.alloc((h.order.numel(),) + ctx.hidden, grad.dtype)
         _combine_rows(h.comm, grad.contiguous(), h.splits_offsets, h.experts_per_rank, back, h.stream, h.alloc,
-                      backward=True)
+                      h.dispatch_no, backward=True)
         _zero_rows(back, h.dropped.index_select(0, h.order))  # never sent: nothing came back
         gtok = torch.zeros((h.num_tokens,) + ctx.hidden, dtype=grad.dtype, device=grad.device)
         gtok.index_add_(0, h.order // h.topk, back)
@@ -111,7 +116,7 @@ class _Combine(torch.autograd.Function):
         trailing = tuple(expert_outputs.shape[1:])
         back = h.alloc((h.order.numel(),) + trailing, expert_outputs.dtype)
         _combine_rows(h.comm, expert_outputs.detach().contiguous(), h.splits_offsets, h.experts_per_rank, back,
-                      h.stream, h.alloc)
+                      h.stream, h.alloc, h.dispatch_no)
         tk = torch.empty_like(back)
         tk[h.order] = back  # (t, k) order
         _zero_rows(tk, h.dropped)  # masked pairs add 0 (their rows of back were never written)
@@ -127,7 +132,8 @@ class _Combine(torch.autograd.Function):
         gout = h.alloc((ctx.rows,) + trailing, grad.dtype)
         gout.zero_()  # rows past what arrived get no gradient
         oso = h.alloc((2, h.splits_offsets.shape[-1]), torch.int64)
-        _dispatch_rows(h.comm, g, h.send_splits, h.experts_per_rank, gout, oso, h.stream, backward=True)
+        _dispatch_rows(h.comm, g, h.send_splits, h.experts_per_rank, gout, oso, h.stream, h.dispatch_no,
+                       backward=True)
         return gout, None
 
 
@@ -178,7 +184,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
         splits[:1].copy_(torch.where(bad > 0, _C.A2A_BAD_IDS_MARKER + bad, splits[:1]))
         rows = n * D.capacity_rows(comm, H * tokens.element_size())
         oso = al((2, num_experts), torch.int64)
-        h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al, ~routed)
+        h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al, ~routed,
+                            al((1,), torch.int64))
         expert_tokens = _Dispatch.apply(tokens, h, x, rows)  # type: ignore[no-untyped-call]  # unannotated in torch
         h.tokens_per_expert = oso[0].reshape(ne, n).sum(dim=1)
         return expert_tokens, h.tokens_per_expert, h
