@@ -1872,24 +1872,6 @@ def test_moe_device_with_an_explicit_stream_runs_torchs_ops_on_it(fake_torch_str
     assert out.requires_grad and launched_inside == [want], launched_inside
 
 
-@world(2, timeout=60)
-def test_fake_bound_under_16_bytes_names_the_option(fake_cuda):
-    """A bound under the 16 bytes a device slot holds at least: the error says
-    which option to raise (it said only that the slot capacity must be a
-    positive multiple of 16)."""
-    gpu, comm = _fake_comm(fake_cuda, bound=8)
-    s = gpu.stream()
-    with comm:
-        x = FakeArray(gpu, (2, 4), "float32", s)
-        sp = FakeArray(gpu, (2,), "int64", s)
-        sp.host[...] = [1, 1]
-        with pytest.raises(varcomm.InvalidArgument, match=r"the bound is 8 bytes.*raise VARCOMM_BOUND"):
-            D.all_to_all_vdev(comm, x, sp)
-        with pytest.raises(varcomm.InvalidArgument, match="raise VARCOMM_BOUND"):
-            D.capacity_rows(comm, 4)
-        comm.barrier()
-
-
 @world(2, timeout=120)
 def test_fake_moe_float_topk_ids_are_refused(fake_cuda):
     """moe_device.dispatch (the route moe.dispatch takes for CUDA topk_ids)

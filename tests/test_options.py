@@ -80,11 +80,24 @@ def test_alltoall_has_no_import_time_algorithm():
 
 @pytest.mark.parametrize("text, value", [
     ("8388608", 8 << 20), ("64K", 64 << 10), ("64k", 64 << 10), ("64M", 64 << 20), ("1G", 1 << 30),
-    ("64MiB", 64 << 20), ("64KB", 64 << 10), ("1.5M", 3 << 19), (" 2 M ", 2 << 20), ("1", 1),
+    ("64MiB", 64 << 20), ("64KB", 64 << 10), ("1.5M", 3 << 19), (" 2 M ", 2 << 20), ("64", 64),
 ])
 def test_bytes_parse(text, value):
     assert options.parse_bytes(text) == value
     assert Options.resolve({"VARCOMM_BOUND": text}).bound == value
+
+
+@pytest.mark.parametrize("text", ["1", "8", "63"])
+def test_a_bound_under_64_bytes_is_refused_naming_the_unit(text):
+    """VARCOMM_BOUND=1 (meant as 1 MiB, or not) made 1-byte slots: a 4 MiB
+    message then streamed in 4M chunks and timed out after 20 s saying the
+    receiver had not freed a slot. A bound under 64 bytes is refused, saying a
+    bare number is bytes."""
+    with pytest.raises(varcomm.InvalidArgument, match=rf"VARCOMM_BOUND='{text}': use a size in bytes .*, at least 64 "
+                                                      r"\(a bare number is bytes: 1M for a MiB\)"):
+        Options.resolve({"VARCOMM_BOUND": text})
+    with pytest.raises(varcomm.InvalidArgument, match=rf"init\(bound={text}\): .*at least 64"):
+        Options.resolve(bound=int(text), keyword_origin="init")
 
 
 @pytest.mark.parametrize("text", ["", "M", "64X", "-1", "1e6", "64 MiBs", "0x10", "two"])
@@ -126,7 +139,7 @@ def test_environment_values(env, field, value):
 
 @pytest.mark.parametrize("var, text, accepts", [
     ("VARCOMM_BOUND", "lots", "a size in bytes"),
-    ("VARCOMM_BOUND", "0", "at least 1"),
+    ("VARCOMM_BOUND", "0", "at least 64"),
     ("VARCOMM_SLOTS", "0", r"\[1, 1024\]"),
     ("VARCOMM_SLOTS", "1025", r"\[1, 1024\]"),
     ("VARCOMM_TRANSPORT", "ib", "auto, shm, rdma or fallback"),

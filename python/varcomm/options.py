@@ -180,9 +180,10 @@ class Text(Kind):
         return value.strip()
 
 
-def _bytes(minimum: int = 0, auto: bool = False) -> Bytes:
+def _bytes(minimum: int = 0, auto: bool = False, why: str = "") -> Bytes:
     what = "a size in bytes (e.g. 8388608, 64K, 64MiB, 1.5M, 1G)"
-    return Bytes(what + (f", at least {minimum}" if minimum else "") + (", or auto" if auto else ""), minimum, auto)
+    return Bytes(what + (f", at least {minimum}" if minimum else "") + (f" ({why})" if why else "")
+                 + (", or auto" if auto else ""), minimum, auto)
 
 
 def _int(minimum: int, maximum: int | None = None, auto: bool = False) -> Int:
@@ -327,7 +328,9 @@ def _convert(spec: Spec, value: object, where: str) -> Any:
 class Options(_Declared):
     """varcomm's options, resolved once at init (`comm.options`)."""
 
-    bound: int = _opt("VARCOMM_BOUND", _bytes(1), 8 * MiB,
+    # Under 64 bytes every message streamed in chunks of a few bytes (4 MiB at VARCOMM_BOUND=1 took 4M chunks and
+    # timed out as if the receiver were stuck), and a typo of 1 for 1M is likelier than a wish for such slots.
+    bound: int = _opt("VARCOMM_BOUND", _bytes(64, why="a bare number is bytes: 1M for a MiB"), 8 * MiB,
                       "payload bytes of one receive slot: a message up to it is sent eagerly (copied into the "
                       "slot); a larger one goes by rendezvous (see `eager_max`), an all-to-all chunk of host memory "
                       "too; a GPU payload or chunk over the receiver's bound is refused (MessageTooLarge, on every "
