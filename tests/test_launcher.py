@@ -154,12 +154,14 @@ def test_a_rank_count_far_over_the_cores_needs_oversubscribe(tmp_path: Path) -> 
 
 def test_an_unknown_variable_is_one_plain_line_from_the_launcher(tmp_path: Path) -> None:
     """VARCOMM_BOUNDS (a typo) came out of the launcher as a raw `warnings` line
-    naming run.py's source line. Now it is one line in the launcher's words."""
-    prog = script(tmp_path, "print('ran')\n")
+    naming run.py's source line, and then from every rank that resolved its
+    options. Now it is one line in the launcher's words, for the job."""
+    prog = script(tmp_path, "import varcomm\nvarcomm.Options.resolve()\nprint('ran')\n")
     res = launch("-n", "2", prog, extra_env={"VARCOMM_BOUNDS": "1K"})
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0 and res.stdout.count("ran") == 2, res.stderr
     assert ("varcomm-run: warning: VARCOMM_BOUNDS is not a varcomm variable (did you mean VARCOMM_BOUND?)"
             in res.stderr), res.stderr
+    assert res.stderr.count("VARCOMM_BOUNDS") == 1, res.stderr
     assert "run.py:" not in res.stderr and "UserWarning" not in res.stderr, res.stderr
 
 

@@ -495,9 +495,10 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
     likely a misspelled one (VARCOMM_BOUNDS=1K): say so once per process,
     with the nearest name, instead of ignoring it silently as before. (A
     keyword of init() that does not exist is a TypeError already.)
-    VARCOMM_BENCH_* belong to varcomm-bench."""
+    VARCOMM_BENCH_* belong to varcomm-bench. Under varcomm-run (VARCOMM_LAUNCHER)
+    the launcher said it once for the job, where every rank repeated it."""
     names = [n for n in env if n.startswith("VARCOMM_") and not n.startswith("VARCOMM_BENCH_") and n not in _warned]
-    if not names:
+    if not names or env_value(ToolOptions, "launcher", env):
         return
     known = ({s.env for s in Options.specs().values()} | {s.env for s in ToolOptions.specs().values()}
              | set(BUILD_VARIABLES))
