@@ -339,3 +339,15 @@ def test_a_misspelled_variable_is_named_once_with_the_nearest_option(monkeypatch
         warnings.simplefilter("error")
         Options.resolve()  # said once
         Options.resolve({"VARCOMM_NOPE": "1"})  # an explicit mapping is the caller's business
+
+
+def test_given_survives_placing_and_the_communicator() -> None:
+    """Options.given() (what the environment or a keyword set, even to the
+    default) came back empty from placed() and so from comm.options:
+    dataclasses.replace drops what is not a field."""
+    o = Options.resolve({"VARCOMM_TIMEOUT": "600"}, slots=8)
+    assert o.given() == {"timeout", "slots"}
+    assert o.placed(2, cores=2).given() == {"timeout", "slots"}
+    assert o.replaced(bound=1 << 20).given() == {"timeout", "slots"}  # a replaced value is not the user's
+    with varcomm.init(rank=0, world_size=1, slots=4, timeout=600) as comm:
+        assert {"slots", "timeout"} <= comm.options.given(), comm.options.given()

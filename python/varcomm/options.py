@@ -294,6 +294,12 @@ class _Declared:
         object.__setattr__(self, "_given", self.given() | frozenset(names))
         return self
 
+    def replaced(self: T, **values: Any) -> T:
+        """dataclasses.replace that keeps given() (replace drops what is not a
+        field: comm.options.given() came back empty). The values replaced are
+        not counted as given: use override() for a user's keywords."""
+        return dataclasses.replace(self, **values)._given_too(self.given())  # type: ignore[type-var]  # a dataclass
+
     def override(self: T, *, keyword_origin: str = "", **overrides: Any) -> T:
         """These options with keyword values in place. A None value leaves the
         field as it is, except where None is a value (timeout: wait forever).
@@ -443,7 +449,7 @@ class Options(_Declared):
         # Busy-polling only pays when every local rank has a core; otherwise it
         # burns the time slice of the peer we are waiting for (Open MPI yields too).
         n = cores if cores is not None else (os.cpu_count() or 1)
-        return dataclasses.replace(self, spin_us=50 if local_world_size <= n else 0)
+        return self.replaced(spin_us=50 if local_world_size <= n else 0)
 
     def core(self, cuda_device: int) -> CoreOptions:
         """What the C++ core takes (csrc/options.h); cuda_device -1: none."""

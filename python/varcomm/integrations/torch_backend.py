@@ -246,8 +246,8 @@ class VarcommProcessGroup(dist.ProcessGroup):
         #: What groups made later without pg_options inherit (before the group's timeout is applied).
         self.options = options if options is not None else Options.resolve()
         store = _generation(store, rank)
-        self.comm = _communicator(store, rank, size, dataclasses.replace(
-            self.options, timeout=_wait_timeout(self.options, timeout)))
+        self.comm = _communicator(store, rank, size, self.options.replaced(
+            timeout=_wait_timeout(self.options, timeout)))
         self._closed = False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         _name_backend(self._gloo, self.global_ranks, group_id)
