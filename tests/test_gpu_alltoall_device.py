@@ -1945,3 +1945,31 @@ def test_fake_close_frees_the_workspace_after_the_peers_kernels(fake_cuda, tmp_p
         peer_done = float(Path(path, "1").read_text().split()[0])
         assert timed.closed_at >= peer_done, \
             f"rank 0 freed its workspace {peer_done - timed.closed_at:.3f} s before rank 1's kernels ran"
+
+
+@world(2, timeout=120)
+def test_fake_p2p_tensor_on_another_gpu_is_refused(fake_cuda, monkeypatch):
+    """send/isend/recv/irecv/batch_isend_irecv of a CUDA tensor on another GPU
+    than the one the communicator's GPU transport runs on went through
+    unchecked (the copy is enqueued in that transport's device context, on
+    another device's stream). Now each is InvalidArgument naming the tensor
+    and both devices, before anything is posted, and the channel stays
+    usable. Verified on the CPU stand-in only (tensors that say they are on
+    cuda:1)."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": gpu.stream()})())
+    r, peer = comm.rank, 1 - comm.rank
+    with comm:
+        assert comm._cuda_device == 0
+        x = _cuda_like((4, 2), device=1)
+        told = r"is on cuda:1 but this communicator's GPU transport runs on cuda:0: move it there"
+        for call in (lambda: comm.send(x, dst=peer), lambda: comm.isend(x, dst=peer),
+                     lambda: comm.recv(src=peer, out=x), lambda: comm.irecv(src=peer, out=x),
+                     lambda: comm.batch_isend_irecv([varcomm.P2POp(comm.irecv, x, peer)]),
+                     lambda: comm.batch_isend_irecv([varcomm.P2POp(comm.isend, x, peer)])):
+            with pytest.raises(varcomm.InvalidArgument, match=told):
+                call()
+        w = comm.isend(torch.arange(3) + 10 * r, dst=peer)
+        got = comm.recv(src=peer)
+        w.wait()
+        assert got.tolist() == [10 * peer, 10 * peer + 1, 10 * peer + 2]

@@ -190,6 +190,17 @@ def describe_send(x: Any) -> tuple[int, int, int, tuple[int, ...], Any, int]:
     return (*describe_host(x), -1)
 
 
+def check_device(x: Any, device: int | None, what: str, path: str) -> None:
+    """A CUDA tensor for a GPU transport set up on cuda:`device` (None: no GPU
+    transport) must be on that GPU: its flags, credits and copies live in
+    that device's context, and another GPU's memory there is not what the
+    peer was told."""
+    if device is not None and x.device.index != device:
+        raise InvalidArgument(f"{what} is on {x.device} but this communicator's {path} runs on cuda:{device}: move "
+                              f"it there (.to('cuda:{device}')), or create the communicator on that GPU "
+                              "(torch.cuda.set_device, or VARCOMM_NVLINK_DEVICE, before varcomm.init)")
+
+
 def describe_recv(out: Any) -> tuple[int, int, int, int]:
     """describe_out plus the CUDA stream that orders the receive (-1: host memory)."""
     if is_torch(out) and out.is_cuda:

@@ -393,6 +393,7 @@ class Communicator:
             ptr, nbytes, word, shape, _keep = arrays.describe_host(_stage(tensor))
             stream = -1
         if stream >= 0:
+            arrays.check_device(tensor, self._cuda_device, "the tensor to send", "GPU transport")
             _check_capture()
         self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream, _keep, array)
 
@@ -426,6 +427,8 @@ class Communicator:
         d = arrays.describe_send(tensor)
         if d[5] >= 0 and self._device_routes[dst] is None:
             return (*arrays.describe_host(_stage(tensor)), -1)
+        if d[5] >= 0:
+            arrays.check_device(tensor, self._cuda_device, "the tensor to send", "GPU transport")
         return d
 
     def _isend(self, tensor: Array, dst: int, tag: int, described: tuple[int, int, int, tuple[int, ...], Any, int],
@@ -502,6 +505,7 @@ class Communicator:
             else:
                 ptr, cap, word, stream = arrays.describe_recv(out)
                 if stream >= 0:
+                    arrays.check_device(out, self._cuda_device, "out", "GPU transport")
                     _check_capture()
                 r = self._c.recv_into(src, tag, ptr, cap, word, t, stream)
                 if r is not None:
@@ -591,6 +595,7 @@ class Communicator:
             if stream < 0:
                 rid = c.irecv(src, tag, ptr, cap, word)
                 return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out)
+            arrays.check_device(out, self._cuda_device, "out", "GPU transport")
             _check_capture()
             # The core enqueues the copy into out on this stream when the message
             # arrives: if the Work is dropped, out is kept until then, and the
@@ -663,7 +668,9 @@ class Communicator:
             _C.check_tag(op.tag)
             if fn is Communicator.irecv:
                 if op.tensor is not None:
-                    arrays.describe_recv(arrays.native(op.tensor, f"ops[{i}].tensor"))
+                    t_ = arrays.native(op.tensor, f"ops[{i}].tensor")
+                    if arrays.describe_recv(t_)[3] >= 0 and self._device_routes[int(op.peer)] is not None:
+                        arrays.check_device(t_, self._cuda_device, f"ops[{i}].tensor", "GPU transport")
                 elif op.exact:
                     raise InvalidArgument(f"ops[{i}]: exact=True checks the message against the irecv's tensor: "
                                           "pass one (a buffer of the expected dtype and size)")

@@ -129,11 +129,7 @@ def _describe(comm: Communicator, x: Any, what: str, stream: int | None) -> _Dev
         if not x.is_contiguous():
             raise InvalidArgument(f"{what} must be contiguous (the kernels address it as rows)")
         if x.is_cuda:
-            if comm._cuda_device is not None and x.device.index != comm._cuda_device:  # the kernels run there
-                raise InvalidArgument(f"{what} is on {x.device} but this communicator's device all-to-all runs on "
-                                      f"cuda:{comm._cuda_device}: move it there (.to('cuda:{comm._cuda_device}')), "
-                                      "or create the communicator on that GPU (torch.cuda.set_device, or "
-                                      "VARCOMM_NVLINK_DEVICE, before varcomm.init)")
+            arrays.check_device(x, comm._cuda_device, what, "device all-to-all")  # the kernels run there
             s = arrays.torch.cuda.current_stream(x.device).cuda_stream
             return _Dev(x.data_ptr(), dtypes.from_torch(x.dtype), tuple(x.shape), s, x, True)
         if stream is None:
