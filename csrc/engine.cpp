@@ -510,7 +510,7 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
   // (copied there once, then by the device transport): within the bound, and
   // where this rank copies from the sender itself.
   if (device && (h.flags & kRendezvous) && (h.nbytes > layout_.bound || !peers_[peer].pulls)) {
-    *kind = ErrorKind::Invalid;
+    *kind = h.nbytes > layout_.bound ? ErrorKind::TooLarge : ErrorKind::Invalid;
     return head + "a rendezvous message of " + std::to_string(h.nbytes) + " bytes from host memory cannot land in "
            "GPU memory " + (h.nbytes > layout_.bound ? "over this rank's bound (" + std::to_string(layout_.bound) +
            " bytes): receive it into host memory, or raise the bound"

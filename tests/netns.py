@@ -12,6 +12,12 @@ Layout: a hidden hub namespace holds a bridge; member i has one veth, named
 only inside namespaces this helper creates, so nothing outside is touched.
 Everything is deleted on exit (deleting a namespace deletes its veths).
 Needs root and iproute2; `available()` says why not.
+
+A namespace alone is not another host to varcomm: ranks count as one host
+when their host name and boot id agree (csrc/registry.cpp host_key), so
+under transport=auto they still pick shm / nvlink. Force the route
+(VARCOMM_TRANSPORT=rdma), or give a member its own host name as well
+(`unshare --uts` and `hostname`, as tests/test_rdma_gpu.py does).
 """
 from __future__ import annotations
 

@@ -710,7 +710,8 @@ def test_gpu_cupy_in_and_out():
 def test_fake_host_rendezvous_into_device_memory(fake_cuda):
     """A host message sent by rendezvous (shm with CMA, over eager_max) lands in
     device memory through its head's host slot; one over the bound is refused
-    for a device out (InvalidArgument, message kept) and taken into host memory."""
+    for a device out (MessageTooLarge, message kept: a size problem, it said
+    InvalidArgument) and taken into host memory."""
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=2, eager_max=1024, cma="on")
     c, r = comm._c, comm.rank
     s = gpu.stream()
@@ -730,7 +731,7 @@ def test_fake_host_rendezvous_into_device_memory(fake_cuda):
                 assert h.nbytes == 5000 and gpu.get(dev, 5000) == _payload(1, 5000)
             else:
                 assert comm.recv(0).tobytes() == _payload(1, 5000)  # eager without CMA: the host path
-            with pytest.raises(varcomm.InvalidArgument, match="cannot land in GPU memory"):
+            with pytest.raises(varcomm.MessageTooLarge, match="cannot land in GPU memory over this rank's bound"):
                 c.recv_into(0, 0, dev, 2 * BOUND, U8, 30.0, s)
             host = np.zeros(2 * BOUND, dtype=np.uint8)
             got = comm.recv(0, out=host)
