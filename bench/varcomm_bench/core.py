@@ -705,6 +705,7 @@ def init_comms(ctx: Ctx, bound: int, slots: int) -> tuple[Any, Any, str | None]:
     rank creates them in the same order."""
     a = ctx.varcomm
     opts = ctx.a
+    bound = max(bound, 64)  # (the smallest bound varcomm takes: a sweep of 8-32 B sizes asks for less)
     vc = a.init(bound=bound, slots=slots, transport=opts.transport, array="torch", timeout=opts.op_timeout)
     try:  # informational: the route to the next rank, by name and described
         peer = (ctx.rank + 1) % ctx.world
