@@ -354,6 +354,11 @@ Error Engine::max_message_error(int peer, uint64_t nbytes) const {
 
 void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager, bool pull) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
+  // close() has begun (on another thread): a message written now would go
+  // behind our goodbye, which ends the pair at the receiver: lost, though
+  // its send returned (rdma completes the write locally).
+  if (leaving_) throw Error(ErrorKind::Closed, "communicator is closing (close() was called, on another thread): "
+                                               "nothing was sent");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "dst " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   Peer& p = peers_[peer];

@@ -859,3 +859,37 @@ def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, how, 
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
             p.wait()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_send_while_close_runs_on_another_thread_is_delivered_or_refused(transport):
+    """One thread sends into a full 2-slot ring while another calls close():
+    on rdma a send that returned OK was never delivered (written behind the
+    goodbye, which ends the pair at the receiver). Now a send once close()
+    has begun is ClosedError, and every send that returned is received."""
+    import threading
+
+    ctl = varcomm.init(transport="shm", timeout=60)  # to tell rank 1 how many sends returned
+    comm = varcomm.init(transport=transport, timeout=30, slots=2)
+    with ctl:
+        if comm.rank == 0:
+            closer = threading.Thread(target=lambda: (time.sleep(0.5), comm.close()))
+            closer.start()
+            done = 0
+            with pytest.raises(varcomm.ClosedError):
+                for i in range(50):
+                    comm.send(np.full(10, i), 1)
+                    done += 1
+            ctl.send(np.array([done]), 1)  # (before the join: close waits for rank 1 to close too)
+            closer.join()
+            assert done >= 2, done  # the ring's two slots at least
+        else:
+            time.sleep(3)
+            got = []
+            with pytest.raises((varcomm.PeerFailure, varcomm.ClosedError, varcomm.TimeoutError)):
+                while True:
+                    got.append(int(comm.recv(0, timeout=5)[0]))
+            done = int(ctl.recv(0)[0])
+            assert got == list(range(done)), (got, done)
+            comm.close()
