@@ -1007,6 +1007,45 @@ def _end(gpu, s) -> ctypes.c_void_p:
     return ex
 
 
+@world(2, timeout=120)
+def test_fake_graph_replays_write_the_dispatch_number_and_check_it(fake_cuda):
+    """Two dispatches and a combine captured in one graph, rank 1's combine
+    undoing the second dispatch where rank 0's undoes the first: each replay
+    writes the dispatches' new call numbers into their device words (the
+    kernels do, not the host at capture), and each raises MessageMismatch
+    naming both on every rank."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W, E, n, rows = comm.rank, gpu.stream(), 4, 2, 2, 8
+    with comm:
+        x = FakeArray(gpu, (rows, W), "float32", s)
+        sp = FakeArray(gpu, (n * E,), "int32", s)
+        out = FakeArray(gpu, (n * rows, W), "float32", s)
+        oso, oso2, bso = (FakeArray(gpu, (2, n * E), "int64", s) for _ in range(3))
+        back = FakeArray(gpu, (rows, W), "float32", s)
+        first, second = FakeArray(gpu, (1,), "int64", s), FakeArray(gpu, (1,), "int64", s)
+        sp.host[...] = 0
+        sp.host[0] = rows
+        D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso)  # set-up outside the capture
+        D.synchronize(comm, s)
+        _begin(gpu, s)
+        D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso, _dispatch=first)
+        D.all_to_all_vdev_2d(comm, x, sp, E, out=out, out_splits_offsets=oso2, _dispatch=second)
+        D.all_to_all_vdev_2d_offset(comm, out, oso, E, out=back, out_splits_offsets=bso,
+                                    _dispatch=first if r == 0 else second)
+        graph = _end(gpu, s)
+        seen = []
+        for _ in range(3):
+            first.host[...] = second.host[...] = -1
+            assert gpu.lib.cuGraphLaunch(graph, ctypes.c_void_p(s)) == 0
+            with pytest.raises(varcomm.MessageMismatch, match=r"passed the handle of dispatch call \d+ to .* where "
+                                                              r"rank \d passed the handle of dispatch call \d+"):
+                D.synchronize(comm, s)
+            seen.append((int(first.host[0]), int(second.host[0])))
+        # calls 1 (outside), then 3 per replay: the dispatches are calls 2, 3; 5, 6; 8, 9
+        assert seen == [(2, 3), (5, 6), (8, 9)], seen
+        comm.barrier()
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_fake_graph_capture_replays_with_new_routing(fake_cuda, n):
     """Dispatch + combine captured once in a CUDA graph (on the fake: the
@@ -1350,7 +1389,12 @@ def test_fake_moe_a_handle_of_an_earlier_dispatch_is_told_even_where_the_row_cou
         stale = moe_device.combine(comm, et * 3, h1)  # h1's combine, fine on both ranks
         assert torch.equal(stale, 3 * tok)
         with pytest.raises(varcomm.MessageMismatch, match=told):
-            (y if r == 0 else stale).sum().backward()  # rank 0 runs h2's backward first, rank 1 h1's
+            (y if r == 0 else stale).sum().backward()  # combine's backwards: rank 0 h2's, rank 1 h1's
+        # dispatch's backward alone (a combine of the gradients), rank 0 through h2, rank 1 through h1
+        et1, _, h1 = moe_device.dispatch(comm, t, ids, w, E, stream=s)
+        et2, _, h2 = moe_device.dispatch(comm, t, ids, w, E, stream=s)
+        with pytest.raises(varcomm.MessageMismatch, match=told):
+            (et2 if r == 0 else et1).sum().backward()
         et, _, h = moe_device.dispatch(comm, tok, ids, w, E, stream=s)  # in step again
         assert torch.equal(moe_device.combine(comm, et, h), tok)
         comm.barrier()
@@ -1948,14 +1992,14 @@ def test_fake_close_frees_the_workspace_after_the_peers_kernels(fake_cuda, tmp_p
 
 
 @world(2, timeout=120)
-def test_fake_p2p_tensor_on_another_gpu_is_refused(fake_cuda, monkeypatch):
-    """send/isend/recv/irecv/batch_isend_irecv of a CUDA tensor on another GPU
-    than the one the communicator's GPU transport runs on went through
-    unchecked (the copy is enqueued in that transport's device context, on
-    another device's stream). Now each is InvalidArgument naming the tensor
-    and both devices, before anything is posted, and the channel stays
-    usable. Verified on the CPU stand-in only (tensors that say they are on
-    cuda:1)."""
+def test_fake_p2p_and_a2a_tensor_on_another_gpu_is_refused(fake_cuda, monkeypatch):
+    """send/isend/recv/irecv/batch_isend_irecv, and the all-to-alls with
+    host-known splits, of a CUDA tensor on another GPU than the one the
+    communicator's GPU transport runs on went through unchecked (the copy is
+    enqueued in that transport's device context, on another device's
+    stream). Now each is InvalidArgument naming the tensor and both devices,
+    before anything is posted, and the channel stays usable. Verified on the
+    CPU stand-in only (tensors that say they are on cuda:1)."""
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: type("S", (), {"cuda_stream": gpu.stream()})())
     r, peer = comm.rank, 1 - comm.rank
@@ -1973,3 +2017,12 @@ def test_fake_p2p_tensor_on_another_gpu_is_refused(fake_cuda, monkeypatch):
         got = comm.recv(src=peer)
         w.wait()
         assert got.tolist() == [10 * peer, 10 * peer + 1, 10 * peer + 2]
+        told = r"data is on cuda:1 but this communicator's GPU transport runs on cuda:0: move it there"
+        y = _cuda_like((4, 2), device=1)
+        for call in (lambda: comm.all_to_all_v(x, [2, 2]), lambda: comm.all_to_all_single(y, x),
+                     lambda: comm.all_to_all([_cuda_like((2, 2), device=1) for _ in range(2)],
+                                             [_cuda_like((2, 2), device=1) for _ in range(2)])):
+            with pytest.raises(varcomm.InvalidArgument, match=told):
+                call()
+        got, rows = comm.all_to_all_v(torch.arange(2) + 10 * r, [1, 1])  # in step
+        assert rows == [1, 1] and got.tolist() == [r, 10 + r]

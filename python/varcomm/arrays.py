@@ -194,9 +194,10 @@ def check_device(x: Any, device: int | None, what: str, path: str) -> None:
     """A CUDA tensor for a GPU transport set up on cuda:`device` (None: no GPU
     transport) must be on that GPU: its flags, credits and copies live in
     that device's context, and another GPU's memory there is not what the
-    peer was told."""
-    if device is not None and x.device.index != device:
-        raise InvalidArgument(f"{what} is on {x.device} but this communicator's {path} runs on cuda:{device}: move "
+    peer was told. (x: the tensor, or its torch.device.)"""
+    where = x if isinstance(x, torch.device) else x.device
+    if device is not None and where.index != device:
+        raise InvalidArgument(f"{what} is on {where} but this communicator's {path} runs on cuda:{device}: move "
                               f"it there (.to('cuda:{device}')), or create the communicator on that GPU "
                               "(torch.cuda.set_device, or VARCOMM_NVLINK_DEVICE, before varcomm.init)")
 

@@ -276,11 +276,13 @@ struct DeviceA2A::Impl {
           return std::string(k >> 16 & 1 ? "an autograd backward's " : "") + name + ", " + std::to_string(ne) +
                  " expert" + (ne == 1 ? "" : "s") + " per rank";
         };
+        auto handle = [](uint64_t k) {  // (0: a plain all_to_all_vdev_2d_offset, with no MoE handle)
+          return k >> 32 ? "the handle of dispatch call " + std::to_string(k >> 32) : std::string("no MoE handle");
+        };
         if ((r.b & 0xffffffffu) == (r.c & 0xffffffffu))  // the same call, undoing another dispatch (call_kind)
           return Error(ErrorKind::Mismatch,
-                       rk(r.a) + " passed the handle of dispatch call " + std::to_string(r.b >> 32) + " to " +
-                           what(r.b) + " where " + me + " passed the handle of dispatch call " +
-                           std::to_string(r.c >> 32) + call +
+                       rk(r.a) + " passed " + handle(r.b) + " to " + what(r.b) + " where " + me + " passed " +
+                           handle(r.c) + call +
                            ": a rank combined with the handle of another dispatch (each combine, and each "
                            "backward, takes the handle its own dispatch returned, in this step), or the ranks are "
                            "out of step (0 rows from it)",

@@ -308,6 +308,7 @@ def _device(comm: Communicator, xs: Sequence[Any], outs: Sequence[Any], what: st
     if any(p != places[0] for p in places):
         raise InvalidArgument(f"{what}: every input and output must be in the same memory (one device, or the host), "
                               f"got {sorted({str(p or 'host') for p in places})}; move them to one device first")
+    arrays.check_device(places[0], comm._cuda_device, f"{what}'s data", "GPU transport")
     return _Dev(dm, places[0], dm.stream(places[0]))
 
 

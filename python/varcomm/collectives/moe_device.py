@@ -184,8 +184,10 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
         splits[:1].copy_(torch.where(bad > 0, _C.A2A_BAD_IDS_MARKER + bad, splits[:1]))
         rows = n * D.capacity_rows(comm, H * tokens.element_size())
         oso = al((2, num_experts), torch.int64)
+        # (torch.empty, not alloc: an allocator that hands out one buffer per shape would give every handle
+        # the same word, and the check would never fire; inside torch.cuda.graph it comes from the graph's pool)
         h = DeviceMoEHandle(comm, T, K, ne, order, splits, oso, torch.empty(0), topk_weights, stream, al, ~routed,
-                            al((1,), torch.int64))
+                            torch.empty((1,), dtype=torch.int64, device=tokens.device))
         expert_tokens = _Dispatch.apply(tokens, h, x, rows)  # type: ignore[no-untyped-call]  # unannotated in torch
         h.tokens_per_expert = oso[0].reshape(ne, n).sum(dim=1)
         return expert_tokens, h.tokens_per_expert, h
