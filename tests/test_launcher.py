@@ -163,6 +163,12 @@ def test_an_unknown_variable_is_one_plain_line_from_the_launcher(tmp_path: Path)
             in res.stderr), res.stderr
     assert res.stderr.count("VARCOMM_BOUNDS") == 1, res.stderr
     assert "run.py:" not in res.stderr and "UserWarning" not in res.stderr, res.stderr
+    # one a rank sets itself the launcher never saw: that rank says it
+    prog = script(tmp_path, "import varcomm\nif rank == 1: os.environ['VARCOMM_SLOT'] = '4'\n"
+                            "varcomm.Options.resolve()\nprint('ran')\n", name="own.py")
+    res = launch("-n", "2", prog, extra_env={"VARCOMM_BOUNDS": "1K"})
+    assert res.returncode == 0 and res.stderr.count("VARCOMM_BOUNDS") == 1, res.stderr
+    assert res.stderr.count("VARCOMM_SLOT is not a varcomm variable (did you mean VARCOMM_SLOTS?)") == 1, res.stderr
 
 
 def test_grandchildren_are_killed(tmp_path: Path) -> None:

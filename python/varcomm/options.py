@@ -487,6 +487,9 @@ class ToolOptions(_Declared):
                                      Seconds("a number > 0", 1e-9), 1.0,
                                      "multiplies every `@world` timeout (slow machines)", "`1`")
     launcher: bool = _opt("VARCOMM_LAUNCHER", _BOOL, False, "set to 1 by varcomm-run in every rank", "`0`")
+    launcher_warned: str = _opt("VARCOMM_LAUNCHER_WARNED", _TEXT, "",
+                                "set by varcomm-run: the unknown VARCOMM_* variables it warned about for the job "
+                                "(comma-separated; its ranks do not repeat them)", "none")
 
 
 #: Read by setup.py at build time, not here.
@@ -501,19 +504,30 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
     likely a misspelled one (VARCOMM_BOUNDS=1K): say so once per process,
     with the nearest name, instead of ignoring it silently as before. (A
     keyword of init() that does not exist is a TypeError already.)
-    VARCOMM_BENCH_* belong to varcomm-bench. Under varcomm-run (VARCOMM_LAUNCHER)
-    the launcher said it once for the job, where every rank repeated it."""
-    names = [n for n in env if n.startswith("VARCOMM_") and not n.startswith("VARCOMM_BENCH_") and n not in _warned]
-    if not names or env_value(ToolOptions, "launcher", env):
-        return
-    known = ({s.env for s in Options.specs().values()} | {s.env for s in ToolOptions.specs().values()}
-             | set(BUILD_VARIABLES))
-    for name in sorted(set(names) - known):
+    VARCOMM_BENCH_* belong to varcomm-bench. Those varcomm-run said once for
+    the job (VARCOMM_LAUNCHER_WARNED) are not repeated by every rank; one a
+    rank sets itself still is."""
+    said = set((env_value(ToolOptions, "launcher_warned", env) or "").split(","))
+    for name in unknown_variables(env):
+        if name in _warned or name in said:
+            continue
         _warned.add(name)
+        known = _known_variables()
         near = difflib.get_close_matches(name, sorted(known), 1)
         hint = f" (did you mean {near[0]}?)" if near else ""
         warnings.warn(f"{name} is not a varcomm variable{hint}: it is ignored (`varcomm-doctor` lists the options)",
                       stacklevel=4)  # the caller of init() (warn <- here <- resolve <- init)
+
+
+def _known_variables() -> set[str]:
+    return ({s.env for s in Options.specs().values()} | {s.env for s in ToolOptions.specs().values()}
+            | set(BUILD_VARIABLES))
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """The VARCOMM_ variables in env that nothing reads (VARCOMM_BENCH_* are varcomm-bench's), sorted."""
+    names = {n for n in env if n.startswith("VARCOMM_") and not n.startswith("VARCOMM_BENCH_")}
+    return sorted(names - _known_variables()) if names else []
 
 
 def env_name(cls: type[_Declared], field: str) -> str:

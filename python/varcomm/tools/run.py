@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from ..options import Options, ToolOptions, env_name, env_value, resolve_valid
+from ..options import Options, ToolOptions, env_name, env_value, resolve_valid, unknown_variables
 
 __all__ = ["main", "launch", "rank_env", "free_port"]
 
@@ -254,6 +254,7 @@ def launch(
         for r in range(nprocs):
             env = rank_env(r, nprocs, port, master_addr)
             env[env_name(ToolOptions, "launcher")] = "1"
+            env[env_name(ToolOptions, "launcher_warned")] = ",".join(unknown_variables(env))  # (said once, here)
             env[env_name(ToolOptions, "test_seed")] = seed
             env[key_var] = job_key
             if tag_output:
