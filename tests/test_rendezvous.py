@@ -306,3 +306,14 @@ def test_rank_out_of_range_names_where_it_came_from() -> None:
         bootstrap.placement(environ={"RANK": "2", "WORLD_SIZE": "2"})
     with pytest.raises(varcomm.InvalidArgument, match=r"from init\(rank=, world_size=\)"):
         bootstrap.placement(rank=3, world_size=2, environ={})
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-5"])
+def test_master_port_outside_1_65535_is_named(port):
+    """MASTER_PORT=99999 outside varcomm-run: rank 0 raised TCPStore's raw
+    'incompatible constructor arguments' TypeError, and the others were told
+    another program owned the port (getaddrinfo had wrapped it to 34463). Now
+    every rank says the variable is not a TCP port."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    with pytest.raises(varcomm.InvalidArgument, match=rf"MASTER_PORT={port}: not a TCP port \(1\.\.65535\)"):
+        bootstrap.placement(environ=env)

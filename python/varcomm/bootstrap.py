@@ -150,6 +150,10 @@ def placement(rank: int | None = None, world_size: int | None = None, have_store
     lw = env_int(LOCAL_WORLD_SIZE_VARS, env)
     addr = _master_addr(env) if not have_store else env.get(MASTER_ADDR_VAR) or "127.0.0.1"
     port = env_int((MASTER_PORT_VAR,), env)
+    if port is not None and not 0 < port < 65536:
+        # 99999 wrapped to 34463 in getaddrinfo while TCPStore(port=99999) raised a raw TypeError on rank 0,
+        # and the others were told another program owned the port
+        raise InvalidArgument(f"{MASTER_PORT_VAR}={port}: not a TCP port (1..65535)")
     if port is None:
         job = next((env[k] for k in JOB_ID_VARS if env.get(k)), "")
         if not job and w > 1 and not have_store:

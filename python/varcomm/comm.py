@@ -163,7 +163,7 @@ class P2PWork:
     def __del__(self) -> None:
         # Dropped without wait(): the transfer still finishes (into or out of
         # the kept buffer), the slot is returned.
-        if not self._done:
+        if not getattr(self, "_done", True):  # (unset: a ^C inside __init__, which printed an AttributeError)
             if self._settle and self._finish is not None and not self._comm._closed:
                 self._comm._orphans.append((self._id, self._finish))  # run once the message is in
                 return
