@@ -326,3 +326,25 @@ def test_blocking_send_timed_out_in_flight_keeps_its_array_alive():
         time.sleep(0.05)
     assert alive() is None, "the array was kept after the mover had sent it"
     comm.close()
+
+
+@world(2, timeout=90)
+def test_an_all_to_all_that_times_out_mid_transfer_raises_not_hangs():
+    """A fallback all-to-all of rendezvous-sized parts (MBs over a 4 KiB
+    bound) given 0.05 s: at its deadline the call cancelled its parts while
+    holding the GIL, and cancelling waits for their writes, which complete on
+    the fallback's Python mover threads: every rank hung for good. Now it
+    raises TimeoutError within seconds, and the next call pairs up."""
+    comm = varcomm.init(transport="fallback", bound=4096, timeout=60)
+    r, n = comm.rank, comm.world_size
+    rows = 400_000
+    x = torch.arange(rows * n * 3, dtype=torch.float32).reshape(rows * n, 3) + 1000 * r
+    comm.barrier()
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.TimeoutError, match="all_to_all_v on rank [01] timed out after 0.05 s"):
+        comm.all_to_all_v(x, [rows] * n, timeout=0.05)
+    assert time.monotonic() - t0 < 20, f"took {time.monotonic() - t0:.1f} s"
+    comm.barrier(timeout=30)
+    got, rows_got = comm.all_to_all_v(torch.arange(n) + 10 * r, [1] * n)
+    assert rows_got == [1] * n and got.tolist() == [10 * s + r for s in range(n)]
+    comm.close()

@@ -962,7 +962,10 @@ struct AllToAllHandle {
   }
   ~AllToAllHandle() {
     if (!a) return;
-    a->cleanup();
+    {
+      py::gil_scoped_release nogil;  // (as a2a_drive's cleanup: the fallback's writes need Python threads)
+      a->cleanup();
+    }
     keep_in_flight();
   }
 };
@@ -978,11 +981,20 @@ void a2a_drive(AllToAll& a, F&& step, Clock::time_point deadline, std::optional<
       done = step(slice);
     }
     if (done) return;
+    // cleanup and timeout (which cleans up, then throws) without the GIL too:
+    // cancelling a rendezvous part waits for its writes, which on the
+    // fallback transport complete on its Python mover threads (it hung).
     if (PyErr_CheckSignals() != 0) {
-      a.cleanup();
+      {
+        py::gil_scoped_release nogil;
+        a.cleanup();
+      }
       throw py::error_already_set();
     }
-    if (Clock::now() >= deadline) a.timeout(*timeout);
+    if (Clock::now() >= deadline) {
+      py::gil_scoped_release nogil;
+      a.timeout(*timeout);
+    }
   }
 }
 
