@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import varcomm
-from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns
+from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns, wait_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,10 +52,19 @@ WORKER = textwrap.dedent('''
         sys.exit(0)
     # failure modes: ranks 0 and 1 stream with rank 2 and with each other
     if r == 2:
-        for i in range(10**6):
-            comm.send(torch.tensor([i]), dst=0)
-            if i == 20:
-                mark("streaming")
+        try:
+            for i in range(10**6):
+                comm.send(torch.tensor([i]), dst=0)
+                if i == 20:
+                    mark("streaming")
+        except varcomm.PeerFailure:
+            if mode != "isolated":
+                raise
+            t0 = time.monotonic()  # cut off from every peer and from the store's host
+            comm.close()
+            print(f"closed in {time.monotonic() - t0:.1f}s", flush=True)
+            print("OK 2", flush=True)
+            os._exit(0)
     else:
         other = 1 - r
         if r == 0:
@@ -103,6 +112,30 @@ def test_ring_and_all_to_all_across_namespaces(tmp_path):
         res = finish(_run(net, tmp_path, "ring", 3), timeout=120)
     for r, (code, out) in enumerate(res):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+
+
+def test_a_rank_cut_off_from_every_peer_and_the_store_closes_within_seconds(tmp_path):
+    """Rank 2's link pulled: it raised PeerFailure, then sat in close() for
+    good (over 75 s), in a store call to rank 0's store, which never answers
+    (close bounded its store calls only at interpreter exit). Now every store
+    call of close gives up after 5 s and close goes on without the store."""
+    require_netns()
+    with Netns(3) as net:
+        procs = _run(net, tmp_path, "isolated", 3)
+        try:
+            wait_flag(tmp_path / "flags" / "ready0", 60)
+            wait_flag(tmp_path / "flags" / "ready1", 60)
+            net.link_down(2)
+            res = finish(procs, timeout=60)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for r, (code, out) in enumerate(res):
+        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+    took = float(res[2][1].split("closed in ")[1].split("s")[0])
+    assert took < 15, f"close took {took} s"
 
 
 @pytest.mark.parametrize("how", ["link_down", "kill"])

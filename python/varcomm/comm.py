@@ -192,10 +192,11 @@ _made = itertools.count()
 # peers to close too. A failing rank exits promptly, so that its launcher
 # stops the job, rather than after up to 30 s.
 _FAILING_EXIT_WAIT_S = 1.0
-# Each store call of a close at exit: a store host that stopped answering
-# (frozen, behind a partition) held it for the store's own timeout, at every
-# exit (torch's client does not shorten a call already made with set_timeout).
-_EXIT_STORE_S = 5.0
+# Each store call of a close: a store host that stopped answering (frozen,
+# behind a partition: a rank whose link was pulled) held it for the store's
+# own timeout, or for good (torch's client does not shorten a call already
+# made, nor one made after set_timeout, to a host that does not answer).
+_CLOSE_STORE_S = 5.0
 
 
 def _close_at_exit() -> None:
@@ -861,7 +862,7 @@ class Communicator:
                 if self._peer_wait_cap is not None:
                     limit = min(limit, self._peer_wait_cap)
                 start = time.monotonic()
-                deadline, said = start + limit, False
+                deadline, said, checked = start + limit, False, 0.0
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
                     if self._at_exit and not said and time.monotonic() - start > 1.0:
@@ -871,10 +872,12 @@ class Communicator:
                               f"{limit:.0f} s: {host}they may still write into its memory)", file=sys.stderr,
                               flush=True)
                     self._c.progress()  # (and our goodbyes, once a full ring has room)
-                    try:
-                        missing = [r for r in missing if not self._bounded(self._store.check, [f"left/{r}"])]
-                    except Exception:  # the store's owner left after every rank had
-                        break
+                    if time.monotonic() - checked > 0.05:  # (a store round trip, on a thread: not every pass)
+                        checked = time.monotonic()
+                        try:
+                            missing = [r for r in missing if not self._bounded(self._store.check, [f"left/{r}"])]
+                        except Exception:  # the store's owner left after every rank had, or is cut off
+                            break
                     # A rank that died without closing will not come: stop waiting for it.
                     if all(self._c.peer_error(r) for r in missing):
                         break
@@ -887,10 +890,8 @@ class Communicator:
             self._c.close()
 
     def _bounded(self, call: Callable[..., Any], *args: Any) -> Any:
-        """A store call; at exit, given up (RuntimeError) after _EXIT_STORE_S,
+        """A store call of close(), given up (RuntimeError) after _CLOSE_STORE_S,
         its thread left behind (a daemon: it ends with the process)."""
-        if not self._at_exit:
-            return call(*args)
         box: list[tuple[bool, Any]] = []
 
         def run() -> None:
@@ -899,11 +900,11 @@ class Communicator:
             except BaseException as e:  # (handed to the caller)
                 box.append((False, e))
 
-        t = threading.Thread(target=run, daemon=True, name="varcomm-exit-store")
+        t = threading.Thread(target=run, daemon=True, name="varcomm-close-store")
         t.start()
-        t.join(_EXIT_STORE_S)
+        t.join(_CLOSE_STORE_S)
         if not box:
-            raise RuntimeError(f"the rendezvous store did not answer within {_EXIT_STORE_S:.0f} s")
+            raise RuntimeError(f"the rendezvous store did not answer within {_CLOSE_STORE_S:.0f} s")
         ok, value = box[0]
         if not ok:
             raise value
