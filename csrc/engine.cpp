@@ -1945,7 +1945,9 @@ void Engine::check_peer(int peer, bool force) {
 
 void Engine::fail_peer(int peer, const std::string& why) {
   Peer& p = peers_[peer];
-  if (p.dead.empty()) p.dead = "peer failure: " + why;
+  // Every text names the rank (a copy that failed said only "its message of N bytes ...").
+  const std::string who = peer_str(peer);
+  if (p.dead.empty()) p.dead = "peer failure: " + (why.find(who) == std::string::npos ? who + ": " + why : why);
   withdraw_heads(peer);  // the peer may be alive, and copy from us, when we fail the pair
   sending_ -= p.sendq.size();
   fail_queue(p.sendq, ErrorKind::PeerFailure, "send to " + peer_str(peer) + " failed: " + p.dead);
