@@ -80,15 +80,6 @@ def _expected_num_inputs_told(name: str, rank: int, world_size: int) -> list[tup
     return sorted((s, [2]) for s in indices if s > 0 and home[s - 1] != rank)
 
 
-def _expected_step_counts_told(name: str, rank: int, world_size: int, counts: list[int]
-                               ) -> list[tuple[int, list[int]]]:
-    """(next stage, [the step's microbatch count]) for each step and each of this rank's stages whose
-    next stage is on another rank."""
-    indices = ppv.stage_indices(name, rank, world_size)
-    home = {s: r for r in range(world_size) for s in ppv.stage_indices(name, r, world_size)}
-    return sorted((s + 1, [m]) for m in counts for s in indices if s + 1 in home and home[s + 1] != rank)
-
-
 def _schedules_match_one_process(names: tuple[str, ...], cfg: pv.Config) -> None:
     dist.init_process_group("varcomm")
     try:
@@ -119,14 +110,14 @@ def _schedules_match_one_process(names: tuple[str, ...], cfg: pv.Config) -> None
             # nothing else of that kind: no shape messages, no padding.
             rows = Counter(x.shape[0] for x, _ in sent if x.dim() == 2)
             assert rows == _expected_row_counts(name, cfg, rank, n, counts), f"{name}: sent {rows}"
-            # Besides them, only each stage's num_inputs, once, to a previous stage on another rank,
-            # and each step's microbatch count to a next stage on another rank
+            # Besides them, only each stage's num_inputs, once, to a previous stage on another rank
             told = sorted((tag - 6_000_000, x.tolist()) for x, tag in sent if 6_000_000 <= tag < 7_000_000)
             assert told == _expected_num_inputs_told(name, rank, n), f"{name}: num_inputs sent {told}"
-            steps = sorted((tag - 5_000_000, x.tolist()) for x, tag in sent if 5_000_000 <= tag < 6_000_000)
-            assert steps == _expected_step_counts_told(name, rank, n, counts), f"{name}: step counts sent {steps}"
-            assert not [x for x, tag in sent if x.dtype == torch.int64 and not 5_000_000 <= tag < 7_000_000], \
+            assert not [x for x, tag in sent if x.dtype == torch.int64 and not 6_000_000 <= tag < 7_000_000], \
                 f"{name}: a shape message was sent"
+            # every activation's tag says its step's microbatch count
+            steps = Counter(tag // 10_000_000 for x, tag in sent if tag >= 10_000_000)
+            assert set(steps) <= set(counts), f"{name}: step counts in the tags {steps}, counts {counts}"
             assert all(x.shape[-1] == cfg.hidden for x, _ in sent if x.dim() == 2)
     finally:
         dist.destroy_process_group()
@@ -278,8 +269,8 @@ def test_stages_whose_steps_run_other_microbatch_counts_are_told_not_paired_acro
     """Stage 0 runs steps of 4 microbatches, stage 1 steps of 5 (each rank made
     its schedule with another count): both exited 0, and stage 1's step 0 took
     stage 0's step 0 microbatches 0-3 and step 1's microbatch 0, silently.
-    Now each step tells the next stage its count: stage 1 raises ValueError
-    naming both at its first receive, and stage 0 fails as soon as it stops."""
+    Now the activations' tags carry the step's count: nothing pairs, and stage
+    1's receive times out naming the tags that wait unreceived."""
     from datetime import timedelta
 
     from torch.distributed.pipelining import ScheduleGPipe
@@ -290,20 +281,15 @@ def test_stages_whose_steps_run_other_microbatch_counts_are_told_not_paired_acro
         def forward(self, x):
             return x + 0
 
-    dist.init_process_group("varcomm", timeout=timedelta(seconds=60))
+    dist.init_process_group("varcomm", timeout=timedelta(seconds=4))
     rank = dist.get_rank()
     n = 4 if rank == 0 else 5
     schedule = ScheduleGPipe(VarcommPipelineStage(Id(), rank, 2), n_microbatches=n)
-    t0 = time.monotonic()
     if rank == 1:
-        with pytest.raises(ValueError, match=r"this step runs 5 microbatches, and stage 0 runs 4: every stage's step "
-                                             r"must run the same number"):
-            pipelining.step(schedule, targets=None)
-        assert time.monotonic() - t0 < 10
-        dist.destroy_process_group()
+        with pytest.raises(Exception, match=r"timed out.*tag 4\d{7}"):
+            pipelining.step(schedule)
     else:
-        with pytest.raises(Exception, match="rank 1"):
-            for step in range(5):  # (it would have run all 5 steps to completion)
+        with pytest.raises(Exception, match="rank 1|timed out"):  # its ring fills (8 slots), or rank 1 left
+            for step in range(5):
                 pipelining.step(schedule, [torch.full((2, 3), 10.0 * step + i) for i in range(n)])
-        assert time.monotonic() - t0 < 20, "stage 0 waited for its timeout"
-        dist.destroy_process_group()
+    dist.destroy_process_group()

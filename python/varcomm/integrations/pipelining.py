@@ -35,12 +35,10 @@ also tells the previous one its ``num_inputs`` once, when its first schedule
 starts (one small message per pair of stages, ever; tag ``6_000_000 + stage
 index``), so the previous stage refuses its first send at once with
 ValueError naming both counts; its peer then fails when it stops (a closed
-peer), else at the receive's timeout, naming the tags that did arrive. At
-every ``step()`` each stage also tells the next how many microbatches the
-step runs (8 bytes per pair of stages per step; tag ``5_000_000 + stage
-index``): a stage whose step runs another count than the previous stage's
-raises ValueError naming both at its first receive, where microbatches of
-two steps would have paired silently. Floating-point ones are the
+peer), else at the receive's timeout, naming the tags that did arrive. The
+tags also carry the step's microbatch count (``+ 10_000_000 * (count mod
+100000)``): stages whose schedules were made for other counts time out
+naming the tags, where microbatches of two steps paired silently. Floating-point ones are the
 differentiable ones: their gradients come back (zeros where autograd gave none); the others (token
 ids, ``cu_seqlens``) go forward only. A complex output is refused with
 ``TypeError`` (torch.distributed sends complex tensors as their real view,
@@ -65,14 +63,17 @@ __all__ = ["VarcommPipelineStage", "step"]
 
 
 _ACT_TAG = 7_000_000  # (see the module's docstring: tags that say how many tensors the sender sent)
+_STEP_TAG_UNIT = 10_000_000  # x the step's microbatch count (mod 100000), in the same tags (below 2**40)
 _INPUTS_TAG = 6_000_000  # + the index of the stage that says how many inputs it takes
-_STEP_TAG = 5_000_000  # + the index of the stage told how many microbatches this step runs (step())
 
 
-def _act_tag(count: int, k: int, stage: int) -> int:
+def _act_tag(count: int, k: int, stage: int, microbatches: int | None) -> int:
+    """Output k of `count`, of a step of `microbatches` (None: no schedule yet): stages that disagree on
+    either never pair (the step's count too: schedules made for other counts paired microbatches of two
+    steps, silently)."""
     if count >= 1000:
         raise ValueError(f"stage {stage}: {count} tensors between two stages; at most 999 travel")
-    return _ACT_TAG + 1000 * count + k
+    return _ACT_TAG + 1000 * count + k + _STEP_TAG_UNIT * ((microbatches or 0) % 100_000)
 
 
 def _has_grad(t: torch.Tensor) -> bool:
@@ -108,8 +109,6 @@ class VarcommPipelineStage(PipelineStage):
         self._told_inputs = False  # this stage's num_inputs went to the previous one (once per stage)
         self._told_work: dist.Work | None = None  # that message (kept: its tensor lives until sent)
         self._next_inputs: tuple[dist.Work, torch.Tensor] | int | None = None  # the next stage's num_inputs
-        self._step_sent: dist.Work | None = None  # this step's microbatch count, to the next stage (kept)
-        self._prev_step: tuple[dist.Work, torch.Tensor] | None = None  # the previous stage's, checked at its first
 
     # ---- set-up: no shapes to infer or exchange; num_inputs told once ---------------
 
@@ -171,42 +170,16 @@ class VarcommPipelineStage(PipelineStage):
 
     # ---- forward ---------------------------------------------------------------
 
-    def _tell_step(self, n: int) -> None:
-        """At every step(): tell the next stage how many microbatches this step runs, and post the
-        receive of the previous stage's, checked at this step's first receive (_check_step). Stages
-        that disagree would otherwise pair microbatches of different steps (tags say only how many
-        tensors travel), silently. One 8-byte message per pair of stages per step."""
-        me = dist.get_rank()
-        if not self.is_last and self._peer(self.stage_index + 1) != me:
-            self._step_sent = dist.isend(torch.tensor([n], dtype=torch.int64), self._peer(self.stage_index + 1),
-                                         self.group, _STEP_TAG + self.stage_index + 1)
-        if not self.is_first and self._peer(self.stage_index - 1) != me:
-            buf = torch.zeros(1, dtype=torch.int64)
-            work = dist.irecv(buf, self._peer(self.stage_index - 1), self.group, _STEP_TAG + self.stage_index)
-            self._prev_step = None if work is None else (work, buf)
-
-    def _check_step(self) -> None:
-        if self._prev_step is None:
-            return
-        work, buf = self._prev_step
-        self._prev_step = None
-        work.wait()
-        if int(buf[0]) != self.chunks:
-            raise ValueError(f"{self.log_prefix}: this step runs {self.chunks} microbatches, and stage "
-                             f"{self.stage_index - 1} runs {int(buf[0])}: every stage's step must run the same "
-                             "number (each rank's schedule made for the same count; pipelining.step on every rank "
-                             "of the pipeline, once per step)")
-
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         if self.is_first:
             return []
-        self._check_step()
         infos = self._recv_infos(fwd_chunk_id)
         for info in infos:
             info.buffer = placeholder()
         self.args_recv_info[fwd_chunk_id] = infos
         peer = self._peer(self.stage_index - 1)
-        return [dist.P2POp(dist.irecv, info.buffer, peer, self.group, _act_tag(len(infos), k, self.stage_index))
+        return [dist.P2POp(dist.irecv, info.buffer, peer, self.group,
+                           _act_tag(len(infos), k, self.stage_index, self.chunks))
                 for k, info in enumerate(infos) if info.buffer is not None]
 
     def set_local_fwd_input(self, prev_stage_outputs: Any, mb_index: int) -> None:
@@ -242,7 +215,7 @@ class VarcommPipelineStage(PipelineStage):
                                 "real view, so it would arrive as a float tensor of shape [..., 2]; return "
                                 "torch.view_as_real(t) and take torch.view_as_complex(x) in the next stage")
         return [dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group,
-                           _act_tag(len(outputs), k, self.stage_index)) for k, t in enumerate(outputs)]
+                           _act_tag(len(outputs), k, self.stage_index, self.chunks)) for k, t in enumerate(outputs)]
 
     # ---- backward --------------------------------------------------------------
 
@@ -311,8 +284,6 @@ def step(schedule: Any, microbatches: Sequence[Any] | None = None, targets: Sequ
         s.has_backward = schedule._has_backward
         s.clear_runtime_states()
         s.chunks = n  # another schedule over these stages may have run another count
-        if isinstance(s, VarcommPipelineStage):
-            s._tell_step(n)
     arg_mbs = None if microbatches is None else [mb if isinstance(mb, tuple) else (mb,) for mb in microbatches]
     schedule._step_microbatches(arg_mbs, None if kwargs is None else list(kwargs),
                                 None if targets is None else list(targets), losses, return_outputs,
