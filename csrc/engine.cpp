@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -1947,7 +1948,10 @@ void Engine::fail_peer(int peer, const std::string& why) {
   Peer& p = peers_[peer];
   // Every text names the rank (a copy that failed said only "its message of N bytes ...").
   const std::string who = peer_str(peer);
-  if (p.dead.empty()) p.dead = "peer failure: " + (why.find(who) == std::string::npos ? who + ": " + why : why);
+  bool named = false;  // (as a word: "rank 1" is not in "rank 12")
+  for (size_t at = why.find(who); at != std::string::npos && !named; at = why.find(who, at + 1))
+    named = at + who.size() == why.size() || !std::isdigit(static_cast<unsigned char>(why[at + who.size()]));
+  if (p.dead.empty()) p.dead = "peer failure: " + (named ? why : who + ": " + why);
   withdraw_heads(peer);  // the peer may be alive, and copy from us, when we fail the pair
   sending_ -= p.sendq.size();
   fail_queue(p.sendq, ErrorKind::PeerFailure, "send to " + peer_str(peer) + " failed: " + p.dead);

@@ -1021,7 +1021,12 @@ AllToAllHandle make_a2a(py::object comm, A2APlan plan, py::object keep, Mem mem)
   h.keep = std::move(keep);
   h.mem = mem;
   h.a = std::make_unique<AllToAll>(*c.engine, std::move(plan));
-  h.a->start();  // a throw leaves its in-flight sends to h's destructor
+  {
+    // (without the GIL, as a2a_drive's cleanup: a start that throws midway cleans up, which waits for
+    // the fallback's writes, done on its Python threads)
+    py::gil_scoped_release nogil;
+    h.a->start();  // a throw leaves its in-flight sends to h's destructor
+  }
   return h;
 }
 
