@@ -862,7 +862,7 @@ class Communicator:
                 if self._peer_wait_cap is not None:
                     limit = min(limit, self._peer_wait_cap)
                 start = time.monotonic()
-                deadline, said, checked = start + limit, False, 0.0
+                deadline, said = start + limit, False
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
                     if self._at_exit and not said and time.monotonic() - start > 1.0:
@@ -872,12 +872,10 @@ class Communicator:
                               f"{limit:.0f} s: {host}they may still write into its memory)", file=sys.stderr,
                               flush=True)
                     self._c.progress()  # (and our goodbyes, once a full ring has room)
-                    if time.monotonic() - checked > 0.05:  # (a store round trip, on a thread: not every pass)
-                        checked = time.monotonic()
-                        try:
-                            missing = [r for r in missing if not self._bounded(self._store.check, [f"left/{r}"])]
-                        except Exception:  # the store's owner left after every rank had, or is cut off
-                            break
+                    try:  # (every pass: a peer seen to leave later let its exit fail our receives first)
+                        missing = [r for r in missing if not self._bounded(self._store.check, [f"left/{r}"])]
+                    except Exception:  # the store's owner left after every rank had, or is cut off
+                        break
                     # A rank that died without closing will not come: stop waiting for it.
                     if all(self._c.peer_error(r) for r in missing):
                         break
