@@ -177,10 +177,12 @@ def wait_flag(path: Path, timeout: float) -> None:
 
 
 def lose_member_mid_stream(net: Netns, procs: list[subprocess.Popen], flags: Path, how: str,
-                           timeout: float) -> None:
+                           timeout: float, members: int = 2) -> list[tuple[int, str]]:
     """Members 0 and 1 exchange messages with member 2 until it is lost (`how`:
     its link pulled, or the process killed): each of them must print "OK <rank>"
-    and when it saw PeerFailure ("PeerFailure after <s>s"), within seconds."""
+    and when it saw PeerFailure ("PeerFailure after <s>s"), within seconds.
+    `members` 3: member 2 (its link pulled, alive) must print "OK 2" too.
+    Returns every waited member's (exit status, output)."""
     import signal
 
     try:
@@ -190,7 +192,7 @@ def lose_member_mid_stream(net: Netns, procs: list[subprocess.Popen], flags: Pat
             net.link_down(2)
         else:
             procs[2].send_signal(signal.SIGKILL)
-        res = finish(procs[:2], timeout=timeout)
+        res = finish(procs[:members], timeout=timeout)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -200,6 +202,7 @@ def lose_member_mid_stream(net: Netns, procs: list[subprocess.Popen], flags: Pat
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
     took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
     assert took < 15, f"dead peer detected only after {took} s"
+    return res
 
 
 def selfcheck() -> None:

@@ -393,6 +393,18 @@ def _send_its_part_and_die(comm, x: torch.Tensor, splits: list[int]) -> None:
     os._exit(3)
 
 
+def _three_ranks_and_rank_2_dies(transport: str):
+    """Every pair connected by one all-to-all of [2] rows each; then rank 2 sends its part of the next
+    and dies. Returns (comm, rank, world size, x) on the survivors."""
+    comm = _init(transport, bound=BOUND, slots=4, timeout=30)
+    r, n = comm.rank, comm.world_size
+    x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
+    A.all_to_all_v(comm, x, [2] * n)
+    if r == 2:
+        _send_its_part_and_die(comm, x, [2] * n)
+    return comm, r, n, x
+
+
 @pytest.mark.parametrize("transport", MODES)
 @world(3, timeout=90, expect_exit={2: None})
 def test_a_rank_that_knows_a_peer_died_still_sends_its_part_to_the_others(transport):
@@ -403,12 +415,7 @@ def test_a_rank_that_knows_a_peer_died_still_sends_its_part_to_the_others(transp
     live ranks their parts and raises PeerFailure naming rank 2: rank 0
     finishes with every row (rank 2's had arrived), and the survivors' channel
     works."""
-    comm = _init(transport, bound=BOUND, slots=4, timeout=30)
-    r, n = comm.rank, comm.world_size
-    x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
-    A.all_to_all_v(comm, x, [2] * n)  # every pair connected
-    if r == 2:
-        _send_its_part_and_die(comm, x, [2] * n)
+    comm, r, n, x = _three_ranks_and_rank_2_dies(transport)
     if r == 1:
         time.sleep(2)  # rank 2's end is known here by now
     t0 = time.monotonic()
@@ -438,12 +445,7 @@ def test_parts_still_queued_when_a_dead_peer_fails_the_call_go_from_a_copy(trans
     PeerFailure: it went later from rank 1's input, which rank 1, told the call
     had failed, had overwritten with -1s, and rank 0 took those rows with no
     error. Now the queued part goes from a copy taken when the call raised."""
-    comm = _init(transport, bound=BOUND, slots=4, timeout=30)
-    r, n = comm.rank, comm.world_size
-    x = torch.arange(n * 2 * 3, dtype=torch.float32).reshape(n * 2, 3) + 100 * r
-    A.all_to_all_v(comm, x, [2] * n)  # every pair connected
-    if r == 2:
-        _send_its_part_and_die(comm, x, [2] * n)
+    comm, r, n, x = _three_ranks_and_rank_2_dies(transport)
     if r == 1:
         works = [comm.isend(torch.tensor([k]), dst=0) for k in range(8)]  # more than rank 0's slots for it
         time.sleep(2)  # rank 2's end is known here by now

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import varcomm
-from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns, wait_flag
+from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,19 +121,8 @@ def test_a_rank_cut_off_from_every_peer_and_the_store_closes_within_seconds(tmp_
     call of close gives up after 5 s and close goes on without the store."""
     require_netns()
     with Netns(3) as net:
-        procs = _run(net, tmp_path, "isolated", 3)
-        try:
-            wait_flag(tmp_path / "flags" / "ready0", 60)
-            wait_flag(tmp_path / "flags" / "ready1", 60)
-            net.link_down(2)
-            res = finish(procs, timeout=60)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for r, (code, out) in enumerate(res):
-        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+        res = lose_member_mid_stream(net, _run(net, tmp_path, "isolated", 3), tmp_path / "flags", "link_down", 60,
+                                     members=3)
     took = float(res[2][1].split("closed in ")[1].split("s")[0])
     assert took < 15, f"close took {took} s"
 

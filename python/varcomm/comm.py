@@ -389,12 +389,8 @@ class Communicator:
             dst = int(dst)
         array = arrays.kind_of(tensor)
         tensor = arrays.native(tensor, "the array to send")
-        ptr, nbytes, word, shape, _keep, stream = arrays.describe_send(tensor)
-        if stream >= 0 and self._device_routes[dst] is None:
-            ptr, nbytes, word, shape, _keep = arrays.describe_host(_stage(tensor))
-            stream = -1
+        ptr, nbytes, word, shape, _keep, stream = self._describe_send(tensor, dst)
         if stream >= 0:
-            arrays.check_device(tensor, self._cuda_device, "the tensor to send", "GPU transport")
             _check_capture()
         self._c.send(dst, tag, ptr, nbytes, word, shape, t, stream, _keep, array)
 

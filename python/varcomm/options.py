@@ -508,12 +508,11 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
     the job (VARCOMM_LAUNCHER_WARNED) are not repeated by every rank; one a
     rank sets itself still is."""
     said = set((env_value(ToolOptions, "launcher_warned", env) or "").split(","))
-    for name in unknown_variables(env):
-        if name in _warned or name in said:
-            continue
+    names = [n for n in unknown_variables(env) if n not in _warned and n not in said]
+    known = sorted(_known_variables()) if names else []
+    for name in names:
         _warned.add(name)
-        known = _known_variables()
-        near = difflib.get_close_matches(name, sorted(known), 1)
+        near = difflib.get_close_matches(name, known, 1)
         hint = f" (did you mean {near[0]}?)" if near else ""
         warnings.warn(f"{name} is not a varcomm variable{hint}: it is ignored (`varcomm-doctor` lists the options)",
                       stacklevel=4)  # the caller of init() (warn <- here <- resolve <- init)
