@@ -353,6 +353,15 @@ Error Engine::max_message_error(int peer, uint64_t nbytes) const {
                peer);
 }
 
+// Bytes with no memory behind them (torch's efficient zero tensor has a
+// null data pointer and nonzero nbytes): refused before anything is read.
+static void check_memory(const void* p, uint64_t nbytes, const char* what) {
+  if (!p && nbytes)
+    throw Error(ErrorKind::Invalid, std::string(what) + " has no memory: a null data pointer for " +
+                                        std::to_string(nbytes) + " bytes (a torch efficient zero tensor?): use a "
+                                        "materialized array (x.clone() makes one)");
+}
+
 void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool eager, bool pull) {
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   // close() has begun (on another thread): a message written now would go
@@ -386,6 +395,7 @@ void Engine::check_send(int peer, uint64_t nbytes, uint32_t ndim, Mem mem, bool 
 
 uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                           const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array) {
+  check_memory(data, nbytes, "the array to send");
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem);
   Peer& p = peers_[peer];
@@ -416,6 +426,7 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                        const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager, bool pull,
                        uint64_t flags) {
+  check_memory(data, nbytes, "the array to send");
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem, eager, pull);
   return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem,
@@ -457,6 +468,7 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
 
 uint64_t Engine::irecv(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, Mem mem, bool hold,
                        bool hold_device) {
+  check_memory(out, out_cap, "out");
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) throw Error(ErrorKind::Closed, "communicator is closed");
   if (peer < 0 || peer >= world_)
@@ -539,9 +551,17 @@ std::string Engine::misfit(int peer, const MsgHeader& h, uint64_t out_cap, uint3
 // for headers whose nbytes describes other data (descriptors, chunks) or none.
 static bool shape_says_nbytes(const MsgHeader& h) {
   if (h.flags & (kDescriptor | kChunk | kGoodbye)) return true;
+  // A zero dimension makes it 0 bytes whatever the others are: (2**62, 0)
+  // is a legal empty tensor, whose running product would overflow first.
+  bool empty = false;
+  for (uint32_t i = 0; i < h.ndim; ++i) {
+    if (h.shape[i] < 0) return false;
+    empty |= h.shape[i] == 0;
+  }
+  if (empty) return h.nbytes == 0;
   uint64_t n = dtype_bytes(h.dtype);
   for (uint32_t i = 0; i < h.ndim; ++i)
-    if (h.shape[i] < 0 || __builtin_mul_overflow(n, uint64_t(h.shape[i]), &n)) return false;
+    if (__builtin_mul_overflow(n, uint64_t(h.shape[i]), &n)) return false;
   return n == h.nbytes;
 }
 
@@ -841,6 +861,7 @@ int Engine::match_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uin
 
 int Engine::recv_direct(int peer, int64_t tag, void* out, uint64_t out_cap, uint32_t out_dtype, MsgHeader* hdr,
                         Clock::time_point deadline, Mem mem, int* claim) {
+  check_memory(out, out_cap, "out");
   if (peer < 0 || peer >= world_)
     throw Error(ErrorKind::Invalid, "src " + std::to_string(peer) + " out of range [0, " + std::to_string(world_) + ")");
   if (mem.device) {

@@ -148,6 +148,11 @@ std::string Setup::unseal(int r, const std::string& sealed, int round) const {
   return round == 0 ? record : keystream_xor(key, round, r, e_.world(), job_, record);
 }
 
+std::string Setup::store_mac(int rank, const std::string& name) const {
+  const std::string& key = o_.job_key;
+  return key.empty() ? "none" : to_hex(hmac_sha256(key, context("store", 0, rank, e_.world(), job_) + name));
+}
+
 void Setup::derive_job(const std::vector<std::string>& round0) {
   std::string all;
   for (const std::string& b : round0) all += std::to_string(b.size()) + ":" + b;

@@ -52,6 +52,12 @@ class Setup {
   }
   // The GPU holding our device receive slots, -1 when no device transport is open.
   int device_ordinal() const { return device_ordinal_; }
+  // After set-up: the MAC of a store record `name` that rank `rank` of this
+  // communicator publishes (barrier arrivals, close's "left"), bound to the
+  // job (so to this communicator), the rank and the name; "none" without a
+  // job key. The store is open to anyone who reaches its port, so with a key
+  // a record whose MAC differs was not written by that rank.
+  std::string store_mac(int rank, const std::string& name) const;
 
  private:
   // Authentication (see routes.cpp): a record as published, with its MAC;

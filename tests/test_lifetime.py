@@ -893,3 +893,33 @@ def test_a_send_while_close_runs_on_another_thread_is_delivered_or_refused(trans
             done = int(ctl.recv(0)[0])
             assert got == list(range(done)), (got, done)
             comm.close()
+
+
+_EXIT_PENDING_A2A = """
+import sys
+import torch
+import varcomm
+comm = varcomm.init(timeout=10)
+n = comm.world_size
+w = comm.all_to_all_v(torch.ones(n, 2), [1] * n, async_op=True)  # never waited, still referenced at exit
+comm.barrier()
+if sys.argv[1] == "close":
+    comm.close()
+print("done", comm.rank, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["open", "close"])
+def test_an_unwaited_all_to_all_referenced_at_exit_does_not_hang_it(how, tmp_path):
+    """An async all-to-all Work still held by a module global when the
+    interpreter finalized: its __del__ started a thread to finish it, and a
+    thread started then never runs, so Thread.start() waited for good (a
+    user trial: both ranks printed 'done' and never exited)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_pending_a2a.py"
+    script.write_text(_EXIT_PENDING_A2A)
+    p = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", "2", "--timeout", "40", str(script), how],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.count("done") == 2, p.stdout + p.stderr

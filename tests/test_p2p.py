@@ -430,3 +430,43 @@ def test_copy_false_with_out_is_refused_and_the_message_kept():
             assert torch.equal(out, torch.zeros(8))
             assert torch.equal(comm.recv(src=1, out=out), torch.arange(4.0))
         comm.barrier()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_memoryless_and_huge_empty_tensors(transport):
+    # torch's efficient zero tensor (autograd's zero gradients) has data_ptr 0
+    # and nbytes > 0: sends read address 0 (SIGSEGV), a receive into one wrote
+    # there. An empty tensor whose leading dims overflow when multiplied first
+    # ((2**62, 0)) was refused by the receiver as a malformed header, failing
+    # the pair for good.
+    with varcomm.init(transport=transport, bound=BOUND, timeout=30) as comm:
+        z = torch._efficientzerotensor(5)
+        assert z.data_ptr() == 0 and z.nbytes == 20
+        if comm.rank == 0:
+            comm.send(z, 1, tag=1)
+            comm.isend(z, 1, tag=2).wait()
+            comm.send(torch.empty((2**62, 0)), 1, tag=3)
+            comm.send(np.empty((2**40, 0), np.float32), 1, tag=4)
+            comm.send(torch.arange(3), 1, tag=5)
+            nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+            with pytest.raises(varcomm.InvalidArgument, match="nested tensor"):
+                comm.send(nested, 1)
+        else:
+            for tag in (1, 2):
+                got = comm.recv(0, tag=tag)
+                assert not got._is_zerotensor() and torch.equal(got, torch.zeros(5)), (tag, got)
+            with pytest.raises(varcomm.InvalidArgument, match="no memory"):
+                comm.recv(0, tag=3, out=torch._efficientzerotensor(4))
+            assert tuple(comm.recv(0, tag=3).shape) == (2**62, 0)
+            assert tuple(comm.recv(0, tag=4).shape) == (2**40, 0)
+            assert torch.equal(comm.recv(0, tag=5), torch.arange(3))
+        # An all-to-all of a zero tensor sends its zeros.
+        x = torch._efficientzerotensor(4) if comm.rank == 0 else torch.full((4,), 7.0)
+        y, splits = comm.all_to_all_v(x, [2, 2])
+        assert splits == [2, 2] and torch.equal(y, torch.tensor([0.0, 0.0, 7.0, 7.0])), y
+        # Rows too wide to describe (only an empty x has them): refused on every rank, the next call pairs up.
+        with pytest.raises(varcomm.InvalidArgument, match="more than a message can describe|refused"):
+            comm.all_to_all_v(torch.empty((0, 2**62)), [0, 0])
+        y, _ = comm.all_to_all_v(torch.full((2,), float(comm.rank)), [1, 1])
+        assert y.tolist() == [0.0, 1.0]

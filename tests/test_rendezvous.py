@@ -26,6 +26,7 @@ import torch.distributed as dist
 import varcomm
 from varcomm import bootstrap
 from varcomm.bootstrap import Placement
+from varcomm.testing import world
 from varcomm.tools.run import free_port
 
 PYTHONPATH = str(Path(varcomm.__file__).resolve().parents[1])
@@ -317,3 +318,52 @@ def test_master_port_outside_1_65535_is_named(port):
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     with pytest.raises(varcomm.InvalidArgument, match=rf"MASTER_PORT={port}: not a TCP port \(1\.\.65535\)"):
         bootstrap.placement(environ=env)
+
+
+def test_a_duplicate_rank_fails_the_ranks_that_completed_the_count(server: tuple[dist.TCPStore, int]) -> None:
+    """Two processes with RANK=1, then rank 0: the second rank 1 failed, and
+    rank 0 with the first rank 1 made a complete count and went on as a job
+    (a user attack pass), though the README says every rank fails."""
+    res = arrive_all(server[0], [(1, 2), (1, 2), (0, 2)], init_timeout=30)
+    assert res[1].startswith("rank 1 arrived twice"), res
+    assert res[0].startswith("rank 1: set-up failed: rank 1 arrived twice"), res
+    assert res[2].startswith("rank 0: set-up failed: rank 1 arrived twice"), res
+
+
+def test_launch_variables_that_cannot_be_read_are_named() -> None:
+    """WORLD_SIZE=2 without a rank was a world of one; a launcher size that is
+    not a number was a bare ValueError at `import varcomm.torch`; a
+    MASTER_ADDR that does not resolve was, on a rank other than 0, retried as
+    'nothing listens' and blamed on rank 0 after the init timeout; a torchrun's
+    TORCHELASTIC_USE_AGENT_STORE passed to varcomm-run's ranks made them wait
+    for a store nobody hosts."""
+    with pytest.raises(varcomm.InvalidArgument, match="cannot tell rank and world_size"):
+        bootstrap.placement(environ={"WORLD_SIZE": "2"})
+    assert bootstrap.placement(environ={"WORLD_SIZE": "1"}).world_size == 1
+    with pytest.raises(varcomm.InvalidArgument, match="OMPI_COMM_WORLD_SIZE='two'"):
+        bootstrap.launched({"OMPI_COMM_WORLD_SIZE": "two", "OMPI_COMM_WORLD_RANK": "0"})
+    p = Placement(1, 2, 1, 2, "no-such-host.invalid", free_port())
+    t0 = time.monotonic()
+    with pytest.raises(varcomm.InvalidArgument, match="rank 1: MASTER_ADDR='no-such-host.invalid' does not resolve"):
+        bootstrap._client(p, 30, bootstrap._Deadline(20))
+    assert time.monotonic() - t0 < 10
+    from varcomm.tools.run import rank_env
+    assert bootstrap.AGENT_STORE_VAR not in rank_env(0, 2, 1234, base={bootstrap.AGENT_STORE_VAR: "True"})
+
+
+@pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"], reason="built without rdma")
+@world(2, timeout=60)
+def test_a_rank_whose_set_up_fails_fails_the_others_at_once() -> None:
+    """Rank 1 alone names a provider that does not exist: it raised at once,
+    and rank 0 waited in the store for its set-up record for the operation
+    timeout (600 s by default; init_timeout did not apply), then raised
+    torch's DistStoreError naming no rank."""
+    t0 = time.monotonic()
+    if os.environ["RANK"] == "1":
+        with pytest.raises(varcomm.InvalidArgument):
+            varcomm.init(transport="rdma", rdma_provider="no_such_provider", init_timeout=60, timeout=300)
+        time.sleep(1)  # (rank 0 hosts the store: it must not be the one left reading it)
+    else:
+        with pytest.raises(varcomm.PeerFailure, match="set-up failed on rank 1: InvalidArgument"):
+            varcomm.init(transport="rdma", init_timeout=60, timeout=300)
+        assert time.monotonic() - t0 < 20, time.monotonic() - t0

@@ -153,6 +153,15 @@ elif mode == "rdma":
                                     "keys": [int(d0["key"], 16), int(d1["key"], 16)],
                                     "hkeys": [int(d0["hkey"], 16), int(d1["hkey"], 16)]}), flush=True)
 
+elif mode == "forge-store":
+    # Barrier arrivals and close's "left" of rank 1, as the records look
+    # without a key, the old counters too; and a failure note of our own text.
+    for n in range(2, 6):  # (not the first: the test's ranks meet there)
+        store.set(prefix + f"barrier/{n}/1", "none")
+        store.add(prefix + f"barrier/{n}", 1)
+    store.set(prefix + "left/1", "none")
+    print("planted", flush=True)
+
 elif mode == "tamper":
     # Over a genuine message waiting in rank 1's slot 0 of rank 0's ring: a
     # plain one-sided write of the payload only (the header and its pair tag
@@ -425,6 +434,9 @@ def _setup_store(rewrite=lambda k, v: v, on_set=lambda k, v: None):
         def get(self, k):
             return rewrite(k, bytes(self.inner.get(k)))
 
+        def check(self, keys):
+            return self.inner.check(keys)
+
     real = comm_mod.Communicator._setup
 
     def patched(self):
@@ -545,3 +557,35 @@ def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
         else:
             np.testing.assert_array_equal(comm.recv(src=0), np.arange(3.0))
             assert held
+
+
+@as_root
+@world(2, timeout=60)
+def test_forged_barrier_and_left_records_are_not_believed():
+    """With a key, another user bumped the store's barrier counters, and rank
+    0's barriers returned at once while rank 1 was still 1.5 s away; it
+    planted rank 1's "left" record, and rank 0's close() stopped flushing and
+    dropped the isends rank 1 had not yet received. Now every rank's records
+    carry a MAC under the key (Setup::store_mac), and forged ones count as
+    absent."""
+    comm = varcomm.init(transport="shm", job_key=KEY, slots=4, bound=4096, timeout=30, array="numpy")
+    if comm.rank == 0:
+        attacker = _attacker("forge-store", made=True)
+        out, _ = attacker.communicate(timeout=30)
+        assert "planted" in out, out
+    comm.barrier()  # (rank 1 waits here until the records are planted)
+    if comm.rank == 1:
+        time.sleep(1.5)
+    t0 = time.monotonic()
+    comm.barrier()
+    took = time.monotonic() - t0
+    if comm.rank == 0:
+        assert took > 1.0, f"barrier returned after {took:.2f} s: a forged arrival was believed"
+        for i in range(20):  # past the 4-slot ring: queued, flushed by close()
+            comm.isend(np.full(4, float(i)), 1)
+        comm.close()
+    else:
+        time.sleep(1.5)
+        got = [float(comm.recv(0, timeout=20)[0]) for _ in range(20)]
+        assert got == [float(i) for i in range(20)], got
+        comm.close()

@@ -797,6 +797,7 @@ PyObject* fast_send_ptr(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
     void* ptr = PyLong_AsVoidPtr(a[3]);
     uint32_t array = uint32_t(PyLong_AsUnsignedLong(a[7]));
     if (PyErr_Occurred()) return nullptr;
+    if (!ptr && n) Py_RETURN_FALSE;  // no memory (a zero tensor): the general path materializes it
     send_blocking(*f->c, dst, tag, ptr, n, dtype, shape, uint32_t(nd), t, {}, a[0], array);
     Py_RETURN_TRUE;
   });
@@ -1541,6 +1542,11 @@ PYBIND11_MODULE(_C, m) {
                next = c.setup->step(blobs);
              }
              return next ? py::object(py::bytes(*next)) : py::object(py::none());
+           })
+      .def("store_mac",
+           [](Comm& c, int rank, const std::string& name) {
+             c.check_peer(rank);
+             return c.ready().store_mac(rank, name);
            })
       .def_property_readonly("routes", [](Comm& c) { return c.ready().routes(); })
       .def_property_readonly("device_routes",

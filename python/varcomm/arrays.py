@@ -107,6 +107,9 @@ def like(out: Any, nout: Any, got: Any) -> Any:
 
 
 def _strided(x: Any, what: str) -> None:
+    if x.is_nested:  # (its layout may say strided)
+        raise InvalidArgument(f"{what} is a nested tensor: varcomm moves dense tensors; send each component "
+                              "(x.unbind()), or x.to_padded_tensor(0)")
     if x.layout != torch.strided:
         raise InvalidArgument(f"{what} is a {x.layout} tensor: varcomm moves dense (strided) tensors; send "
                               "x.to_dense(), or its indices and values as separate messages")
@@ -115,11 +118,14 @@ def _strided(x: Any, what: str) -> None:
 def values(x: Any) -> Any:
     """A torch tensor whose bytes are its values: a conjugate or negative view
     (x.conj(), x.conj().imag) is materialized (one copy), since its raw bytes
-    are not what it holds. Numpy arrays in a foreign byte order are converted
-    to native order for the same reason."""
+    are not what it holds, and so is an efficient zero tensor, which has none.
+    Numpy arrays in a foreign byte order are converted to native order for
+    the same reason."""
     if is_torch(x):
         if x.is_conj():
             x = x.resolve_conj()
+        if x._is_zerotensor():  # (autograd's zero gradients: no memory behind them, data_ptr 0)
+            return x.clone()
         return x.resolve_neg() if x.is_neg() else x
     if not x.dtype.isnative:
         return x.astype(x.dtype.newbyteorder("="))
@@ -216,7 +222,8 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
     return (*describe_out(out), -1)
 
 
-_EMPTY_OUT = ctypes.addressof(ctypes.c_char(0))
+_EMPTY_BYTE = ctypes.c_char(0)  # (kept: the address of a temporary would be freed memory)
+_EMPTY_OUT = ctypes.addressof(_EMPTY_BYTE)
 
 
 def _check_out_bits(out: Any) -> None:
@@ -237,8 +244,9 @@ def describe_out(out: Any) -> tuple[int, int, int]:
             raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
                                   "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
         # An empty tensor has data_ptr 0, which the core reads as "no out":
-        # any non-null address will do, nothing is written to a 0-byte out.
-        return out.data_ptr() or _EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
+        # any non-null address will do, nothing is written to a 0-byte out (a
+        # zero tensor's 0 with bytes goes through: the core refuses it).
+        return out.data_ptr() or (0 if out.nbytes else _EMPTY_OUT), out.nbytes, dtypes.from_torch(out.dtype)
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("out must be a writeable C-contiguous numpy array: receive into "

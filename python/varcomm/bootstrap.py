@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import hmac
 import ipaddress
 import math
 import os
@@ -93,8 +94,10 @@ def launched(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None
     env = os.environ if environ is None else environ
     for la in LAUNCHERS:
         size, r = env.get(la.world_size or ""), env.get(la.rank)
-        if size and r and int(size) > 1:
-            return int(size), int(r)
+        if size and r:
+            n = env_int((la.world_size or "",), env)
+            if n is not None and n > 1:
+                return n, env_int((la.rank,), env) or 0
     return None
 
 
@@ -136,7 +139,8 @@ def placement(rank: int | None = None, world_size: int | None = None, have_store
     r = rank if rank is not None else env_int(RANK_VARS, env)
     w = world_size if world_size is not None else env_int(WORLD_SIZE_VARS, env)
     if r is None or w is None:
-        if rank is None and world_size is None and not any(env.get(k) for k in RANK_VARS):
+        # (WORLD_SIZE=2 without a rank is a launch gone wrong, not a world of one)
+        if rank is None and world_size is None and not any(env.get(k) for k in RANK_VARS) and (w or 1) <= 1:
             r, w = 0, 1  # a lone process: a world of one
         else:
             raise InvalidArgument("cannot tell rank and world_size: pass varcomm.init(rank=..., world_size=...) "
@@ -282,6 +286,9 @@ def _client(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPStor
                                                                                     )).close()
             break
         except OSError as e:
+            if isinstance(e, socket.gaierror) and e.errno != socket.EAI_AGAIN:  # (EAI_AGAIN: DNS busy, try again)
+                raise InvalidArgument(f"rank {p.rank}: MASTER_ADDR={p.master_addr!r} does not resolve ({e.strerror}): "
+                                      "set it to rank 0's host") from None
             if deadline.left() <= 0:
                 raise TimeoutError(
                     f"rank {p.rank}: nothing listens at {_where(p)} after {deadline} (VARCOMM_INIT_TIMEOUT): rank 0, "
@@ -328,7 +335,30 @@ def _tcp_store(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPS
     return _client(p, timeout, deadline)
 
 
-def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting: bool = False) -> None:
+def seal_note(job_key: str, text: str) -> str:
+    """A failure note a rank leaves in the store for the others (rdzv/conflict,
+    setup/failed), with a MAC under the job key: the store answers anyone who
+    reaches its port, and its text is shown to the user as varcomm's."""
+    if not job_key:
+        return text
+    return hmac.new(job_key.encode(), b"varcomm-note\0" + text.encode(), "sha256").hexdigest() + " " + text
+
+
+def open_note(job_key: str, note: str) -> str | None:
+    """The text of a note of seal_note, None where it is forged (with a job
+    key: a MAC that does not verify; the ranks go on, and the real note, if
+    one comes, overwrites it). Without a key, control characters and length
+    are trimmed: anything that reaches the store may have written it."""
+    if job_key:
+        mac, _, text = note.partition(" ")
+        want = hmac.new(job_key.encode(), b"varcomm-note\0" + text.encode(), "sha256").hexdigest()
+        return text if hmac.compare_digest(mac, want) else None
+    text = "".join(c if c.isprintable() else " " for c in note)
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting: bool = False,
+            job_key: str = "") -> None:
     """Every rank of the communicator checks in; a rank that comes twice, or
     with another world size, fails the whole set-up at once, and after the
     init timeout the ranks that never came are named. Whoever fails first
@@ -339,7 +369,7 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
     def fail(msg: str, late: bool = False) -> NoReturn:
         # (late: ranks that never came, a TimeoutError on every rank; the first letter tells the others)
         try:
-            store.set(conflict, ("T" if late else "I") + msg)
+            store.set(conflict, seal_note(job_key, ("T" if late else "I") + msg))
             if hosting:
                 time.sleep(_LINGER_S)
         except RuntimeError:
@@ -357,8 +387,7 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
         store.add("rdzv/arrived", 1)
         pause = 0.002
         while int(store.add("rdzv/arrived", 0)) < p.world_size:
-            if store.check([conflict]):
-                why = store.get(conflict).decode()
+            if store.check([conflict]) and (why := open_note(job_key, store.get(conflict).decode())) is not None:
                 raise (TimeoutError if why[:1] == "T" else InvalidArgument)(f"rank {p.rank}: set-up failed: "
                                                                             + why[1:])
             if deadline.left() <= 0:
@@ -370,6 +399,11 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
                      "same order?", late=True)
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+        # A second process with a rank that had come counts nothing (it failed
+        # on its own count), so the count may be complete with its note left:
+        # the whole job is misconfigured, not only that process.
+        if store.check([conflict]) and (why := open_note(job_key, store.get(conflict).decode())) is not None:
+            raise (TimeoutError if why[:1] == "T" else InvalidArgument)(f"rank {p.rank}: set-up failed: " + why[1:])
     except (InvalidArgument, TimeoutError):
         raise
     except RuntimeError as e:  # torch's store errors: the rank hosting it is gone
@@ -393,7 +427,7 @@ def torch_default_group() -> tuple[Store, int, int] | None:
 
 
 def make_store(p: Placement, store: Store | None, timeout: float | None, init_timeout: float | None = None,
-               prefix: str | None = None) -> tuple[Store, TCPStore | None]:
+               prefix: str | None = None, job_key: str = "") -> tuple[Store, TCPStore | None]:
     """(store, owner): a prefix store unique to this communicator, once every
     rank arrived in it, and the TCPStore we connected to, if we made it.
     Without `prefix`, ranks create communicators in the same order, so the
@@ -424,5 +458,5 @@ def make_store(p: Placement, store: Store | None, timeout: float | None, init_ti
             where = "the given store"
         s = dist.PrefixStore(f"varcomm/{_instances}/", store)
     if p.world_size > 1:
-        _arrive(s, p, deadline, where, hosting=owner is not None and p.rank == 0)
+        _arrive(s, p, deadline, where, hosting=owner is not None and p.rank == 0, job_key=job_key)
     return s, owner

@@ -4,6 +4,7 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import atexit
+import hmac
 import itertools
 import math
 import os
@@ -220,6 +221,10 @@ def _close_at_exit() -> None:
             pass
 
 
+#: The note a rank whose set-up failed leaves in its communicator's store (Communicator._setup_failed).
+_SETUP_FAILED = "setup/failed"
+
+
 class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
 
@@ -252,10 +257,14 @@ class Communicator:
         self._orphans: list[tuple[int, Callable[[], Any]]] = []
         self._routes_ready = False
         self._fallback: Any = None
-        self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
-        self._f = self._c.fast()  # blocking send/recv, one core call each
-        self._lend = arrays.lender(options.array)  # copy=False: a slot's Loan as the array kind asked for
-        self._setup()
+        try:
+            self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
+            self._f = self._c.fast()  # blocking send/recv, one core call each
+            self._lend = arrays.lender(options.array)  # copy=False: a slot's Loan as the array kind asked for
+            self._setup()
+        except BaseException as e:
+            self._setup_failed(e)
+            raise
         # Per peer, from the core: its route, and its device-memory route
         # (None: CUDA tensors are staged through host memory).
         self._routes: list[str] = self._c.routes
@@ -286,35 +295,104 @@ class Communicator:
 
     def _setup(self) -> None:
         """The core chooses and connects every route; this only carries its
-        opaque per-round records between ranks through the store."""
+        opaque per-round records between ranks through the store. A rank that
+        fails its set-up says so in the store (_setup_failed): the others fail
+        at once, naming it, rather than wait for its record; one that dies
+        silently is named after init_timeout."""
         out: bytes | None = self._c.setup_begin()
         rnd = 0
-        while out is not None:
-            self._store.set(f"setup/{rnd}/{self.rank}", out)  # type: ignore[arg-type]  # torch's stub says str; bytes work
-            blobs = [self._store.get(f"setup/{rnd}/{r}") for r in range(self.world_size)]
-            out = self._c.setup_step(blobs)
-            rnd += 1
+        limit = self.options.init_timeout
+        where = "the rendezvous store"
+        try:
+            while out is not None:
+                self._store.set(f"setup/{rnd}/{self.rank}", out)  # type: ignore[arg-type]  # torch's stub says str; bytes work
+                keys = [f"setup/{rnd}/{r}" for r in range(self.world_size)]
+                deadline = math.inf if limit is None else time.monotonic() + limit
+                pause = 0.001
+                while not self._store.check(keys):
+                    if self._store.check([_SETUP_FAILED]):
+                        why = bootstrap.open_note(self.options.job_key, self._store.get(_SETUP_FAILED).decode())
+                        if why is not None:
+                            raise PeerFailure(f"rank {self.rank}: set-up failed on {why}")
+                    if time.monotonic() > deadline:
+                        missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
+                        raise _Timeout(f"rank {self.rank}: set-up: rank{'s' if len(missing) > 1 else ''} "
+                                       f"{', '.join(map(str, missing))} did not finish set-up step {rnd} within "
+                                       f"{limit:.3g} s (VARCOMM_INIT_TIMEOUT / init_timeout): it died or hangs "
+                                       "there; its output says why")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.02)
+                blobs = [self._store.get(k) for k in keys]
+                out = self._c.setup_step(blobs)
+                rnd += 1
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, VarcommError):
+                raise
+            # torch's DistNetworkError / DistStoreError: the store's host is gone
+            raise PeerFailure(f"rank {self.rank}: {where} stopped answering during set-up "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): rank 0, which hosts "
+                              "it, failed or exited; its output says why") from None
 
-    def _wait_count(self, key: str, n: int, timeout: float | None = None) -> None:
+    def _setup_failed(self, e: BaseException) -> None:
+        """Tell the other ranks, waiting in _setup, that this one's set-up failed (best effort)."""
+        if self.world_size < 2 or isinstance(e, PeerFailure):  # (theirs, or the store is gone)
+            return
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        note = f"rank {self.rank}: {type(e).__name__}: {text}"
+        try:
+            self._store.set(_SETUP_FAILED, bootstrap.seal_note(self.options.job_key, note))
+            if self._owner is not None and self.rank == 0:
+                time.sleep(bootstrap._LINGER_S)  # we host the store: a moment for the others to read it
+        except Exception:
+            pass
+
+    def _publish(self, name: str) -> None:
+        """Store record `name`/<our rank>, with its MAC (Setup::store_mac): the
+        store answers anyone who reaches its port, so with a job key the
+        others believe only a record that this rank wrote."""
+        self._store.set(f"{name}/{self.rank}", self._c.store_mac(self.rank, name))
+
+    def _published(self, ranks: list[int], name: str) -> list[int]:
+        """Those of `ranks` whose record `name` (_publish) is in the store and
+        verifies; a forged one counts as absent (the real one overwrites it)."""
+        keys = [f"{name}/{r}" for r in ranks]
+        if len(ranks) == 1 and not self._store.check(keys):  # (close's common case: one round trip)
+            return []
+        present = [r for r, k in zip(ranks, keys) if len(ranks) == 1 or self._store.check([k])]
+        out = []
+        for r in present:
+            want = self._c.store_mac(r, name)
+            if want == "none" or hmac.compare_digest(self._store.get(f"{name}/{r}"), want.encode()):
+                out.append(r)
+        return out
+
+    def _wait_all(self, name: str, timeout: float | None = None) -> None:
+        """Until every rank published `name` (barrier arrivals)."""
         limit = timeout if timeout is not None else self._timeout or 300
         now = time.monotonic()
         deadline, check = now + limit, now + 0.2
-        while (got := int(self._store.add(key, 0))) < n:
+        missing = [r for r in range(self.world_size) if r != self.rank]
+        while missing:
+            # One round trip while ranks are missing; the records are read and verified once all are in.
+            if self._store.check([f"{name}/{r}" for r in missing]):
+                came = set(self._published(missing, name))
+                missing = [r for r in missing if r not in came]
+                if not missing:
+                    return
             if self._routes_ready:
                 self._c.progress()  # a rank in a barrier still serves incoming rdma writes
                 if time.monotonic() > check:  # a rank that died never arrives: say so within seconds
                     check = time.monotonic() + 0.2
-                    for r in range(self.world_size):
-                        if r != self.rank and (why := self._c.peer_error(r)):
-                            if int(self._store.add(key, 0)) >= n:
-                                return  # it arrived before it died: the barrier is complete
-                            if self._store.check([f"{key}/{r}"]):
+                    for r in missing:
+                        if why := self._c.peer_error(r):
+                            if self._published([r], name):
                                 continue  # it arrived, then died: the others may still come
-                            raise PeerFailure(f"{key.split('/')[0]}: {got} of {n} ranks arrived, and rank {r} "
-                                              f"failed: {why}")
+                            raise PeerFailure(f"{name.split('/')[0]}: {self.world_size - len(missing)} of "
+                                              f"{self.world_size} ranks arrived, and rank {r} failed: {why}")
             if time.monotonic() > deadline:
-                raise _Timeout(f"{key.split('/')[0]}: {got} of {n} ranks arrived within {limit:.3g} s "
-                               "(does every rank call it?)")
+                raise _Timeout(f"{name.split('/')[0]}: {self.world_size - len(missing)} of {self.world_size} ranks "
+                               f"arrived within {limit:.3g} s (does every rank call it?); missing: rank"
+                               f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
             time.sleep(0.002)
 
     # ---- introspection --------------------------------------------------------
@@ -381,7 +459,11 @@ class Communicator:
         elif (kind is _Tensor and tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
               and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
-            if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, tensor.shape, t, 2):  # type: ignore[union-attr]
+            try:
+                shape = tensor.shape
+            except RuntimeError:  # (a nested tensor has none: the general path names it)
+                word = None
+            if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, shape, t, 2):  # type: ignore[union-attr]
                 return
         _check_timeout(t)
         if not (type(dst) is int and 0 <= dst < self.world_size):
@@ -406,9 +488,15 @@ class Communicator:
         elif (kind is _Tensor and tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
               and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
-            if word is not None and type(dst) is int and 0 <= dst < self.world_size:
-                return P2PWork(self, self._c.isend(dst, tag, tensor.data_ptr(), tensor.nbytes, word,  # type: ignore[union-attr]
-                                                   tensor.shape, -1, 2), None, dst, "send", tensor)
+            ptr = tensor.data_ptr()  # type: ignore[union-attr]
+            try:
+                shape = tensor.shape
+            except RuntimeError:  # (nested)
+                word = None
+            # (0 with bytes: a zero tensor, which has no memory: describe_send materializes it)
+            if word is not None and type(dst) is int and 0 <= dst < self.world_size and (ptr or not tensor.nbytes):
+                return P2PWork(self, self._c.isend(dst, tag, ptr, tensor.nbytes, word,
+                                                   shape, -1, 2), None, dst, "send", tensor)
         self._check_peer(dst, "dst")
         if kind is _Tensor:
             array = arrays.TORCH
@@ -481,8 +569,12 @@ class Communicator:
             # Inlined, as in send.
             elif kind is _Tensor and out.layout is _STRIDED and out.is_cpu and out.is_contiguous() and not out.is_neg():
                 word = _TORCH_WORDS.get(out.dtype)
+                try:
+                    shape = out.shape
+                except RuntimeError:  # (nested)
+                    word = None
                 if word is not None:
-                    r = f.recv_ptr(src, tag, out, out.data_ptr(), out.nbytes, word, out.shape, t)
+                    r = f.recv_ptr(src, tag, out, out.data_ptr(), out.nbytes, word, shape, t)
             if r is not None:
                 if self._orphans:
                     self._settle_orphans()
@@ -773,9 +865,8 @@ class Communicator:
         n = getattr(self, "_barriers", 0) + 1
         self._barriers = n
         try:
-            self._store.set(f"barrier/{n}/{self.rank}", "1")  # who arrived: a rank that died after it is not blamed
-            self._store.add(f"barrier/{n}", 1)
-            self._wait_count(f"barrier/{n}", self.world_size, limit)
+            self._publish(f"barrier/{n}")  # (who arrived: a rank that died after it is not blamed)
+            self._wait_all(f"barrier/{n}", limit)
         except VarcommError:
             raise
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
@@ -843,7 +934,7 @@ class Communicator:
                 self._settle_orphans()  # those whose message is in; the rest fail with the close
             try:
                 if not store_down:
-                    self._bounded(self._store.set, f"left/{self.rank}", "1")
+                    self._bounded(self._publish, "left")
             except (RuntimeError, OSError):  # the store's host died: close without it
                 store_down = True
             if not store_down:  # (else its peers are gone with it: nothing to wait for)
@@ -869,7 +960,8 @@ class Communicator:
                               flush=True)
                     self._c.progress()  # (and our goodbyes, once a full ring has room)
                     try:  # (every pass: a peer seen to leave later let its exit fail our receives first)
-                        missing = [r for r in missing if not self._bounded(self._store.check, [f"left/{r}"])]
+                        left = self._bounded(self._published, missing, "left")
+                        missing = [r for r in missing if r not in left]
                     except Exception:  # the store's owner left after every rank had, or is cut off
                         break
                     # A rank that died without closing will not come: stop waiting for it.
@@ -886,6 +978,8 @@ class Communicator:
     def _bounded(self, call: Callable[..., Any], *args: Any) -> Any:
         """A store call of close(), given up (RuntimeError) after _CLOSE_STORE_S,
         its thread left behind (a daemon: it ends with the process)."""
+        if sys.is_finalizing():  # (a close() from a __del__ at exit: a thread started now never runs)
+            return call(*args)
         box: list[tuple[bool, Any]] = []
 
         def run() -> None:
@@ -915,7 +1009,7 @@ class Communicator:
             if now - checked > 0.05:  # the store is a round trip: not every pass
                 checked = now
                 try:
-                    if all(self._bounded(self._store.check, [f"left/{p}"]) for p in pending):
+                    if len(self._bounded(self._published, pending, "left")) == len(pending):
                         return
                 except Exception:  # the store's owner left: so did its peers
                     return
@@ -1010,9 +1104,10 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
     init_timeout (VARCOMM_INIT_TIMEOUT, seconds, default 30): how long init waits
-    for every rank and the store; then it raises InvalidArgument naming the
-    ranks that never arrived (or the rank that came twice, the world size that
-    disagrees, the port a foreign program holds).
+    for every rank and the store, and for each step of the set-up; then it
+    raises varcomm.TimeoutError naming the ranks that never arrived (a rank
+    that came twice, a world size that disagrees, the port a foreign program
+    holds: InvalidArgument, at once; another rank's failed set-up: PeerFailure).
     array (VARCOMM_ARRAY, auto): kind returned by recv without out: auto (the sender's) | torch | numpy | cupy.
     rdma_provider, rdma_iface, spin_us, nvlink, a2a_algorithm, ...: see Options.
     An unknown option raises TypeError; a bad value, InvalidArgument.
@@ -1040,7 +1135,7 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
         _TORCH_WORDS.update({dt: w for dt, w in dtypes._TORCH.items() if not dt.is_complex})
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
     options = options.placed(p.local_world_size)
-    s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix)
+    s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix, options.job_key)
     return Communicator(p, s, owner, options)
 
 

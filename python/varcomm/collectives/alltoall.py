@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
@@ -118,6 +119,10 @@ def _rows(comm: Communicator, op: int, tag: int, ptr: int, row_bytes: int, split
           trailing: tuple[int, ...], out: int, cap: int, keep: object, expect: list[int] | None = None,
           stream: int = -1, x_host: int = 0) -> _C.AllToAll:
     name, input, backward = _label.get()
+    if row_bytes >= 1 << 63:  # (only an empty x can have such rows: (0, 2**62) float32)
+        raise InvalidArgument(f"{name or 'all-to-all'}: a row of {input or 'x'} (trailing shape {trailing}) would be "
+                              f"{row_bytes} bytes, "
+                              "more than a message can describe (2**63): use a smaller trailing shape")
     agree, agree_name, agree_why = _agreed.get()
     return _C.all_to_all_rows(comm._c, op, _strategy(comm), tag, ptr, row_bytes, splits, word, trailing, out, cap,
                               expect, keep, stream, x_host, name, input, backward, agree, agree_name, agree_why)
@@ -329,7 +334,7 @@ def _dev_out(dev: _Dev, out: Any, what: str) -> tuple[int, int, int]:
         raise InvalidArgument(f"{what} must be contiguous: chunks are received straight into it")
     dev.mem.record(out, dev.stream)
     # An empty tensor's data_ptr is 0, which the core reads as "no out" (as describe_out).
-    return out.data_ptr() or arrays._EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
+    return out.data_ptr() or (0 if out.nbytes else arrays._EMPTY_OUT), out.nbytes, dtypes.from_torch(out.dtype)
 
 
 def _staged_to(comm: Communicator, dst: int) -> bool:
@@ -422,14 +427,17 @@ class AllToAllWork:
         f = self._finish
         if f is None:
             return
-        if self._dev is None:  # (device memory: its copies are ordered on the caller's stream, so here)
+        # Not once the interpreter finalizes (a Work still referenced at exit):
+        # a thread started then never runs, and start() waits for it forever.
+        # The communicator is closed by then (atexit), so wait() ends at once.
+        if self._dev is None and not sys.is_finalizing():
             try:
                 threading.Thread(target=_finish_dropped, args=(f, self._keep), daemon=True,
                                  name="varcomm-dropped-all-to-all").start()
                 self._finish = None
                 return
             except RuntimeError:
-                pass  # no new threads (the interpreter is exiting)
+                pass  # no new threads
         try:
             self.wait()
         except Exception:
@@ -532,7 +540,8 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         return cast("tuple[Array, list[int]] | Work",
                     _v_device(comm, dev, x, send_splits, int(tag or 0), out, async_op, timeout))
     n = comm.world_size
-    if type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg()):
+    if (type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg())
+            and (x.data_ptr() or not x.numel())):  # (a zero tensor has no memory: host_array materializes it)
         # the common case, without the general checks' overhead
         shape = x.shape
         rows, trailing = shape[0], tuple(shape[1:])

@@ -244,7 +244,8 @@ def dispatch(comm: Communicator, tokens: torch.Tensor, topk_ids: torch.Tensor, t
     grouped by local expert (rows for local expert 0 first, ...; within an
     expert, by source rank then by (token, k)), ``tokens_per_expert`` [E/n]
     int64, and the handle combine needs. ``num_experts`` must be a multiple of
-    the world size.
+    the world size; rank r owns experts [r * E/n, (r + 1) * E/n) (local
+    expert j is global expert r * E/n + j).
 
     ``topk_ids`` on the GPU: the device-routed form (moe_device.dispatch): no
     count reaches the host, ``expert_tokens`` is bound-sized and expert-major,

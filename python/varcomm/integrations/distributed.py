@@ -102,7 +102,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         # srun, torchrun), the store on MASTER_ADDR's own address, and a
         # rendezvous that names what is missing.
         p = bootstrap.placement(None if rank < 0 else rank, None if world_size < 0 else world_size)
-        store, _ = bootstrap.make_store(p, None, opts.timeout, opts.init_timeout)
+        store, _ = bootstrap.make_store(p, None, opts.timeout, opts.init_timeout, job_key=opts.job_key)
         rank, world_size = p.rank, p.world_size
     kwargs: dict[str, Any] = {"init_method": init_method, "world_size": world_size, "rank": rank, "store": store,
                               "group_name": group_name, "pg_options": opts, "device_id": device_id}

@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
+from ..bootstrap import AGENT_STORE_VAR
 from ..options import Options, ToolOptions, env_name, env_value, resolve_valid, unknown_variables
 
 __all__ = ["main", "launch", "rank_env", "free_port"]
@@ -85,6 +86,9 @@ def rank_env(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
+    # Inherited from a torchrun that started us: it says torchrun's agent hosts
+    # the store, and none does for our ranks.
+    env.pop(AGENT_STORE_VAR, None)
     if world_size > 1:
         # As torchrun does: N ranks each running a full OpenMP pool would
         # oversubscribe the cores and starve the peer a rank waits for.
@@ -375,6 +379,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="varcomm-run",
+        allow_abbrev=False,  # (_split_argv knows the full names only: `--time 5` took 5 for the program)
         usage="varcomm-run -n N [--timeout S] [--tag-output] [--master-port P] [--oversubscribe] "
               "(PROGRAM | -m MODULE) [ARGS...]",
         description="Start N local ranks of PROGRAM with torchrun-compatible environment variables. "
