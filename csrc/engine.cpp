@@ -64,8 +64,11 @@ std::string peer_str(int peer) { return "rank " + std::to_string(peer); }
 constexpr uint8_t kByeWanted = 1, kByeWritten = 2, kByeDone = 3;
 
 // Why a pair whose peer said goodbye is failed (peer_str(peer) first).
-std::string closed_text(const std::string& who) {
-  return who + " closed its communicator: it sends and receives nothing more";
+std::string closed_text(const std::string& who, bool failing) {
+  return who + (failing ? " failed: its process exits after an uncaught exception (its output says which), and closed "
+                          "its communicator"
+                        : " closed its communicator") +
+         ": it sends and receives nothing more";
 }
 
 const char* const kWithdrawn =
@@ -128,9 +131,10 @@ std::vector<int> Engine::unflushed() {
   return peers;
 }
 
-void Engine::goodbye() {
+void Engine::goodbye(bool failing) {
   std::lock_guard<std::mutex> g(mu_);
   if (closed_) return;
+  failing_ = failing;
   // First: a peer's goodbye seen from here on leaves our posted receives to
   // fail with the close (ClosedError), not with that peer (check_goodbye).
   leaving_ = true;
@@ -185,6 +189,7 @@ void Engine::try_goodbye(int peer) {
     if (!p.sendq.empty() || (p.tdev && !p.tdev->flushed(peer))) return;
     Request r;
     r.hflags = kGoodbye;
+    r.tag = failing_ ? kByeFailing : 0;  // (a goodbye's tag is never matched)
     try {
       if (!try_write(peer, r)) return;  // the ring is full: retried by progress
     } catch (const Error&) {
@@ -353,11 +358,11 @@ Error Engine::max_message_error(int peer, uint64_t nbytes) const {
                peer);
 }
 
-// Bytes with no memory behind them (torch's efficient zero tensor has a
-// null data pointer and nonzero nbytes): refused before anything is read.
+// Refused before anything is read or written (Engine::no_memory).
 static void check_memory(const void* p, uint64_t nbytes, const char* what) {
-  if (!p && nbytes)
-    throw Error(ErrorKind::Invalid, std::string(what) + " has no memory: a null data pointer for " +
+  if (Engine::no_memory(p, nbytes))
+    throw Error(ErrorKind::Invalid, std::string(what) + " has no memory: data pointer " +
+                                        std::to_string(reinterpret_cast<uintptr_t>(p)) + " for " +
                                         std::to_string(nbytes) + " bytes (a torch efficient zero tensor?): use a "
                                         "materialized array (x.clone() makes one)");
 }
@@ -576,7 +581,7 @@ bool Engine::sane(int peer, const MsgHeader& h, uint64_t seq) {
     return true;
   // A message left from a peer that closed since: say what is wrong with it.
   Peer& q = peers_[peer];
-  if (q.bye_seen && q.dead == "peer failure: " + closed_text(peer_str(peer))) q.dead.clear();
+  if (q.bye_seen && q.dead == "peer failure: " + closed_text(peer_str(peer), q.bye_failing)) q.dead.clear();
   if (h.auth != peers_[peer].auth_in) {
     // Noticed as genuine, then overwritten in place: that message is lost.
     forged_++;
@@ -1615,6 +1620,7 @@ void Engine::deliver(int peer) {
         if (h->flags & kGoodbye) {
           // Its slot is never freed: the sender writes nothing more to us.
           p.bye_seen = true;
+          p.bye_failing = h->tag == kByeFailing;
           p.early.erase(p.early.begin() + i);
           p.next_deliver++;
           moved = true;
@@ -1652,7 +1658,7 @@ void Engine::check_goodbye(int peer) {
   for (const Arrival& a : p.ready)
     if (!sane(peer, *reinterpret_cast<const MsgHeader*>(base + layout_.slot_off(peer, a.slot) + kHeaderOff), a.seq))
       return;
-  fail_peer(peer, closed_text(peer_str(peer)));
+  fail_peer(peer, closed_text(peer_str(peer), p.bye_failing));
 }
 
 void Engine::progress_recvs(int peer) {

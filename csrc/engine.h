@@ -244,8 +244,13 @@ class Engine {
   // sent to it before (written by this call, unflushed() or progress() once
   // that has gone out; never while the peer's ring is full), so its
   // receives from us fail at once. Best effort: one that is never written
-  // leaves the peer to notice our exit, as before.
-  void goodbye();
+  // leaves the peer to notice our exit, as before. failing: this process
+  // is exiting after an uncaught exception (the peers' errors say so).
+  void goodbye(bool failing = false);
+  // Bytes with no memory behind them: a pointer into the first 64 KiB, which
+  // Linux never maps (vm.mmap_min_addr). torch's efficient zero tensor has
+  // data_ptr 0, and a view of one a small offset from 0.
+  static bool no_memory(const void* p, uint64_t nbytes) { return nbytes && reinterpret_cast<uintptr_t>(p) < 65536; }
   // Every request not complete fails with ClosedError; a recv whose message
   // arrived keeps it, a completed one stays completed.
   void close();
@@ -450,6 +455,7 @@ class Engine {
     uint8_t bye = 0;
     uint64_t bye_ticket = 0;
     bool bye_seen = false;
+    bool bye_failing = false;  // its goodbye said it exits after an uncaught exception
     std::chrono::steady_clock::time_point last_check{};
     int64_t next_send_check = 0;  // coarse_ns() at which a send next looks at the peer (check_send)
     uint64_t auth_out = 0, auth_in = 0;  // pair tags (set_pair_tags)
@@ -522,6 +528,7 @@ class Engine {
   Request scratch_;              // send_now's request, never queued
   int byes_wanted_ = 0;          // peers whose kGoodbye is still to be written
   bool leaving_ = false;         // goodbye() was called: close() follows
+  bool failing_ = false;         // ... at an exit after an uncaught exception (kByeFailing in our goodbyes)
   std::mutex mu_;
   bool closed_ = false;
   std::atomic<uint64_t> coll_seq_{0};

@@ -76,6 +76,8 @@ constexpr uint64_t kSlowSlots = 32;
 // recv from a rank that closed waits until the closer's close() ends (up to
 // 30 s on the store's host) or its own timeout (Engine::goodbye).
 constexpr uint64_t kGoodbye = 64;
+// A goodbye's tag: the sender's process exits after an uncaught exception.
+constexpr int64_t kByeFailing = 1;
 // With kDescriptor: the sender could not send the collective chunk it
 // describes because it is over the sender's own Options::max_message (not
 // the receiver's bound), so its receiver expects no payload and says which

@@ -923,3 +923,40 @@ def test_an_unwaited_all_to_all_referenced_at_exit_does_not_hang_it(how, tmp_pat
     p = subprocess.run([sys.executable, "-m", "varcomm.run", "-n", "2", "--timeout", "40", str(script), how],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.count("done") == 2, p.stdout + p.stderr
+
+
+_EXIT_RAISES = """
+import sys
+import varcomm
+comm = varcomm.init(timeout=30)
+comm.barrier()
+if comm.rank == 1:
+    raise RuntimeError("rank 1 fails")
+try:
+    comm.recv(1, timeout=20)
+except varcomm.PeerFailure as e:
+    print("rank 0:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_that_exits_on_an_uncaught_exception_is_said_to_have_failed(transport, tmp_path):
+    """Its communicator is closed at exit, which says goodbye: the peers were
+    told 'rank 1 closed its communicator', as if it had finished (a user
+    trial). The goodbye now says the process exits after an uncaught exception."""
+    import subprocess
+    import sys
+
+    from varcomm.tools.run import free_port
+
+    script = tmp_path / "exit_raises.py"
+    script.write_text(_EXIT_RAISES)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port, VARCOMM_TRANSPORT=transport))
+             for r in range(2)]
+    outs = [p.communicate(timeout=90) for p in procs]
+    assert "rank 1 fails" in outs[1][1], outs[1]
+    assert "rank 0: " in outs[0][0], outs[0]
+    assert "rank 1 failed: its process exits after an uncaught exception" in outs[0][0], outs[0]

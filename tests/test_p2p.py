@@ -443,9 +443,11 @@ def test_memoryless_and_huge_empty_tensors(transport):
     with varcomm.init(transport=transport, bound=BOUND, timeout=30) as comm:
         z = torch._efficientzerotensor(5)
         assert z.data_ptr() == 0 and z.nbytes == 20
+        zv = torch._efficientzerotensor(6)[1:]  # a view: data_ptr 4, still no memory
+        assert zv.data_ptr() == 4 and zv._is_zerotensor()
         if comm.rank == 0:
             comm.send(z, 1, tag=1)
-            comm.isend(z, 1, tag=2).wait()
+            comm.isend(zv, 1, tag=2).wait()
             comm.send(torch.empty((2**62, 0)), 1, tag=3)
             comm.send(np.empty((2**40, 0), np.float32), 1, tag=4)
             comm.send(torch.arange(3), 1, tag=5)
@@ -456,15 +458,27 @@ def test_memoryless_and_huge_empty_tensors(transport):
             for tag in (1, 2):
                 got = comm.recv(0, tag=tag)
                 assert not got._is_zerotensor() and torch.equal(got, torch.zeros(5)), (tag, got)
-            with pytest.raises(varcomm.InvalidArgument, match="no memory"):
-                comm.recv(0, tag=3, out=torch._efficientzerotensor(4))
+            for out in (torch._efficientzerotensor(4), torch._efficientzerotensor(5)[1:]):
+                with pytest.raises(varcomm.InvalidArgument, match="out is a zero tensor"):
+                    comm.recv(0, tag=3, out=out)
             assert tuple(comm.recv(0, tag=3).shape) == (2**62, 0)
             assert tuple(comm.recv(0, tag=4).shape) == (2**40, 0)
             assert torch.equal(comm.recv(0, tag=5), torch.arange(3))
-        # An all-to-all of a zero tensor sends its zeros.
-        x = torch._efficientzerotensor(4) if comm.rank == 0 else torch.full((4,), 7.0)
-        y, splits = comm.all_to_all_v(x, [2, 2])
-        assert splits == [2, 2] and torch.equal(y, torch.tensor([0.0, 0.0, 7.0, 7.0])), y
+        # An all-to-all of a zero tensor (or a view of one) sends its zeros; one as an output is refused.
+        for x0 in (torch._efficientzerotensor(4), torch._efficientzerotensor(5)[1:]):
+            x = x0 if comm.rank == 0 else torch.full((4,), 7.0)
+            y, splits = comm.all_to_all_v(x, [2, 2])
+            assert splits == [2, 2] and torch.equal(y, torch.tensor([0.0, 0.0, 7.0, 7.0])), y
+        for form in ("v", "single", "list"):
+            with pytest.raises(varcomm.VarcommError, match="zero tensor|refused"):
+                if form == "v":
+                    comm.all_to_all_v(torch.ones(4), [2, 2], out=torch._efficientzerotensor(4))
+                elif form == "single":
+                    comm.all_to_all_single(torch._efficientzerotensor(4), torch.ones(4))
+                else:
+                    comm.all_to_all([torch._efficientzerotensor(2)] * 2, [torch.ones(2)] * 2)
+        with pytest.raises(varcomm.VarcommError, match="nested tensor|refused"):
+            comm.all_to_all_v(torch.nested.nested_tensor([torch.ones(2), torch.ones(2)]), [1, 1])
         # Rows too wide to describe (only an empty x has them): refused on every rank, the next call pairs up.
         with pytest.raises(varcomm.InvalidArgument, match="more than a message can describe|refused"):
             comm.all_to_all_v(torch.empty((0, 2**62)), [0, 0])

@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
@@ -333,8 +334,10 @@ def test_a_duplicate_rank_fails_the_ranks_that_completed_the_count(server: tuple
 def test_launch_variables_that_cannot_be_read_are_named() -> None:
     """WORLD_SIZE=2 without a rank was a world of one; a launcher size that is
     not a number was a bare ValueError at `import varcomm.torch`; a
-    MASTER_ADDR that does not resolve was, on a rank other than 0, retried as
-    'nothing listens' and blamed on rank 0 after the init timeout; a torchrun's
+    MASTER_ADDR that does not resolve was, on a rank other than 0, blamed on
+    rank 0 ('nothing listens ... rank 0 never arrived') after the init
+    timeout (it is retried until then: on Kubernetes rank 0's name resolves
+    only once its pod is up); a torchrun's
     TORCHELASTIC_USE_AGENT_STORE passed to varcomm-run's ranks made them wait
     for a store nobody hosts."""
     with pytest.raises(varcomm.InvalidArgument, match="cannot tell rank and world_size"):
@@ -343,10 +346,9 @@ def test_launch_variables_that_cannot_be_read_are_named() -> None:
     with pytest.raises(varcomm.InvalidArgument, match="OMPI_COMM_WORLD_SIZE='two'"):
         bootstrap.launched({"OMPI_COMM_WORLD_SIZE": "two", "OMPI_COMM_WORLD_RANK": "0"})
     p = Placement(1, 2, 1, 2, "no-such-host.invalid", free_port())
-    t0 = time.monotonic()
-    with pytest.raises(varcomm.InvalidArgument, match="rank 1: MASTER_ADDR='no-such-host.invalid' does not resolve"):
-        bootstrap._client(p, 30, bootstrap._Deadline(20))
-    assert time.monotonic() - t0 < 10
+    with pytest.raises(varcomm.TimeoutError, match="rank 1: MASTER_ADDR='no-such-host.invalid' does not resolve "
+                                                    "after 1 s"):
+        bootstrap._client(p, 30, bootstrap._Deadline(1))
     from varcomm.tools.run import rank_env
     assert bootstrap.AGENT_STORE_VAR not in rank_env(0, 2, 1234, base={bootstrap.AGENT_STORE_VAR: "True"})
 
@@ -367,3 +369,51 @@ def test_a_rank_whose_set_up_fails_fails_the_others_at_once() -> None:
         with pytest.raises(varcomm.PeerFailure, match="set-up failed on rank 1: InvalidArgument"):
             varcomm.init(transport="rdma", init_timeout=60, timeout=300)
         assert time.monotonic() - t0 < 20, time.monotonic() - t0
+
+
+@world(2, timeout=60)
+def test_a_rank_slow_in_set_up_is_waited_for() -> None:
+    """A set-up step waits for the slowest rank's part (CUDA init, a
+    provider, memory registration take long on real clusters): not only
+    init_timeout, which is the rendezvous's (a review found a rank 5 s slow
+    failed both ranks with init_timeout=3)."""
+    import varcomm.comm as comm_mod
+
+    real = comm_mod._cuda_device
+
+    def slow(options):  # (called on the way into set-up: stands in for a slow CUDA context)
+        if os.environ["RANK"] == "1":
+            time.sleep(4)
+        return real(options)
+
+    comm_mod._cuda_device = slow
+    try:
+        with varcomm.init(transport="shm", init_timeout=2, timeout=30) as comm:
+            comm.barrier()
+    finally:
+        comm_mod._cuda_device = real
+
+
+def test_a_given_store_without_check_still_sets_up() -> None:
+    """dist.Store subclasses need not implement check(): set-up polled it and
+    failed ('pure virtual function'); it waits in get() then, as before."""
+
+    class MyStore(dist.Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.d: dict[str, bytes] = {}
+
+        def set(self, k, v):  # type: ignore[no-untyped-def]
+            self.d[k] = v if isinstance(v, bytes) else str(v).encode()
+
+        def get(self, k):  # type: ignore[no-untyped-def]
+            return self.d[k]
+
+        def add(self, k, n):  # type: ignore[no-untyped-def]
+            v = int(self.d.get(k, b"0")) + n
+            self.d[k] = str(v).encode()
+            return v
+
+    with varcomm.init(rank=0, world_size=1, store=MyStore(), transport="shm") as comm:
+        comm.send(np.arange(3), 0)
+        assert comm.recv(0).tolist() == [0, 1, 2]

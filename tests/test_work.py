@@ -127,6 +127,27 @@ def test_a_barrier_that_times_out_raises_varcomm_timeout():
             comm.barrier()  # rank 0's arrival still counts: this one passes
 
 
+@world(3, timeout=60)
+def test_a_barrier_timeout_names_the_ranks_still_missing():
+    """Rank 1 arrived, rank 2 did not: the text said '1 of 3 ranks arrived;
+    missing: ranks 1, 2' (the records were read only once all were in)."""
+    import time
+
+    import pytest
+
+    with varcomm.init(timeout=1) as comm:
+        if comm.rank == 0:
+            with pytest.raises(varcomm.TimeoutError,
+                               match=r"barrier: 2 of 3 ranks arrived within 1 s.*missing: rank 2$"):
+                comm.barrier()
+        elif comm.rank == 1:
+            with pytest.raises(varcomm.TimeoutError, match=r"missing: rank 2$"):
+                comm.barrier()
+        else:
+            time.sleep(1.5)
+            comm.barrier()
+
+
 def test_a_strided_copy_in_waits_for_the_stream_its_message_lands_on(monkeypatch):
     """A receive into a non-contiguous CUDA tensor over a device route lands in
     a contiguous stand-in on the stream current when it was posted; its copy

@@ -797,7 +797,7 @@ PyObject* fast_send_ptr(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
     void* ptr = PyLong_AsVoidPtr(a[3]);
     uint32_t array = uint32_t(PyLong_AsUnsignedLong(a[7]));
     if (PyErr_Occurred()) return nullptr;
-    if (!ptr && n) Py_RETURN_FALSE;  // no memory (a zero tensor): the general path materializes it
+    if (Engine::no_memory(ptr, n)) Py_RETURN_FALSE;  // (a zero tensor: the general path materializes it)
     send_blocking(*f->c, dst, tag, ptr, n, dtype, shape, uint32_t(nd), t, {}, a[0], array);
     Py_RETURN_TRUE;
   });
@@ -858,6 +858,7 @@ PyObject* fast_recv_ptr(PyObject* self, PyObject* const* a, Py_ssize_t nargs) {
     uint64_t cap = PyLong_AsUnsignedLongLong(a[4]);
     uint32_t dtype = uint32_t(PyLong_AsUnsignedLong(a[5]));
     if (PyErr_Occurred()) return nullptr;
+    if (Engine::no_memory(ptr, cap)) Py_RETURN_NONE;  // (a zero tensor: the general path names it)
     MsgHeader h;
     if (!recv_blocking(*f->c, src, tag, ptr, cap, dtype, &h, t)) Py_RETURN_NONE;
     return received_view(a[2], src, h, shape, uint32_t(nd));
@@ -1724,10 +1725,11 @@ PYBIND11_MODULE(_C, m) {
            })
       // close(): tell every peer this rank sends nothing more (Engine::goodbye).
       .def("goodbye",
-           [](Comm& c) {
+           [](Comm& c, bool failing) {
              py::gil_scoped_release nogil;
-             c.engine->goodbye();
-           })
+             c.engine->goodbye(failing);
+           },
+           py::arg("failing") = false)
       // close(): the peers that queued sends still wait for (none: flushed).
       .def("unflushed",
            [](Comm& c) {

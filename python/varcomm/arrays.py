@@ -214,6 +214,7 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
     """describe_out plus the CUDA stream that orders the receive (-1: host memory)."""
     if is_torch(out) and out.is_cuda:
         _check_out_bits(out)
+        check_memory(out, "out")
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
                                   "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
@@ -224,6 +225,15 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
 
 _EMPTY_BYTE = ctypes.c_char(0)  # (kept: the address of a temporary would be freed memory)
 _EMPTY_OUT = ctypes.addressof(_EMPTY_BYTE)
+
+
+def check_memory(out: Any, what: str) -> None:
+    """A torch out must have memory to write into: an efficient zero tensor
+    (and views of one) has none, and its data_ptr (0, or a small offset)
+    would read as "no out" or as an address."""
+    if out._is_zerotensor():
+        raise InvalidArgument(f"{what} is a zero tensor (torch's efficient zeros, e.g. an unused gradient): it has "
+                              f"no memory to receive into; pass torch.empty({tuple(out.shape)}, dtype={out.dtype})")
 
 
 def _check_out_bits(out: Any) -> None:
@@ -243,10 +253,10 @@ def describe_out(out: Any) -> tuple[int, int, int]:
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
                                   "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
+        check_memory(out, "out")
         # An empty tensor has data_ptr 0, which the core reads as "no out":
-        # any non-null address will do, nothing is written to a 0-byte out (a
-        # zero tensor's 0 with bytes goes through: the core refuses it).
-        return out.data_ptr() or (0 if out.nbytes else _EMPTY_OUT), out.nbytes, dtypes.from_torch(out.dtype)
+        # any non-null address will do, nothing is written to a 0-byte out.
+        return out.data_ptr() or _EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument("out must be a writeable C-contiguous numpy array: receive into "

@@ -286,10 +286,12 @@ def _client(p: Placement, timeout: float | None, deadline: _Deadline) -> TCPStor
                                                                                     )).close()
             break
         except OSError as e:
-            if isinstance(e, socket.gaierror) and e.errno != socket.EAI_AGAIN:  # (EAI_AGAIN: DNS busy, try again)
-                raise InvalidArgument(f"rank {p.rank}: MASTER_ADDR={p.master_addr!r} does not resolve ({e.strerror}): "
-                                      "set it to rank 0's host") from None
             if deadline.left() <= 0:
+                # (A name that does not resolve is retried too: on Kubernetes rank 0's resolves once its pod is up.)
+                if isinstance(e, socket.gaierror):
+                    raise TimeoutError(f"rank {p.rank}: MASTER_ADDR={p.master_addr!r} does not resolve after "
+                                       f"{deadline} (VARCOMM_INIT_TIMEOUT; {e.strerror}): set it to rank 0's host"
+                                       ) from None
                 raise TimeoutError(
                     f"rank {p.rank}: nothing listens at {_where(p)} after {deadline} (VARCOMM_INIT_TIMEOUT): rank 0, "
                     f"which hosts the store, never arrived ({e.strerror or e}); are all {p.world_size} ranks started, "

@@ -216,6 +216,7 @@ def _close_at_exit() -> None:
             c._at_exit = True
             if failing:
                 c._peer_wait_cap = _FAILING_EXIT_WAIT_S
+                c._failing = True
             c.close()
         except BaseException:  # (exiting anyway: one communicator's error must not keep the others open)
             pass
@@ -251,6 +252,7 @@ class Communicator:
         self._closed = False
         self._peer_wait_cap: float | None = None  # (close at a failing exit: _close_at_exit)
         self._at_exit = False
+        self._failing = False  # (closed at an exit after an uncaught exception: the peers' goodbyes say so)
         self._store_down = False  # a call found the store's host gone: close() leaves the store alone
         # Dropped receives whose message still has to be copied on (P2PWork settle):
         # run by the calls that follow (recv, irecv, isend, any wait, barrier, close).
@@ -297,41 +299,67 @@ class Communicator:
         """The core chooses and connects every route; this only carries its
         opaque per-round records between ranks through the store. A rank that
         fails its set-up says so in the store (_setup_failed): the others fail
-        at once, naming it, rather than wait for its record; one that dies
-        silently is named after init_timeout."""
+        at once, naming it, rather than wait for its record. One that dies
+        silently is named after the larger of init_timeout and timeout: a
+        step waits for the slowest rank's part (CUDA and a provider's set-up
+        take long on real clusters)."""
         out: bytes | None = self._c.setup_begin()
         rnd = 0
-        limit = self.options.init_timeout
-        where = "the rendezvous store"
+        limit = max(self.options.init_timeout or math.inf, self._timeout or math.inf)
+        while out is not None:
+            self._store_call(self._store.set, f"setup/{rnd}/{self.rank}", out)
+            out = self._c.setup_step(self._gather(f"setup/{rnd}", rnd, limit))
+            rnd += 1
+
+    def _gather(self, name: str, rnd: int, limit: float) -> list[bytes]:
+        """Every rank's record `name`/<rank>, once all are in the store."""
+        keys = [f"{name}/{r}" for r in range(self.world_size)]
+        store, call = self._store, self._store_call
         try:
-            while out is not None:
-                self._store.set(f"setup/{rnd}/{self.rank}", out)  # type: ignore[arg-type]  # torch's stub says str; bytes work
-                keys = [f"setup/{rnd}/{r}" for r in range(self.world_size)]
-                deadline = math.inf if limit is None else time.monotonic() + limit
-                pause = 0.001
-                while not self._store.check(keys):
-                    if self._store.check([_SETUP_FAILED]):
-                        why = bootstrap.open_note(self.options.job_key, self._store.get(_SETUP_FAILED).decode())
-                        if why is not None:
-                            raise PeerFailure(f"rank {self.rank}: set-up failed on {why}")
-                    if time.monotonic() > deadline:
-                        missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
-                        raise _Timeout(f"rank {self.rank}: set-up: rank{'s' if len(missing) > 1 else ''} "
-                                       f"{', '.join(map(str, missing))} did not finish set-up step {rnd} within "
-                                       f"{limit:.3g} s (VARCOMM_INIT_TIMEOUT / init_timeout): it died or hangs "
-                                       "there; its output says why")
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.02)
-                blobs = [self._store.get(k) for k in keys]
-                out = self._c.setup_step(blobs)
-                rnd += 1
+            call(store.check, keys[:1])
+        except NotImplementedError:  # a store of the caller's without check(): wait in get, as torch does
+            return [call(store.get, k) for k in keys]
+        deadline = time.monotonic() + limit
+        pause, note_at, i = 0.001, 0.0, 0
+        while i < len(keys):
+            # The first missing rank's key only: one small request however many ranks there are.
+            if call(store.check, [keys[i]]):
+                i += 1
+                continue
+            now = time.monotonic()
+            if now >= note_at:
+                note_at = now + 0.1
+                if call(store.check, [_SETUP_FAILED]):
+                    why = bootstrap.open_note(self.options.job_key, call(store.get, _SETUP_FAILED).decode())
+                    if why is not None:
+                        raise PeerFailure(f"rank {self.rank}: set-up failed on {why}")
+            if now > deadline:
+                missing = [r for r in range(i, len(keys)) if not call(store.check, [keys[r]])]
+                raise _Timeout(f"rank {self.rank}: set-up: rank{'s' if len(missing) > 1 else ''} "
+                               f"{', '.join(map(str, missing))} did not finish set-up step {rnd} within {limit:.3g} s "
+                               "(the larger of VARCOMM_INIT_TIMEOUT and VARCOMM_TIMEOUT): it died or hangs there; its "
+                               "output says why")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        if hasattr(store, "multi_get"):
+            return list(call(store.multi_get, keys))
+        return [call(store.get, k) for k in keys]
+
+    def _store_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A store call of set-up: torch's errors (DistNetworkError,
+        DistStoreError) mean its host is gone; a store without the method
+        raises NotImplementedError."""
+        try:
+            return fn(*args)
         except (RuntimeError, OSError) as e:
             if isinstance(e, VarcommError):
                 raise
-            # torch's DistNetworkError / DistStoreError: the store's host is gone
-            raise PeerFailure(f"rank {self.rank}: {where} stopped answering during set-up "
-                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): rank 0, which hosts "
-                              "it, failed or exited; its output says why") from None
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "pure virtual" in text:
+                raise NotImplementedError(text) from None
+            raise PeerFailure(f"rank {self.rank}: the rendezvous store stopped answering during set-up ({text}): "
+                              "the process that hosts it (rank 0, or torchrun's agent) failed or exited; its output "
+                              "says why") from None
 
     def _setup_failed(self, e: BaseException) -> None:
         """Tell the other ranks, waiting in _setup, that this one's set-up failed (best effort)."""
@@ -355,45 +383,62 @@ class Communicator:
     def _published(self, ranks: list[int], name: str) -> list[int]:
         """Those of `ranks` whose record `name` (_publish) is in the store and
         verifies; a forged one counts as absent (the real one overwrites it)."""
-        keys = [f"{name}/{r}" for r in ranks]
-        if len(ranks) == 1 and not self._store.check(keys):  # (close's common case: one round trip)
-            return []
-        present = [r for r, k in zip(ranks, keys) if len(ranks) == 1 or self._store.check([k])]
-        out = []
-        for r in present:
-            want = self._c.store_mac(r, name)
-            if want == "none" or hmac.compare_digest(self._store.get(f"{name}/{r}"), want.encode()):
-                out.append(r)
-        return out
+        return [r for r in ranks if self._store.check([f"{name}/{r}"]) and self._genuine(r, name)]
+
+    def _genuine(self, r: int, name: str) -> bool:
+        """Whether rank r's record `name`, which is in the store, carries its MAC."""
+        want = self._c.store_mac(r, name)
+        return want == "none" or hmac.compare_digest(self._store.get(f"{name}/{r}"), want.encode())
 
     def _wait_all(self, name: str, timeout: float | None = None) -> None:
-        """Until every rank published `name` (barrier arrivals)."""
+        """Until every rank published `name` (barrier arrivals). Rank 0 reads
+        the records, one rank at a time, and then publishes `name`/done; the
+        others wait for that one record: O(world) requests to the store per
+        barrier, not O(world^2)."""
         limit = timeout if timeout is not None else self._timeout or 300
         now = time.monotonic()
         deadline, check = now + limit, now + 0.2
-        missing = [r for r in range(self.world_size) if r != self.rank]
-        while missing:
-            # One round trip while ranks are missing; the records are read and verified once all are in.
-            if self._store.check([f"{name}/{r}" for r in missing]):
-                came = set(self._published(missing, name))
-                missing = [r for r in missing if r not in came]
+        others = [r for r in range(self.world_size) if r != self.rank]
+        missing = list(others) if self.rank == 0 else []
+        done = f"{name}/done"
+        while True:
+            if self.rank == 0:
+                # The first missing rank's record only: one small request however many ranks there are.
+                if missing and self._store.check([f"{name}/{missing[0]}"]) and self._genuine(missing[0], name):
+                    missing.pop(0)
+                    continue
                 if not missing:
+                    self._publish(done)
                     return
+            elif self._store.check([f"{done}/0"]) and self._genuine(0, done):
+                return
             if self._routes_ready:
                 self._c.progress()  # a rank in a barrier still serves incoming rdma writes
                 if time.monotonic() > check:  # a rank that died never arrives: say so within seconds
                     check = time.monotonic() + 0.2
-                    for r in missing:
-                        if why := self._c.peer_error(r):
-                            if self._published([r], name):
-                                continue  # it arrived, then died: the others may still come
-                            raise PeerFailure(f"{name.split('/')[0]}: {self.world_size - len(missing)} of "
-                                              f"{self.world_size} ranks arrived, and rank {r} failed: {why}")
+                    for r in others:
+                        if not (why := self._c.peer_error(r)):
+                            continue
+                        if r == 0 and self.rank != 0 and self._barrier_missing(name, others) is None:
+                            return  # rank 0 died after every rank arrived, before it said so: complete
+                        if not self._published([r], name):
+                            # (one that arrived, then died, is not blamed: the others may still come)
+                            raise PeerFailure(f"{self._barrier_text(name, others)}, and rank {r} failed: {why}")
             if time.monotonic() > deadline:
-                raise _Timeout(f"{name.split('/')[0]}: {self.world_size - len(missing)} of {self.world_size} ranks "
-                               f"arrived within {limit:.3g} s (does every rank call it?); missing: rank"
-                               f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}")
+                if self.rank == 0 and missing and not [q for q in missing if q not in self._published(missing, name)]:
+                    continue  # (all in since the last look)
+                raise _Timeout(f"{self._barrier_text(name, others)} within {limit:.3g} s (does every rank call it?); "
+                               f"missing: {self._barrier_missing(name, others) or 'none, but rank 0 has not said so'}")
             time.sleep(0.002)
+
+    def _barrier_text(self, name: str, others: list[int]) -> str:
+        got = len(self._published(others, name))
+        return f"{name.split('/')[0]}: {got + 1} of {self.world_size} ranks arrived"
+
+    def _barrier_missing(self, name: str, others: list[int]) -> str | None:
+        """The ranks whose arrival is not in the store, as text; None: none."""
+        missing = [r for r in others if r not in self._published(others, name)]
+        return f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}" if missing else None
 
     # ---- introspection --------------------------------------------------------
 
@@ -493,8 +538,9 @@ class Communicator:
                 shape = tensor.shape
             except RuntimeError:  # (nested)
                 word = None
-            # (0 with bytes: a zero tensor, which has no memory: describe_send materializes it)
-            if word is not None and type(dst) is int and 0 <= dst < self.world_size and (ptr or not tensor.nbytes):
+            # (under 64 KiB with bytes: a zero tensor, which has no memory: describe_send materializes it)
+            if (word is not None and type(dst) is int and 0 <= dst < self.world_size
+                    and (ptr >= 65536 or not tensor.nbytes)):
                 return P2PWork(self, self._c.isend(dst, tag, ptr, tensor.nbytes, word,
                                                    shape, -1, 2), None, dst, "send", tensor)
         self._check_peer(dst, "dst")
@@ -929,7 +975,7 @@ class Communicator:
             # dropped irecv(out=) is filled so), then says goodbye; only then
             # "left": senders stop flushing to a rank that left, and a sender
             # that tears its endpoint down with our data unread loses it.
-            self._c.goodbye()
+            self._c.goodbye(self._failing)
             if self._orphans:
                 self._settle_orphans()  # those whose message is in; the rest fail with the close
             try:
@@ -1009,7 +1055,7 @@ class Communicator:
             if now - checked > 0.05:  # the store is a round trip: not every pass
                 checked = now
                 try:
-                    if len(self._bounded(self._published, pending, "left")) == len(pending):
+                    if all(self._bounded(self._published, [p], "left") for p in pending):
                         return
                 except Exception:  # the store's owner left: so did its peers
                     return
@@ -1104,10 +1150,11 @@ def init(rank: int | None = None, world_size: int | None = None, store: Store | 
     transport (VARCOMM_TRANSPORT): auto | shm | rdma | fallback.
     timeout (VARCOMM_TIMEOUT, seconds, default 600; None waits forever).
     init_timeout (VARCOMM_INIT_TIMEOUT, seconds, default 30): how long init waits
-    for every rank and the store, and for each step of the set-up; then it
-    raises varcomm.TimeoutError naming the ranks that never arrived (a rank
-    that came twice, a world size that disagrees, the port a foreign program
-    holds: InvalidArgument, at once; another rank's failed set-up: PeerFailure).
+    for every rank and the store; then it raises varcomm.TimeoutError naming
+    the ranks that never arrived (a rank that came twice, a world size that
+    disagrees, the port a foreign program holds: InvalidArgument, at once;
+    another rank's failed set-up: PeerFailure, at once; a rank silent in
+    set-up: TimeoutError after the larger of init_timeout and timeout).
     array (VARCOMM_ARRAY, auto): kind returned by recv without out: auto (the sender's) | torch | numpy | cupy.
     rdma_provider, rdma_iface, spin_us, nvlink, a2a_algorithm, ...: see Options.
     An unknown option raises TypeError; a bad value, InvalidArgument.

@@ -334,7 +334,8 @@ def _dev_out(dev: _Dev, out: Any, what: str) -> tuple[int, int, int]:
         raise InvalidArgument(f"{what} must be contiguous: chunks are received straight into it")
     dev.mem.record(out, dev.stream)
     # An empty tensor's data_ptr is 0, which the core reads as "no out" (as describe_out).
-    return out.data_ptr() or (0 if out.nbytes else arrays._EMPTY_OUT), out.nbytes, dtypes.from_torch(out.dtype)
+    arrays.check_memory(out, what)
+    return out.data_ptr() or arrays._EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
 
 
 def _staged_to(comm: Communicator, dst: int) -> bool:
@@ -541,7 +542,8 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
                     _v_device(comm, dev, x, send_splits, int(tag or 0), out, async_op, timeout))
     n = comm.world_size
     if (type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg())
-            and (x.data_ptr() or not x.numel())):  # (a zero tensor has no memory: host_array materializes it)
+            and (x.data_ptr() >= 65536 or not x.numel()) and not x.is_nested):  # (a zero tensor: host_array
+        # materializes it; a nested one: host_array names it)
         # the common case, without the general checks' overhead
         shape = x.shape
         rows, trailing = shape[0], tuple(shape[1:])
