@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,11 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
              (["p2p", "-b", "lots"], "-b/--minbytes", "lots"),
              (["p2p", "-b", "64K", "-e", "8"], "-e/--maxbytes", "below -b/--minbytes"),
              (["all", "--nranks", "1"], "--nranks", "must be >= 2"),
+             (["p2p", "--nranks", "3"], "--nranks", "ping-pong between 2 ranks"),  # (ran and said '3 ranks')
+             (["p2p", "--op-timeout", "-1"], "--op-timeout", "must be a number > 0"),  # (each rank died)
+             (["varlen", "--sigma", "-1"], "--sigma", "must be a number > 0"),
+             (["p2p", "--json", "/proc/no/x.json"], "--json", "cannot write there"),  # (said after the run)
+             (["p2p", "--launcher", "mpirun", "--mpirun", "/bin/nonexist"], "--launcher mpirun", "not found"),
              (["p2p", "--nope"], "unrecognized arguments", "--nope")]
     for args, option, detail in cases:
         with pytest.raises(SystemExit) as e:
@@ -104,6 +110,43 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
               "--launcher", "varcomm", "--timeout", "100"], timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "p2p latency" in r.stdout
+
+
+def test_a_bad_varcomm_variable_is_one_usage_error(capsys, monkeypatch) -> None:
+    """VARCOMM_BOUND=12 under the bench: every rank failed with its own
+    traceback (56-65 lines); varcomm-run says it once, as a usage error."""
+    monkeypatch.setenv("VARCOMM_BOUND", "12")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["p2p", "--tests", "latency", "-b", "8", "-e", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "VARCOMM_BOUND" in err and "Traceback" not in err, err
+
+
+def test_compare_warns_when_the_runs_measured_different_things(tmp_path: Path, capsys) -> None:
+    """An shm run against an rdma run was compared without a word ('9 below
+    0.9 slower'); an unknown --methods was ignored; a missing file was a
+    traceback."""
+    from varcomm_bench import compare
+
+    def run(name: str, transport: str, env: dict[str, str], t: float) -> str:
+        doc = {"subcommand": "p2p", "options": {"transport": transport}, "environment": env,
+               "results": [{"bench": "p2p", "test": "latency", "title": "p2p latency",
+                            "points": [{"size": 8, "methods": {"varcomm": {"time_us": {"median": t}}}}]}]}
+        (tmp_path / name).write_text(json.dumps(doc))
+        return str(tmp_path / name)
+
+    a, b = run("a.json", "shm", {}, 2.0), run("b.json", "rdma", {"VARCOMM_SHM_STORES": "ordinary"}, 4.0)
+    assert compare.main(["--before", a, "--after", b]) == 0
+    out = capsys.readouterr()
+    assert "| 0.50 **slower** |" in out.out, out.out
+    assert "differ in transport: 'shm' in" in out.err and "differ in VARCOMM_SHM_STORES" in out.err, out.err
+    assert compare.main(["--before", a, "--after", run("c.json", "shm", {}, 2.0)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare.main(["--before", a, "--after", b, "--methods", "bogus"])
+    assert "bogus not in these runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="cannot read .*missing.json"):
+        compare.main(["--before", a, "--after", str(tmp_path / "missing.json")])
 
 
 def test_cuda_without_gpu_is_a_clear_error() -> None:
@@ -306,6 +349,38 @@ def test_raw_libfabric_provider() -> None:
         assert fi_provider(ctx, comm) == "shm"
 
 
+@pytest.mark.skipif(shutil.which("pkg-config") is None, reason="no pkg-config to build fi_pingpong")
+def test_fi_pingpong_leaves_nothing_in_dev_shm() -> None:
+    """libfabric's shm provider backs an endpoint with /dev/shm/<pid>:0:0,
+    which only fi_close removes, and fi_pingpong never closed its endpoints:
+    every run of the libfabric baseline (make demo, varcomm-bench all) left
+    two 16 MiB files; a user trial found 1177 of them, 4.5 GB of tmpfs."""
+    from types import SimpleNamespace
+
+    from varcomm_bench.core import fi_binary
+
+    exe, why = fi_binary(SimpleNamespace(a=SimpleNamespace(fi_pingpong=None)))
+    if exe is None:
+        pytest.skip(why)
+    before = set(os.listdir("/dev/shm"))
+    r = subprocess.run([exe, "-p", "shm", "-n", "20", "-s", "8"], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        pytest.skip(f"libfabric's shm provider does not run here: {r.stderr[-300:]}")
+    left = [f for f in set(os.listdir("/dev/shm")) - before
+            if re.fullmatch(r"\d+:\d+:\d+", f) and not _alive(int(f.split(":")[0]))]
+    assert not left, f"fi_pingpong left {left} in /dev/shm"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def test_the_machine_line_says_when_fi_pingpong_never_ran() -> None:
     """The machine line said "libfabric 1.17.0 (verbs)" where fi_pingpong, asked
     for verbs, failed at every size: it named a provider nothing ran on."""
@@ -340,3 +415,18 @@ def test_help_names_every_subcommand() -> None:
     text = cli._parser().format_help()
     for name in ("p2p", "varlen", "alltoall", "all", "moe"):
         assert f"\n    {name} " in text or f"\n  {name} " in text, (name, text)
+
+
+def test_rss_without_a_seed_runs_as_the_readme_shows() -> None:
+    """`python -m varcomm_bench.rss` without --seed: each rank drew its own
+    seed, so the receiver checked the sender's sizes against other ones and
+    failed ('message 96: (2616,) / last 454.0, want 455'); the two ranks'
+    lines also ran together on the launcher's pipe."""
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
+    for k in _JOB_VARS:
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "varcomm_bench.rss", "-m", "400"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    lines = [x for x in r.stdout.splitlines() if x.startswith("rank ")]
+    assert len(lines) == 2 and len({x.split(",")[0].split("seed ")[1] for x in lines}) == 1, r.stdout

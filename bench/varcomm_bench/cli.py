@@ -153,6 +153,17 @@ def machine(ctx: Any = None) -> dict[str, Any]:
 # Each option is parsed and checked by its argparse type, so a bad value is a
 # usage error naming the option, raised before any rank starts.
 
+def _positive(s: str) -> float:
+    """Seconds or a spread: a number > 0 (a rank that got -1 died with a traceback)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{s}: must be a number > 0")
+    return v
+
+
 def _at_least(low: int) -> Callable[[str], int]:
     def conv(s: str) -> int:
         try:
@@ -257,8 +268,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="how to start the ranks when not under a launcher (auto: mpirun if mpi4py is there)")
     g.add_argument("--mpirun", default="mpirun", help="mpirun to use (default: on PATH)")
     g.add_argument("--mpirun-args", default="--bind-to none", help="extra mpirun options as one string")
-    g.add_argument("--timeout", type=float, default=None, help="kill the relaunched job after S seconds (default 900)")
-    g.add_argument("--op-timeout", type=float, default=120.0, help="timeout of one varcomm operation (default 120)")
+    g.add_argument("--timeout", type=_positive, default=None,
+                   help="kill the relaunched job after S seconds (default 900)")
+    g.add_argument("--op-timeout", type=_positive, default=120.0, help="timeout of one varcomm operation (default 120)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="every number, the options and the machine")
     g.add_argument("--plot", metavar="FILE.png", help="time and bandwidth against size, varcomm and baselines")
@@ -281,7 +293,7 @@ def _p2p_opts(p: argparse.ArgumentParser) -> None:
                    help="libfabric provider of the raw baseline (default: the one varcomm was asked for, else shm)")
     g.add_argument("--fi-pingpong", default=None, help="path of fi_pingpong (default: built from the package's "
                    "fi_pingpong.c)")
-    g.add_argument("--fi-timeout", type=float, default=20.0,
+    g.add_argument("--fi-timeout", type=_positive, default=20.0,
                    help="seconds for one fi_pingpong run; past it the baseline stops (default 20)")
 
 
@@ -289,7 +301,7 @@ def _varlen_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("varlen")
     g.add_argument("--dist", type=_dist, default="lognormal",
                    help="uniform | lognormal | file:PATH (sizes, one per line)")
-    g.add_argument("--sigma", type=float, default=0.8, help="lognormal sigma (default 0.8)")
+    g.add_argument("--sigma", type=_positive, default=0.8, help="lognormal sigma (default 0.8)")
     g.add_argument("--messages", type=_at_least(1), default=None, help="distinct sizes per point (64; quick 16)")
     g.add_argument("--slots", type=_at_least(1), default=8,
                    help="varcomm slots: messages in flight per stage (default 8)")
@@ -382,12 +394,46 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "give the smallest size with -b and the largest with -e")
     _check_device(a)
     if not _in_launcher():
-        return _relaunch(args_in, a)
+        _check_before_launch(parser, a)
+        try:
+            return _relaunch(args_in, a)
+        except KeyboardInterrupt:  # (the job was stopped: the ranks' tracebacks would say nothing more)
+            log("interrupted: the job was stopped")
+            return 130
     try:
         return run_job(a)
+    except KeyboardInterrupt:  # (^C reaches every rank: the launcher says it once)
+        return 130
     except Exception:
         _abort_mpi_job()
         raise
+
+
+def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What would fail every rank the same way, or only after the run: said once, before any rank starts."""
+    import warnings
+
+    from varcomm.options import resolve_valid
+
+    if "p2p" in a.benches and a.nranks != 2:
+        parser.error(f"--nranks: the p2p benchmark is a ping-pong between 2 ranks, not {a.nranks} (--nranks 2)")
+    if a.launcher == "mpirun" and not shutil.which(a.mpirun):
+        parser.error(f"--launcher mpirun: {a.mpirun!r} not found (install Open MPI, pass --mpirun PATH, or use "
+                     "--launcher varcomm)")
+    try:  # a bad VARCOMM_* value (as varcomm-run checks it)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            resolve_valid()
+    except ValueError as e:
+        parser.error(str(e))
+    for w in seen:
+        log(f"warning: {w.message}")
+    for opt in ("json", "md", "plot"):
+        path = getattr(a, opt, None)
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                parser.error(f"--{opt}: cannot write there: {path} ({folder} is not a writable folder)")
 
 
 def _abort_mpi_job() -> None:
@@ -447,6 +493,10 @@ def run_job(a: argparse.Namespace) -> int:
            "launcher": os.environ.get("VARCOMM_BENCH_LAUNCHER") or _launcher_name(), "ranks": ctx.world,
            "elapsed_s": round(time.monotonic() - t0, 1), "machine": info,
            "options": {k: v for k, v in vars(a).items() if k not in ("func",)},
+           # what else decides the numbers (compare warns where two runs differ); never the job key
+           "environment": {k: v for k, v in sorted(os.environ.items())
+                           if (k.startswith(("VARCOMM_", "FI_")) and k != "VARCOMM_JOB_KEY"
+                               and not k.startswith("VARCOMM_BENCH_"))},
            "labels": dict(LABELS), "results": results}
     doc["wrong_total"] = report.wrong_total(results)
     print(report.osu(doc) if a.osu else report.text(doc), flush=True)

@@ -17,11 +17,41 @@ from collections.abc import Iterable
 Key = tuple[str, str, float, str]  # bench (with its routing/notes title), test, size, method
 
 
-def _points(paths: Iterable[str], methods: set[str] | None) -> dict[Key, float]:
+#: What makes two runs measure different things: compared across every file (the date, the command's
+#: output paths and the like are not).
+_SETTINGS = ("transport", "dtype", "device", "window", "iters", "warmup", "nranks", "routing", "slots", "hidden")
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"compare: cannot read {path}: {e} (pass the --json files of varcomm-bench runs)") from None
+
+
+def _setting(doc: dict) -> dict:
+    opts = doc.get("options", {})
+    return {"subcommand": doc.get("subcommand"), **{k: opts.get(k) for k in _SETTINGS},
+            **{f"${k}": v for k, v in doc.get("environment", {}).items()}}
+
+
+def _differences(docs: dict[str, dict]) -> list[str]:
+    """'name: a in x.json, b in y.json' for each setting the runs do not share."""
+    settings = {p: _setting(d) for p, d in docs.items()}
+    names = sorted({k for s in settings.values() for k in s})
+    out = []
+    for k in names:
+        vals = {p: s.get(k) for p, s in settings.items()}
+        if len({json.dumps(v, sort_keys=True, default=str) for v in vals.values()}) > 1:
+            out.append(f"{k.lstrip('$')}: " + ", ".join(f"{v!r} in {p}" for p, v in vals.items()))
+    return out
+
+
+def _points(paths: Iterable[str], methods: set[str] | None, docs: dict[str, dict]) -> dict[Key, float]:
     best: dict[Key, float] = {}
     for path in paths:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = docs[path]
         for res in doc["results"]:
             for pt in res["points"]:
                 for m, v in pt["methods"].items():
@@ -47,7 +77,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="flag a point whose ratio is below this (default 0.9)")
     a = p.parse_args(argv)
     methods = set(a.methods.split(",")) if a.methods else None
-    before, after = _points(a.before, methods), _points(a.after, methods)
+    docs = {path: _load(path) for path in [*a.before, *a.after]}
+    if methods is not None:
+        known = {m for d in docs.values() for res in d["results"] for pt in res["points"] for m in pt["methods"]}
+        if methods - known:
+            p.error(f"--methods: {', '.join(sorted(methods - known))} not in these runs (they have: "
+                    f"{', '.join(sorted(known))})")
+    for line in _differences(docs):
+        print(f"compare: warning: the runs differ in {line}; their ratios compare different settings",
+              file=sys.stderr)
+    before, after = _points(a.before, methods, docs), _points(a.after, methods, docs)
     keys = sorted(set(before) & set(after))
     if not keys:
         p.error("no point is in both --before and --after")

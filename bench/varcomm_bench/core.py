@@ -802,8 +802,12 @@ def fi_runner(ctx: Ctx, exe: str, provider: str) -> Callable[..., tuple[float, i
         try:
             stdout, stderr = p.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
+            os.killpg(p.pid, signal.SIGTERM)  # (it closes its endpoint: the shm provider's /dev/shm file goes)
+            try:
+                p.communicate(timeout=2)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
             raise RuntimeError(f"fi_pingpong -p '{provider}' -s {nbytes} -n {n} hung (killed after "
                                f"{limit:.0f} s)") from None
         finally:

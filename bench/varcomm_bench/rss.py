@@ -119,7 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "RANK" not in os.environ:
         from varcomm.tools.run import main as run
 
-        return run(["-n", "2", "--", sys.executable, "-m", "varcomm_bench.rss", *(argv or sys.argv[1:])])
+        args = list(argv or sys.argv[1:])
+        if a.seed is None:  # one seed for both ranks: the receiver checks each size against the sender's
+            args += ["--seed", str(int.from_bytes(os.urandom(4), "little"))]
+        return run(["-n", "2", "--", sys.executable, "-m", "varcomm_bench.rss", *args])
     import varcomm
     from varcomm.options import parse_bytes
 
@@ -130,10 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         before = rss_bytes()
         pts = stream(comm, a.messages, bound, seed)
         sent = int(sizes(a.messages, bound, seed).sum())
-        print(f"rank {comm.rank}: seed {seed}, {a.messages} messages, {sent / 2**20:.0f} MiB, bound {bound}, "
-              f"slots {a.slots}; RSS at init {before / 2**20:.1f} MiB; "
-              + ", ".join(f"{m}: {r / 2**20:.1f}" for m, r in pts)
-              + f" MiB; growth after the first tenth {growth(pts) / 2**20:+.2f} MiB", flush=True)
+        # One write per line: the ranks share the launcher's pipe (print's two writes interleaved).
+        os.write(1, (f"rank {comm.rank}: seed {seed}, {a.messages} messages, {sent / 2**20:.0f} MiB, bound {bound}, "
+                     f"slots {a.slots}; RSS at init {before / 2**20:.1f} MiB; "
+                     + ", ".join(f"{m}: {r / 2**20:.1f}" for m, r in pts)
+                     + f" MiB; growth after the first tenth {growth(pts) / 2**20:+.2f} MiB\n").encode())
     finally:
         comm.close()
     return 0
