@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import varcomm
@@ -144,3 +145,23 @@ def test_selftest_fails_fast_on_the_rank_that_failed(tmp_path, monkeypatch):
     assert not passed
     assert line.startswith("FAIL  rank 1: InvalidArgument: VARCOMM_SLOTS='0': use an integer in [1, 1024]"), line
     assert took < 25, f"{took:.0f} s: the doctor waited for rank 0's init timeout (30 s)"
+
+
+@pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"], reason="built without rdma")
+def test_rdma_settings_libfabric_cannot_give_are_fail_lines():
+    """VARCOMM_FI_PROVIDER=verbs;ofi_rxm VARCOMM_FI_IFACE=eth9 on a host with
+    neither: the doctor exited 0 with no FAIL line (its own --selftest failed,
+    pointing back to it)."""
+    env = clean_env()
+    env.update(VARCOMM_FI_PROVIDER="no_such;ofi_rxm", VARCOMM_FI_IFACE="no_such_nic0")
+    r = doctor(env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAIL  VARCOMM_FI_PROVIDER=no_such;ofi_rxm: libfabric here has no RDM provider" in r.stdout, r.stdout
+    env = clean_env()
+    env["VARCOMM_FI_IFACE"] = "no_such_nic0"
+    r = doctor(env=env)
+    assert r.returncode == 1 and "FAIL  VARCOMM_FI_IFACE=no_such_nic0: no domain named no_such_nic0" in r.stdout, \
+        r.stdout
+    env["VARCOMM_FI_IFACE"] = "lo"
+    r = doctor(env=env)
+    assert "FAIL" not in r.stdout, r.stdout
