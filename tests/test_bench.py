@@ -430,3 +430,13 @@ def test_rss_without_a_seed_runs_as_the_readme_shows() -> None:
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith("rank ")]
     assert len(lines) == 2 and len({x.split(",")[0].split("seed ")[1] for x in lines}) == 1, r.stdout
+
+
+def test_a_run_on_a_busy_machine_says_its_times_are_noisy() -> None:
+    from varcomm_bench import report
+
+    doc = {"date": "d", "launcher": "l", "elapsed_s": 1.0,
+           "machine": {"cpu": "c", "cores": 2, "loadavg_start": [0.5], "loadavg_end": [8.6]}}
+    assert "WARNING: load 8.6 on 2 cores during the run" in report.describe(doc)
+    doc["machine"]["loadavg_end"] = [1.2]
+    assert "WARNING" not in report.describe(doc)

@@ -165,3 +165,13 @@ def test_rdma_settings_libfabric_cannot_give_are_fail_lines():
     env["VARCOMM_FI_IFACE"] = "lo"
     r = doctor(env=env)
     assert "FAIL" not in r.stdout, r.stdout
+
+
+def test_a_misspelt_variable_is_named_once_with_the_near_one():
+    """It printed '(not a varcomm variable: misspelt?)' and also a raw
+    UserWarning with file and line on stderr."""
+    env = clean_env()
+    env["VARCOMM_BOUNDS"] = "1K"
+    r = doctor(env=env)
+    assert "VARCOMM_BOUNDS=1K  (not a varcomm variable: did you mean VARCOMM_BOUND?)" in r.stdout, r.stdout
+    assert "UserWarning" not in r.stderr, r.stderr

@@ -59,7 +59,7 @@ LABELS = {
     "fallback": "varcomm fallback (the same writes over gloo)",
     "mpi4py": "mpi4py + MPI",
     "libfabric": "raw libfabric fi_writedata (fi_pingpong)",
-    "memcpy": "memcpy (1 thread)",
+    "memcpy": "memcpy (1 thread, same buffers each time: cache-hot)",
     "d2d": "device-to-device copy",
     "nccl": "NCCL all_to_all_single, two-phase (counts, .tolist(), payload)",
 }

@@ -131,7 +131,19 @@ def describe(doc: dict[str, Any]) -> str:
         parts.append(f"rank 0's slot copies from 16 KiB: {sc['ordinary']} ordinary, {sc['streamed']} non-temporal "
                      f"(landing area: {sc.get('landing_ordinary', '?')}, {sc.get('landing_streamed', '?')})")
     parts.append(f"launcher {doc.get('launcher')}, {doc['elapsed_s']} s")
-    return "# " + "; ".join(parts)
+    return "# " + "; ".join(parts) + _noisy(mc)
+
+
+def _noisy(mc: dict[str, Any]) -> str:
+    """A warning line where the machine was busier than its cores during the run (a user trial read
+    '37x' and '0.03x' off a run at load 8.6 on 2 cores, with nothing saying they were noise)."""
+    loads = [v[0] for v in (mc.get("loadavg_start"), mc.get("loadavg_end")) if v]
+    cores = mc.get("cores") or 0
+    if not loads or not cores or max(loads) <= cores:
+        return ""
+    return (f"\n# WARNING: load {max(loads):.1f} on {cores} cores during the run (other work, or more ranks than "
+            "cores): these times are noisy; rerun on an idle machine, and compare builds in one session "
+            "(python -m varcomm_bench.compare)")
 
 
 def text(doc: dict[str, Any]) -> str:

@@ -279,10 +279,21 @@ def _checked_options() -> tuple[_options.Options, dict[str, str]]:
     """(the options, {variable: what is wrong with it}) for this environment.
     Bad variables are left at their defaults, so the rest of the report is
     still about what this environment sets."""
+    import warnings
+
     try:
-        return _options.resolve_valid(), {}
+        with warnings.catch_warnings():  # (a misspelt name: the environment section says it, with the near one)
+            warnings.simplefilter("ignore")
+            return _options.resolve_valid(), {}
     except _options.InvalidEnvironment as e:
         return e.options, e.problems
+
+
+def _near(name: str, known: set[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(name, sorted(known), 1)
+    return f"did you mean {near[0]}" if near else "misspelt"
 
 
 def _effective_options(opts: _options.Options, problems: dict[str, str]) -> list[str]:
@@ -481,7 +492,8 @@ def selftest_one(transport: str, timeout: float = 60) -> tuple[bool, str]:
     if not result["ok"]:
         return False, f"FAIL  {result['error']}"
     return True, (f"pass  {result['rtt'] * 1e6:.0f} us for {_SELFTEST_BYTES // 1024} KiB there and back "
-                  f"(set-up {result['setup']:.2f} s; {result['route']})")
+                  f"(set-up {result['setup']:.2f} s; {result['route']}; one cold message: varcomm-bench p2p "
+                  "measures speed)")
 
 
 def selftest(transports: list[str]) -> tuple[bool, list[str]]:
@@ -558,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         w("environment:")
         out += [f"  {k}={shown(k, v)}" + ("" if k in known or not k.startswith("VARCOMM_")
                                           or k.startswith("VARCOMM_BENCH_")
-                                          else "  (not a varcomm variable: misspelt?)") for k, v in env.items()]
+                                          else f"  (not a varcomm variable: {_near(k, known)}?)")
+                for k, v in env.items()]
 
     w("")
     w("effective options (varcomm.Options: keyword > VARCOMM_* > default):")
