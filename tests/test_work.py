@@ -148,6 +148,29 @@ def test_a_barrier_timeout_names_the_ranks_still_missing():
             comm.barrier()
 
 
+@world(3, timeout=60)
+def test_a_barrier_completes_for_the_others_when_rank_0_gave_up_on_it():
+    """Rank 0 reads the arrivals and says when all are in; rank 0's barrier
+    timed out (rank 2 was late) and it went on: ranks 1 and 2 waited for
+    rank 0's word until their own timeout (a review). Now rank 0 says it gave
+    up, and they read the arrivals themselves."""
+    import time
+
+    import pytest
+
+    with varcomm.init(timeout=30) as comm:
+        t0 = time.monotonic()
+        if comm.rank == 0:
+            with pytest.raises(varcomm.TimeoutError):
+                comm.barrier(timeout=1)
+            time.sleep(6)  # (alive, doing something else)
+        else:
+            if comm.rank == 2:
+                time.sleep(2)
+            comm.barrier(timeout=20)
+            assert time.monotonic() - t0 < 5, time.monotonic() - t0
+
+
 def test_a_strided_copy_in_waits_for_the_stream_its_message_lands_on(monkeypatch):
     """A receive into a non-contiguous CUDA tensor over a device route lands in
     a contiguous stand-in on the stream current when it was posted; its copy

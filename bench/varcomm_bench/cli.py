@@ -164,6 +164,17 @@ def _positive(s: str) -> float:
     return v
 
 
+def _not_negative(s: str) -> float:
+    """A spread: a number >= 0 (0: every message the same size)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{s}: must be a number >= 0")
+    return v
+
+
 def _at_least(low: int) -> Callable[[str], int]:
     def conv(s: str) -> int:
         try:
@@ -263,7 +274,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {','.join(BASELINES)}, 'all' or 'none' (default all)")
     g.add_argument("--quick", action="store_true", help="a few seconds per subcommand: fewer sizes and repeats")
     g.add_argument("--nranks", type=_at_least(2), default=2,
-                   help="ranks to start when not under a launcher (default 2)")
+                   help="ranks to start when not under a launcher (default 2; p2p takes 2)")
     g.add_argument("--launcher", choices=("auto", "mpirun", "varcomm"), default="auto",
                    help="how to start the ranks when not under a launcher (auto: mpirun if mpi4py is there)")
     g.add_argument("--mpirun", default="mpirun", help="mpirun to use (default: on PATH)")
@@ -301,7 +312,7 @@ def _varlen_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("varlen")
     g.add_argument("--dist", type=_dist, default="lognormal",
                    help="uniform | lognormal | file:PATH (sizes, one per line)")
-    g.add_argument("--sigma", type=_positive, default=0.8, help="lognormal sigma (default 0.8)")
+    g.add_argument("--sigma", type=_not_negative, default=0.8, help="lognormal sigma (default 0.8)")
     g.add_argument("--messages", type=_at_least(1), default=None, help="distinct sizes per point (64; quick 16)")
     g.add_argument("--slots", type=_at_least(1), default=8,
                    help="varcomm slots: messages in flight per stage (default 8)")
@@ -409,13 +420,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def _recorded_environment() -> dict[str, str]:
+    from varcomm.options import Options
+
+    names = {spec.env: spec.secret for spec in Options.specs().values()}
+    return {k: v for k, v in sorted(os.environ.items())
+            if (k in names and not names[k]) or k.startswith("FI_")}
+
+
 def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """What would fail every rank the same way, or only after the run: said once, before any rank starts."""
     import warnings
 
     from varcomm.options import resolve_valid
 
-    if "p2p" in a.benches and a.nranks != 2:
+    if a.cmd == "p2p" and a.nranks != 2:  # (all runs p2p on ranks 0 and 1, the others idle)
         parser.error(f"--nranks: the p2p benchmark is a ping-pong between 2 ranks, not {a.nranks} (--nranks 2)")
     if a.launcher == "mpirun" and not shutil.which(a.mpirun):
         parser.error(f"--launcher mpirun: {a.mpirun!r} not found (install Open MPI, pass --mpirun PATH, or use "
@@ -428,10 +447,13 @@ def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace)
         parser.error(str(e))
     for w in seen:
         log(f"warning: {w.message}")
-    for opt in ("json", "md", "plot"):
+    for opt in ("json", "md", "plot", "save"):
         path = getattr(a, opt, None)
         if path:
-            folder = os.path.dirname(os.path.abspath(path))
+            # (the writer makes missing folders: the first one that exists must take them)
+            folder = os.path.abspath(path) if opt == "save" else os.path.dirname(os.path.abspath(path))
+            while not os.path.exists(folder):
+                folder = os.path.dirname(folder)
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 parser.error(f"--{opt}: cannot write there: {path} ({folder} is not a writable folder)")
 
@@ -493,10 +515,9 @@ def run_job(a: argparse.Namespace) -> int:
            "launcher": os.environ.get("VARCOMM_BENCH_LAUNCHER") or _launcher_name(), "ranks": ctx.world,
            "elapsed_s": round(time.monotonic() - t0, 1), "machine": info,
            "options": {k: v for k, v in vars(a).items() if k not in ("func",)},
-           # what else decides the numbers (compare warns where two runs differ); never the job key
-           "environment": {k: v for k, v in sorted(os.environ.items())
-                           if (k.startswith(("VARCOMM_", "FI_")) and k != "VARCOMM_JOB_KEY"
-                               and not k.startswith("VARCOMM_BENCH_"))},
+           # what else decides the numbers (compare warns where two runs differ): the options' variables
+           # (never a secret one) and libfabric's; not the launcher's own (VARCOMM_TEST_SEED: per job)
+           "environment": _recorded_environment(),
            "labels": dict(LABELS), "results": results}
     doc["wrong_total"] = report.wrong_total(results)
     print(report.osu(doc) if a.osu else report.text(doc), flush=True)

@@ -19,26 +19,31 @@ Key = tuple[str, str, float, str]  # bench (with its routing/notes title), test,
 
 #: What makes two runs measure different things: compared across every file (the date, the command's
 #: output paths and the like are not).
-_SETTINGS = ("transport", "dtype", "device", "window", "iters", "warmup", "nranks", "routing", "slots", "hidden")
+_SETTINGS = ("transport", "dtype", "device", "window", "iters", "warmup", "routing", "slots", "hidden")
 
 
 def _load(path: str) -> dict:
     try:
         with open(path) as f:
-            return dict(json.load(f))
+            doc = json.load(f)
     except (OSError, ValueError) as e:
         raise SystemExit(f"compare: cannot read {path}: {e} (pass the --json files of varcomm-bench runs)") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise SystemExit(f"compare: {path} is not a varcomm-bench --json file (it has no results list)")
+    return doc
 
 
-def _setting(doc: dict) -> dict:
+def _setting(doc: dict, environment: bool) -> dict:
     opts = doc.get("options", {})
-    return {"subcommand": doc.get("subcommand"), **{k: opts.get(k) for k in _SETTINGS},
-            **{f"${k}": v for k, v in doc.get("environment", {}).items()}}
+    return {"subcommand": doc.get("subcommand"), "ranks": doc.get("ranks"), **{k: opts.get(k) for k in _SETTINGS},
+            **({f"${k}": v for k, v in doc.get("environment", {}).items()} if environment else {})}
 
 
 def _differences(docs: dict[str, dict]) -> list[str]:
-    """'name: a in x.json, b in y.json' for each setting the runs do not share."""
-    settings = {p: _setting(d) for p, d in docs.items()}
+    """'name: a in x.json, b in y.json' for each setting the runs do not share (the environment only
+    where every file recorded it: older ones did not)."""
+    environment = all("environment" in d for d in docs.values())
+    settings = {p: _setting(d, environment) for p, d in docs.items()}
     names = sorted({k for s in settings.values() for k in s})
     out = []
     for k in names:

@@ -811,9 +811,13 @@ def fi_runner(ctx: Ctx, exe: str, provider: str) -> Callable[..., tuple[float, i
             raise RuntimeError(f"fi_pingpong -p '{provider}' -s {nbytes} -n {n} hung (killed after "
                                f"{limit:.0f} s)") from None
         finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            if p.poll() is None:  # (^C, an error: SIGTERM first, so it closes its endpoint)
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
         out = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
         if p.returncode != 0 or len(out) != 1:
             tail = " | ".join((stderr or stdout).strip().splitlines()[-2:])

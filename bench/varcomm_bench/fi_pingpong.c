@@ -68,6 +68,7 @@ static fi_addr_t peer;
 static uint64_t peer_key, peer_addr;
 static long remote_seen, posted, tx_done;
 static int rendezvous; /* -R */
+static volatile sig_atomic_t stopping; /* SIGTERM seen (on_term) */
 
 static double now_us(void) {
   struct timespec ts;
@@ -76,6 +77,7 @@ static double now_us(void) {
 }
 
 static void poll_cq(void) {
+  if (stopping) exit(1);
   struct fi_cq_data_entry e[16];
   ssize_t n = fi_cq_read(cq, e, 16);
   if (n == -FI_EAGAIN) return;
@@ -105,15 +107,22 @@ static void teardown(void) {
   if (fabric) fi_close(&fabric->fid), fabric = NULL;
 }
 
-/* SIGTERM (the bench's timeout, the client's death) exits through teardown. */
+/* SIGTERM (the bench's timeout, the client's death) exits through teardown,
+ * from the polling loop: exit() in the handler deadlocked when the signal
+ * landed inside libfabric, which holds locks its own exit path takes. Without
+ * SA_RESTART, a blocking read() returns (EINTR) and its loop ends too. */
 static void on_term(int sig) {
   (void)sig;
-  exit(1);
+  stopping = 1;
 }
 
 static void setup(const char *prov, const char *dom) {
   atexit(teardown);
-  signal(SIGTERM, on_term);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_term; /* (no SA_RESTART) */
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
   struct fi_info *hints = fi_allocinfo();
   hints->ep_attr->type = FI_EP_RDM;
   hints->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;

@@ -4,6 +4,7 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import itertools
 import math
@@ -207,7 +208,9 @@ def _close_at_exit() -> None:
     that this rank left rather than that it died. Latest first, as every rank
     made them in the same order: in different orders, rdma ranks each waited
     for the other to close another communicator (10 s a pair)."""
-    failing = getattr(sys, "last_value", None) is not None  # (set by an uncaught exception, not by sys.exit)
+    # (last_value: set by an uncaught exception, not by sys.exit; at an interactive prompt it stays set after
+    # any error shown there, so it says nothing about how the session ends)
+    failing = getattr(sys, "last_value", None) is not None and not hasattr(sys, "ps1")
     for key in sorted(_open, reverse=True):
         c = _open.pop(key)()
         if c is None:
@@ -394,28 +397,43 @@ class Communicator:
         """Until every rank published `name` (barrier arrivals). Rank 0 reads
         the records, one rank at a time, and then publishes `name`/done; the
         others wait for that one record: O(world) requests to the store per
-        barrier, not O(world^2)."""
+        barrier, not O(world^2). A rank 0 that gives up (its timeout, a dead
+        peer) publishes `name`/gaveup, and the others then read the records
+        themselves."""
+        try:
+            self._wait_all_records(name, timeout)
+        except BaseException:
+            if self.rank == 0:
+                with contextlib.suppress(Exception):
+                    self._publish(f"{name}/gaveup")
+            raise
+
+    def _wait_all_records(self, name: str, timeout: float | None) -> None:
         limit = timeout if timeout is not None else self._timeout or 300
         now = time.monotonic()
         deadline, check = now + limit, now + 0.2
         others = [r for r in range(self.world_size) if r != self.rank]
-        missing = list(others) if self.rank == 0 else []
+        scan = self.rank == 0  # (reading every rank's record: rank 0, or anyone once it gave up)
+        missing = list(others) if scan else []
         done = f"{name}/done"
         while True:
-            if self.rank == 0:
+            if scan:
                 # The first missing rank's record only: one small request however many ranks there are.
                 if missing and self._store.check([f"{name}/{missing[0]}"]) and self._genuine(missing[0], name):
                     missing.pop(0)
                     continue
                 if not missing:
-                    self._publish(done)
+                    if self.rank == 0:
+                        self._publish(done)
                     return
             elif self._store.check([f"{done}/0"]) and self._genuine(0, done):
                 return
-            if self._routes_ready:
-                self._c.progress()  # a rank in a barrier still serves incoming rdma writes
-                if time.monotonic() > check:  # a rank that died never arrives: say so within seconds
-                    check = time.monotonic() + 0.2
+            if time.monotonic() > check:
+                check = time.monotonic() + 0.2
+                if not scan and self._published([0], f"{name}/gaveup"):
+                    scan, missing = True, list(others)
+                    continue
+                if self._routes_ready:  # a rank that died never arrives: say so within seconds
                     for r in others:
                         if not (why := self._c.peer_error(r)):
                             continue
@@ -424,8 +442,10 @@ class Communicator:
                         if not self._published([r], name):
                             # (one that arrived, then died, is not blamed: the others may still come)
                             raise PeerFailure(f"{self._barrier_text(name, others)}, and rank {r} failed: {why}")
+            if self._routes_ready:
+                self._c.progress()  # a rank in a barrier still serves incoming rdma writes
             if time.monotonic() > deadline:
-                if self.rank == 0 and missing and not [q for q in missing if q not in self._published(missing, name)]:
+                if scan and missing and not [q for q in missing if q not in self._published(missing, name)]:
                     continue  # (all in since the last look)
                 raise _Timeout(f"{self._barrier_text(name, others)} within {limit:.3g} s (does every rank call it?); "
                                f"missing: {self._barrier_missing(name, others) or 'none, but rank 0 has not said so'}")

@@ -144,7 +144,11 @@ fi_info* query(const std::string& prov, const std::string& iface, std::string* w
   int rc = fab::api().getinfo(kApiVersion, nullptr, nullptr, 0, hints, &list);
   fab::api().freeinfo(hints);
   if (rc) {
-    if (why) *why = fab::api().strerror(-rc);
+    if (why)
+      *why = std::string("fi_getinfo: ") + fab::api().strerror(-rc) +
+             (rc == -FI_ENODATA ? " (no provider of that name here has an RDM endpoint with RMA" +
+                                      std::string(iface.empty() ? "" : " on that interface") + ")"
+                                : "");
     return nullptr;
   }
   // Prefer IPv4 on a real interface: a loopback or link-local fabric cannot reach other hosts.
@@ -1234,6 +1238,22 @@ std::string rdma_info(const std::string& provider, const std::string& iface) {
   o << "default provider: " << (choice.empty() ? "none usable" : choice);
   if (!provider.empty()) o << "; VARCOMM_FI_PROVIDER=" << provider;
   o << "\n";
+  // What init will do with the configured provider and interface: the same
+  // query the transport makes (varcomm-doctor fails on "unusable").
+  if (!provider.empty()) {
+    std::string why;
+    if (fi_info* i = query(provider, iface, &why)) {
+      o << "configured: usable: VARCOMM_FI_PROVIDER=" << provider << " (domain " << i->domain_attr->name << ")\n";
+      fab::api().freeinfo(i);
+    } else {
+      o << "configured: unusable: VARCOMM_FI_PROVIDER=" << provider
+        << (iface.empty() ? "" : " with VARCOMM_FI_IFACE=" + iface) << ": " << why << "\n";
+    }
+  } else if (!iface.empty() && choice.empty()) {
+    o << "configured: unusable: VARCOMM_FI_IFACE=" << iface << ": none of the default providers (";
+    for (size_t k = 0; k < std::size(kDefaultProviders); ++k) o << (k ? ", " : "") << kDefaultProviders[k];
+    o << ") has it\n";
+  }
   // What rdma-gpu's GPUDirect choice (rdma_gpu.cpp) will see.
   if (!hmem.empty())
     o << "GPU memory (FI_HMEM, GPUDirect RDMA): " << hmem

@@ -102,23 +102,11 @@ def _rdma_provider_choice(fab: list[str], want: str, C: ModuleType | None) -> st
     return "none usable (no RDM provider with FI_RMA)"
 
 
-def _rdma_misfits(fab: list[str], provider: str, iface: str) -> list[str]:
-    """What in VARCOMM_FI_PROVIDER / VARCOMM_FI_IFACE libfabric here cannot
-    give (the self-test, and every rank's init, would fail on it)."""
-    pairs = [m.groups() for ln in fab if (m := re.match(r"\s+(\S+)\s+domain\s+(\S+)", ln))]
-    if not pairs:
-        return []  # (libfabric listed nothing: said above)
-    out = []
-    provs = sorted({p for p, _ in pairs})
-    if provider and provider not in provs:
-        out.append(f"VARCOMM_FI_PROVIDER={provider}: libfabric here has no RDM provider of that name with RMA "
-                   f"(it has: {', '.join(provs)}); unset it to let varcomm choose")
-    doms = sorted({d for p, d in pairs if not provider or p == provider})
-    if iface and doms and iface not in doms:
-        out.append(f"VARCOMM_FI_IFACE={iface}: no domain named {iface}"
-                   + (f" for {provider}" if provider and provider in provs else "")
-                   + f" (there are: {', '.join(doms)}); name one of them, or unset it")
-    return out
+def _rdma_misfits(fab: list[str]) -> list[str]:
+    """What the extension's own query (the one init makes) says of VARCOMM_FI_PROVIDER /
+    VARCOMM_FI_IFACE: the self-test, and every rank's init, would fail on it."""
+    return [ln.split("configured: unusable: ", 1)[1] + "; fix or unset it"
+            for ln in fab if ln.strip().startswith("configured: unusable: ")]
 
 
 def _rdma_devices() -> list[str]:
@@ -596,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         w(f"  same host, GPU memory:   {gpu}")
         if "rdma" in transports:
             remote = "rdma, provider " + _rdma_provider_choice(fab, opts.rdma_provider, C)
-            misfits = _rdma_misfits(fab, opts.rdma_provider, opts.rdma_iface)
+            misfits = _rdma_misfits(fab)
             if misfits:
                 remote += "".join(f"\nFAIL  {text}" for text in misfits)
         elif build is None:
