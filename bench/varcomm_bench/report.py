@@ -41,7 +41,8 @@ def table(res: dict[str, Any]) -> str:
     reps = max((d["repeats"] for p in res["points"] for d in p["methods"].values()), default=0)
     lines = [f"# {res['title']}",
              f"# {res['ranks']} ranks, {res['dtype']}, {res['device']}; each time the median of {reps} samples;"
-             f" x = baseline time / varcomm time (> 1: varcomm faster)"]
+             f" x = baseline time / varcomm time (> 1: varcomm faster); #wrong: messages whose bytes differed from"
+             f" what was sent (with -c; N/A without; the last column: the baselines')"]
     lines += [f"# {n}" for n in res.get("notes", [])]
     head1 = f"#{'':>9} {'':>10} {'':>8}  "
     head2 = f"#{'size':>9} {'count':>10} {'type':>8}  "
@@ -77,7 +78,7 @@ def table(res: dict[str, Any]) -> str:
             line += f"{(str(sum(checked)) if checked else 'N/A'):>7}"
         lines.append(line.rstrip())
     host = [m for m in ms if any("host_us" in p["methods"].get(m, {}) for p in res["points"])]
-    if host:
+    if host and res.get("device") != "cpu":  # (on the CPU it is the time column again)
         lines += ["# host-blocked time per op (us): the slowest rank's time inside the calls, before the final "
                   "device synchronize",
                   f"#{'size':>9}  " + " ".join(f"{SHORT[m]:>9}" for m in host)]
