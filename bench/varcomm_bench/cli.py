@@ -153,26 +153,19 @@ def machine(ctx: Any = None) -> dict[str, Any]:
 # Each option is parsed and checked by its argparse type, so a bad value is a
 # usage error naming the option, raised before any rank starts.
 
-def _positive(s: str) -> float:
-    """Seconds or a spread: a number > 0 (a rank that got -1 died with a traceback)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{s}: must be a number > 0")
-    return v
+def _number(zero: bool) -> Callable[[str], float]:
+    """A finite number > 0 (seconds: a rank that got -1 died with a traceback), or >= 0 with `zero`
+    (a spread: 0 makes every message the same size)."""
+    def conv(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+        if not (v >= 0 if zero else v > 0) or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{s}: must be a number {'>=' if zero else '>'} 0")
+        return v
 
-
-def _not_negative(s: str) -> float:
-    """A spread: a number >= 0 (0: every message the same size)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{s}: must be a number >= 0")
-    return v
+    return conv
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -279,9 +272,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="how to start the ranks when not under a launcher (auto: mpirun if mpi4py is there)")
     g.add_argument("--mpirun", default="mpirun", help="mpirun to use (default: on PATH)")
     g.add_argument("--mpirun-args", default="--bind-to none", help="extra mpirun options as one string")
-    g.add_argument("--timeout", type=_positive, default=None,
+    g.add_argument("--timeout", type=_number(False), default=None,
                    help="kill the relaunched job after S seconds (default 900)")
-    g.add_argument("--op-timeout", type=_positive, default=120.0, help="timeout of one varcomm operation (default 120)")
+    g.add_argument("--op-timeout", type=_number(False), default=120.0,
+                   help="timeout of one varcomm operation (default 120)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="every number, the options and the machine")
     g.add_argument("--plot", metavar="FILE.png", help="time and bandwidth against size, varcomm and baselines")
@@ -304,7 +298,7 @@ def _p2p_opts(p: argparse.ArgumentParser) -> None:
                    help="libfabric provider of the raw baseline (default: the one varcomm was asked for, else shm)")
     g.add_argument("--fi-pingpong", default=None, help="path of fi_pingpong (default: built from the package's "
                    "fi_pingpong.c)")
-    g.add_argument("--fi-timeout", type=_positive, default=20.0,
+    g.add_argument("--fi-timeout", type=_number(False), default=20.0,
                    help="seconds for one fi_pingpong run; past it the baseline stops (default 20)")
 
 
@@ -312,7 +306,7 @@ def _varlen_opts(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("varlen")
     g.add_argument("--dist", type=_dist, default="lognormal",
                    help="uniform | lognormal | file:PATH (sizes, one per line)")
-    g.add_argument("--sigma", type=_not_negative, default=0.8, help="lognormal sigma (default 0.8)")
+    g.add_argument("--sigma", type=_number(True), default=0.8, help="lognormal sigma (default 0.8)")
     g.add_argument("--messages", type=_at_least(1), default=None, help="distinct sizes per point (64; quick 16)")
     g.add_argument("--slots", type=_at_least(1), default=8,
                    help="varcomm slots: messages in flight per stage (default 8)")

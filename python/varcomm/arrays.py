@@ -223,6 +223,10 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
     return (*describe_out(out), -1)
 
 
+#: Addresses below this are never mapped (Linux's vm.mmap_min_addr): a data pointer there with bytes
+#: has no memory behind it (torch's efficient zero tensor, or a view of one). The core's Engine::no_memory.
+NO_MEMORY_BELOW = 65536
+
 _EMPTY_BYTE = ctypes.c_char(0)  # (kept: the address of a temporary would be freed memory)
 _EMPTY_OUT = ctypes.addressof(_EMPTY_BYTE)
 

@@ -341,9 +341,11 @@ def seal_note(job_key: str, text: str) -> str:
     """A failure note a rank leaves in the store for the others (rdzv/conflict,
     setup/failed), with a MAC under the job key: the store answers anyone who
     reaches its port, and its text is shown to the user as varcomm's."""
-    if not job_key:
-        return text
-    return hmac.new(job_key.encode(), b"varcomm-note\0" + text.encode(), "sha256").hexdigest() + " " + text
+    return _note_mac(job_key, text) + " " + text if job_key else text
+
+
+def _note_mac(job_key: str, text: str) -> str:
+    return hmac.new(job_key.encode(), b"varcomm-note\0" + text.encode(), "sha256").hexdigest()
 
 
 def open_note(job_key: str, note: str) -> str | None:
@@ -353,8 +355,7 @@ def open_note(job_key: str, note: str) -> str | None:
     are trimmed: anything that reaches the store may have written it."""
     if job_key:
         mac, _, text = note.partition(" ")
-        want = hmac.new(job_key.encode(), b"varcomm-note\0" + text.encode(), "sha256").hexdigest()
-        return text if hmac.compare_digest(mac, want) else None
+        return text if hmac.compare_digest(mac, _note_mac(job_key, text)) else None
     text = "".join(c if c.isprintable() else " " for c in note)
     return text if len(text) <= 2000 else text[:2000] + " ..."
 
@@ -387,11 +388,14 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
             fail(f"world_size disagrees between ranks at {where}: rank {p.rank} has {p.world_size}, a rank before "
                  f"it has {agreed} (check WORLD_SIZE or the launcher's size variable on every rank)")
         store.add("rdzv/arrived", 1)
-        pause = 0.002
-        while int(store.add("rdzv/arrived", 0)) < p.world_size:
+        def failed_elsewhere() -> None:
             if store.check([conflict]) and (why := open_note(job_key, store.get(conflict).decode())) is not None:
                 raise (TimeoutError if why[:1] == "T" else InvalidArgument)(f"rank {p.rank}: set-up failed: "
                                                                             + why[1:])
+
+        pause = 0.002
+        while int(store.add("rdzv/arrived", 0)) < p.world_size:
+            failed_elsewhere()
             if deadline.left() <= 0:
                 missing = [r for r in range(p.world_size) if not store.check([f"rdzv/rank/{r}"])]
                 names = ", ".join(map(str, missing))
@@ -404,8 +408,7 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
         # A second process with a rank that had come counts nothing (it failed
         # on its own count), so the count may be complete with its note left:
         # the whole job is misconfigured, not only that process.
-        if store.check([conflict]) and (why := open_note(job_key, store.get(conflict).decode())) is not None:
-            raise (TimeoutError if why[:1] == "T" else InvalidArgument)(f"rank {p.rank}: set-up failed: " + why[1:])
+        failed_elsewhere()
     except (InvalidArgument, TimeoutError):
         raise
     except RuntimeError as e:  # torch's store errors: the rank hosting it is gone

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, cast, over
 import numpy as np
 
 from . import arrays, bootstrap, dtypes
+from .arrays import NO_MEMORY_BELOW as _NO_MEMORY_BELOW
 from .errors import InvalidArgument, MessageTooLarge, PeerFailure, VarcommError
 from .errors import TimeoutError as _Timeout
 from .options import Options
@@ -318,15 +319,15 @@ class Communicator:
         """Every rank's record `name`/<rank>, once all are in the store."""
         keys = [f"{name}/{r}" for r in range(self.world_size)]
         store, call = self._store, self._store_call
-        try:
-            call(store.check, keys[:1])
-        except NotImplementedError:  # a store of the caller's without check(): wait in get, as torch does
-            return [call(store.get, k) for k in keys]
         deadline = time.monotonic() + limit
         pause, note_at, i = 0.001, 0.0, 0
         while i < len(keys):
             # The first missing rank's key only: one small request however many ranks there are.
-            if call(store.check, [keys[i]]):
+            try:
+                present = call(store.check, [keys[i]])
+            except NotImplementedError:  # a store of the caller's without check(): wait in get, as torch does
+                return [call(store.get, k) for k in keys]
+            if present:
                 i += 1
                 continue
             now = time.monotonic()
@@ -558,9 +559,9 @@ class Communicator:
                 shape = tensor.shape
             except RuntimeError:  # (nested)
                 word = None
-            # (under 64 KiB with bytes: a zero tensor, which has no memory: describe_send materializes it)
+            # (a zero tensor has no memory: describe_send materializes it)
             if (word is not None and type(dst) is int and 0 <= dst < self.world_size
-                    and (ptr >= 65536 or not tensor.nbytes)):
+                    and (ptr >= _NO_MEMORY_BELOW or not tensor.nbytes)):
                 return P2PWork(self, self._c.isend(dst, tag, ptr, tensor.nbytes, word,
                                                    shape, -1, 2), None, dst, "send", tensor)
         self._check_peer(dst, "dst")

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypedDict, TypeVar, cast
 
 from .errors import InvalidArgument
@@ -512,10 +512,16 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
     known = sorted(_known_variables()) if names else []
     for name in names:
         _warned.add(name)
-        near = difflib.get_close_matches(name, known, 1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
+        near = nearest_variable(name, known)
+        hint = f" (did you mean {near}?)" if near else ""
         warnings.warn(f"{name} is not a varcomm variable{hint}: it is ignored (`varcomm-doctor` lists the options)",
                       stacklevel=4)  # the caller of init() (warn <- here <- resolve <- init)
+
+
+def nearest_variable(name: str, known: Sequence[str] | None = None) -> str | None:
+    """The varcomm variable a misspelt `name` most likely meant, or None."""
+    near = difflib.get_close_matches(name, sorted(_known_variables()) if known is None else known, 1)
+    return near[0] if near else None
 
 
 def _known_variables() -> set[str]:

@@ -542,8 +542,8 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
                     _v_device(comm, dev, x, send_splits, int(tag or 0), out, async_op, timeout))
     n = comm.world_size
     if (type(x) is _Tensor and x.is_cpu and x.is_contiguous() and x.dim() and not (x.is_conj() or x.is_neg())
-            and (x.data_ptr() >= 65536 or not x.numel()) and not x.is_nested):  # (a zero tensor: host_array
-        # materializes it; a nested one: host_array names it)
+            and (x.data_ptr() >= arrays.NO_MEMORY_BELOW or not x.numel()) and not x.is_nested):
+        # (a zero tensor has no memory: host_array materializes it; a nested one: host_array names it)
         # the common case, without the general checks' overhead
         shape = x.shape
         rows, trailing = shape[0], tuple(shape[1:])

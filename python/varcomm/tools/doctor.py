@@ -277,13 +277,6 @@ def _checked_options() -> tuple[_options.Options, dict[str, str]]:
         return e.options, e.problems
 
 
-def _near(name: str, known: set[str]) -> str:
-    import difflib
-
-    near = difflib.get_close_matches(name, sorted(known), 1)
-    return f"did you mean {near[0]}" if near else "misspelt"
-
-
 def _effective_options(opts: _options.Options, problems: dict[str, str]) -> list[str]:
     env = _options.environment()
     lines = [f"FAIL  {text}; or unset it (shown below at its default)" for text in problems.values()]
@@ -558,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         w("environment:")
         out += [f"  {k}={shown(k, v)}" + ("" if k in known or not k.startswith("VARCOMM_")
                                           or k.startswith("VARCOMM_BENCH_")
-                                          else f"  (not a varcomm variable: {_near(k, known)}?)")
+                                          else "  (not a varcomm variable: "
+                                          + (f"did you mean {near}" if (near := _options.nearest_variable(k))
+                                             else "misspelt") + "?)")
                 for k, v in env.items()]
 
     w("")
