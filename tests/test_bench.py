@@ -112,6 +112,20 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "p2p latency" in r.stdout
 
 
+def test_a_size_that_is_not_whole_elements_is_said_before_the_run(capsys) -> None:
+    """-b 1 ran as 4 B (one float32) without a word: the table's sizes differed from the command's."""
+    for args, said in ((["p2p", "-b", "1", "-e", "64"], "-b/--minbytes 1: messages are whole float32 elements "
+                        "(4 B each), so this size runs as 4 B"),
+                       (["p2p", "--dtype", "bfloat16", "-b", "8", "-e", "1001"], "-e/--maxbytes 1001: messages are "
+                        "whole bfloat16 elements (2 B each), so this size runs as 1000 B")):
+        parser = cli._parser()
+        cli._check_before_launch(parser, cli._finish_args(parser.parse_args(args)))
+        assert said in capsys.readouterr().err, args
+    parser = cli._parser()
+    cli._check_before_launch(parser, cli._finish_args(parser.parse_args(["p2p", "-b", "8", "-e", "64"])))
+    assert "whole" not in capsys.readouterr().err
+
+
 def test_a_bad_varcomm_variable_is_one_usage_error(capsys, monkeypatch) -> None:
     """VARCOMM_BOUND=12 under the bench: every rank failed with its own
     traceback (56-65 lines); varcomm-run says it once, as a usage error."""
