@@ -992,6 +992,44 @@ def test_is_completed_finishes_an_async_call_without_wait(transport):
                     assert np.all(np.asarray(part) == s), (name, s)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_more_pending_calls_than_slots_finish_in_any_wait_order(transport):
+    """slots + 4 async all-to-alls held, then waited newest first (every
+    entry point), and a blocking call made while slots + 1 are held: each
+    waited out its timeout ("rank X has not sent its part of this call"), as
+    the later call's messages queued behind the earlier ones' unconsumed
+    slots. Earlier calls now finish first; their wait() returns their own
+    result, and is_completed() of a later one polls them too."""
+    slots = 2
+    with _init(transport, slots=slots, timeout=20) as comm:
+        r, n = comm.rank, comm.world_size
+        made = {"all_to_all_v": lambda k: comm.all_to_all_v(torch.full((n, 3), 10.0 * k + r), [1] * n, async_op=True),
+                "all_to_all_single": lambda k: comm.all_to_all_single(outs[k], torch.full((n, 3), 10.0 * k + r),
+                                                                      async_op=True),
+                "all_to_all": lambda k: comm.all_to_all(None, [torch.full((1, 3), 10.0 * k + r)] * n, async_op=True)}
+        outs = [torch.empty(n, 3) for _ in range(slots + 4)]  # all_to_all_single's
+        for name, make in made.items():
+            works = [make(k) for k in range(slots + 4)]
+            for k in reversed(range(len(works))):
+                t0 = time.monotonic()
+                got = works[k].wait(timeout=10)
+                assert time.monotonic() - t0 < 5, (name, k)
+                rows = torch.cat(got) if name == "all_to_all" else got[0] if name == "all_to_all_v" else outs[k]
+                assert rows[:, 0].tolist() == [10.0 * k + s for s in range(n)], (name, k, rows)
+        works = [made["all_to_all_v"](k) for k in range(slots + 1)]
+        got, _ = comm.all_to_all_v(torch.full((n, 3), -1.0 - r), [1] * n, timeout=10)
+        assert got[:, 0].tolist() == [-1.0 - s for s in range(n)]
+        assert all(w.is_completed() for w in works)  # (finished by the blocking call)
+        works = [made["all_to_all_v"](k) for k in range(slots + 2)]
+        deadline = time.monotonic() + 10
+        while not works[-1].is_completed():
+            assert time.monotonic() < deadline, "is_completed() of the newest stayed False"
+            time.sleep(0.001)
+        for k, w in enumerate(works):
+            assert w.wait(timeout=1)[0][:, 0].tolist() == [10.0 * k + s for s in range(n)], k
+
+
 @world(2, timeout=60)
 def test_a_row_count_mismatch_says_so_not_the_dtype_rule():
     """all_to_all_single whose output_split_sizes disagree with what a peer

@@ -28,11 +28,13 @@ count, dtype and shape, then the payload into exactly-sized buffers).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
 
@@ -356,20 +358,33 @@ def _no_device_transport(comm: Communicator) -> bool:
 
 class AllToAllWork:
     """A pending all-to-all (a varcomm.Work). ``wait()`` finishes it and returns
-    its result (the same value the blocking call returns)."""
+    its result (the same value the blocking call returns).
 
-    def __init__(self, finish: Callable[[float | None], Any], keep: Any = None, dev: _Dev | None = None,
-                 poll: Callable[[], bool] | None = None):
+    The pending all-to-alls of a communicator finish in the order they were
+    made: waiting on a later one (or making a blocking one) first finishes
+    the earlier ones, whose wait() then returns their result at once. Each
+    holds one slot per peer until it finishes, so a later one's messages can
+    be queued behind them (more than `slots` pending hung to the timeout
+    when waited newest first)."""
+
+    def __init__(self, comm: Communicator, finish: Callable[[float | None], Any], keep: Any = None,
+                 dev: _Dev | None = None, poll: Callable[[], bool] | None = None):
         self._finish: Callable[[float | None], Any] | None = finish
         self._poll = poll  # True once finish returns at once (never waits for a peer)
         self._keep = keep  # the inputs must outlive the transfer
         self._dev = dev  # device memory: the stream its copies are ordered on
         self._result: Any = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # (an earlier work may be finished by another thread's later call)
+        self._queue = comm._a2a_pending
+        self._ref = weakref.ref(self)
+        self._queue.append(self._ref)
 
-    def wait(self, timeout: float | None = None) -> Any:
-        _check_timeout(timeout)  # before the collective is taken: a NaN leaves it pending
-        if self._finish is not None:
+    def _complete(self, timeout: float | None) -> None:
+        """Finish it if nobody has: the result or error is kept for wait()."""
+        with self._lock:
+            if self._finish is None:
+                return
             f, self._finish = self._finish, None
             try:
                 self._result = f(timeout)
@@ -377,6 +392,14 @@ class AllToAllWork:
                 self._error = e
             finally:
                 self._keep = None
+                with contextlib.suppress(ValueError):  # (not queued: finished out of order by is_completed)
+                    self._queue.remove(self._ref)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        _check_timeout(timeout)  # before the collective is taken: a NaN leaves it pending
+        if self._finish is not None:
+            _finish_older(self._queue, self, timeout)
+            self._complete(timeout)
         if self._error is not None:
             raise self._error
         return self._result
@@ -397,16 +420,23 @@ class AllToAllWork:
             return True
         if self._poll is None:
             return False
+        # Earlier ones that are ready finish first (in order): they may hold the slots this one's data needs.
+        for ref in list(self._queue):
+            w = ref()
+            if w is self:
+                break
+            if w is not None and not w.is_completed():
+                break
         try:
             if not self._poll():
                 return False
         except BaseException as e:  # the call failed: wait() raises it
-            self._finish, self._poll, self._keep, self._error = None, None, None, e
+            with self._lock:
+                self._finish, self._poll, self._keep, self._error = None, None, None, e
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(self._ref)
             return True
-        try:
-            self.wait()
-        except BaseException:
-            pass  # kept for wait()
+        self._complete(None)  # (returns at once: its poll said so)
         return True
 
     def synchronize(self, timeout: float | None = None) -> Any:
@@ -428,6 +458,8 @@ class AllToAllWork:
         f = self._finish
         if f is None:
             return
+        with contextlib.suppress(ValueError):
+            self._queue.remove(self._ref)
         # Not once the interpreter finalizes (a Work still referenced at exit):
         # a thread started then never runs, and start() waits for it forever.
         # The communicator is closed by then (atexit), so wait() ends at once.
@@ -445,6 +477,29 @@ class AllToAllWork:
             pass
 
 
+def _finish_older(queue: collections.deque[weakref.ref[AllToAllWork]], upto: AllToAllWork | None,
+                  timeout: float | None) -> None:
+    """Finish the pending all-to-alls made before `upto` (None: all), oldest
+    first; each keeps its result or error for its own wait(). An interrupt
+    (^C) is raised here, not kept."""
+    while True:
+        try:
+            ref = queue[0]
+        except IndexError:
+            return
+        w = ref()
+        if w is not None and w is upto:
+            return
+        if w is not None:
+            w._complete(timeout)
+        with contextlib.suppress(ValueError):
+            queue.remove(ref)  # (dropped; or finished by another thread, which may not have removed it yet)
+        if w is None:
+            continue
+        if w._error is not None and not isinstance(w._error, Exception):
+            raise w._error
+
+
 def _finish_dropped(finish: Callable[[float | None], Any], keep: Any) -> None:
     try:
         finish(None)
@@ -453,9 +508,12 @@ def _finish_dropped(finish: Callable[[float | None], Any], keep: Any) -> None:
     del keep
 
 
-def _done(finish: Callable[[float | None], R], async_op: bool, timeout: float | None, keep: object,
-          dev: _Dev | None = None, poll: Callable[[], bool] | None = None) -> R | Work:
-    return AllToAllWork(finish, keep, dev, poll) if async_op else finish(timeout)
+def _done(comm: Communicator, finish: Callable[[float | None], R], async_op: bool, timeout: float | None,
+          keep: object, dev: _Dev | None = None, poll: Callable[[], bool] | None = None) -> R | Work:
+    if async_op:
+        return AllToAllWork(comm, finish, keep, dev, poll)
+    _finish_older(comm._a2a_pending, None, timeout)  # (they hold slots this call's messages may need)
+    return finish(timeout)
 
 
 # ---------------------------------------------------------------------------
@@ -580,7 +638,7 @@ def all_to_all_v(comm: Communicator, x: Array, send_splits: Splits, *, tag: int 
         total = sum(recv)
         return arrays.prefix_view(out, total * rb, (total,) + trailing), recv
 
-    return _done(finish, async_op, timeout, (x, out), poll=lambda: h.poll(alloc if out is None else None))
+    return _done(comm, finish, async_op, timeout, (x, out), poll=lambda: h.poll(alloc if out is None else None))
 
 
 def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: int, out: Any, async_op: bool,
@@ -611,7 +669,7 @@ def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: i
             view.copy_(got)  # host to device
             return view, recv
 
-        return _done(staged, async_op, timeout, (x, out), dev, poll=work.is_completed)
+        return _done(comm, staged, async_op, timeout, (x, out), dev, poll=work.is_completed)
     me = comm.rank
     host = mem.to_host(x) if any(splits[d] and _staged_to(comm, d) for d in range(len(splits)) if d != me) else None
     mem.record(x, dev.stream)
@@ -634,7 +692,7 @@ def _v_device(comm: Communicator, dev: _Dev, x: Any, send_splits: Splits, tag: i
         total = sum(recv)
         return arrays.prefix_view(out, total * rb, (total,) + trailing), recv
 
-    return _done(finish, async_op, timeout, keep, dev, poll=lambda: h.poll(alloc if out is None else None))
+    return _done(comm, finish, async_op, timeout, keep, dev, poll=lambda: h.poll(alloc if out is None else None))
 
 
 # ---------------------------------------------------------------------------
@@ -687,7 +745,7 @@ def all_to_all_single(comm: Communicator, output: Array, input: Array,  # torch'
         _run(comm, h, t)
         return None
 
-    return _done(finish, async_op, timeout, (inp, output), poll=h.poll)
+    return _done(comm, finish, async_op, timeout, (inp, output), poll=h.poll)
 
 
 def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, output_split_sizes: Splits | None,
@@ -714,7 +772,7 @@ def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, outpu
             work.wait(t)
             output.copy_(bounce)  # host to device
 
-        return _done(staged, async_op, timeout, (inp, output), dev, poll=work.is_completed)
+        return _done(comm, staged, async_op, timeout, (inp, output), dev, poll=work.is_completed)
     me = comm.rank
     host = mem.to_host(inp) if any(in_splits[d] and _staged_to(comm, d) for d in range(n) if d != me) else None
     mem.record(inp, dev.stream)
@@ -726,7 +784,7 @@ def _single_device(comm: Communicator, dev: _Dev, output: Any, input: Any, outpu
         _run(comm, h, t)
         mem.wait(dev.stream, place)
 
-    return _done(finish, async_op, timeout, keep, dev, poll=h.poll)
+    return _done(comm, finish, async_op, timeout, keep, dev, poll=h.poll)
 
 
 @overload
@@ -787,7 +845,7 @@ def all_to_all(comm: Communicator, output_tensor_list: list[Array | None] | None
         _run(comm, h, t, alloc)
         return cast("list[Array]", outs)  # every entry given or allocated now
 
-    return _done(finish, async_op, timeout, (msgs, outs), poll=lambda: h.poll(alloc))
+    return _done(comm, finish, async_op, timeout, (msgs, outs), poll=lambda: h.poll(alloc))
 
 
 def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array | None] | None,
@@ -813,7 +871,7 @@ def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array |
                     cast("torch.Tensor", o).copy_(g)  # host to device
             return cast("list[Array]", outs)
 
-        return _done(staged, async_op, timeout, (msgs, outs), dev, poll=work.is_completed)
+        return _done(comm, staged, async_op, timeout, (msgs, outs), dev, poll=work.is_completed)
     handle = dev.handle
     sends: list[tuple[Any, ...]] = []
     hosts: list[Any] = []
@@ -842,4 +900,4 @@ def _list_device(comm: Communicator, dev: _Dev, output_tensor_list: list[Array |
         mem.wait(dev.stream, place)
         return cast("list[Array]", outs)
 
-    return _done(finish, async_op, timeout, keep, dev, poll=lambda: h.poll(alloc))
+    return _done(comm, finish, async_op, timeout, keep, dev, poll=lambda: h.poll(alloc))
