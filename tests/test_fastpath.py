@@ -131,3 +131,35 @@ def test_argument_forms_the_fast_path_hands_on(transport):
         comm.recv(peer, out=np.zeros(4, np.int32))
     with pytest.raises(varcomm.ClosedError):
         comm.recv(peer, copy=False)
+
+
+@world(1, timeout=60)
+def test_the_hot_path_objects_keep_their_attributes_inline():
+    """CPython 3.11 keeps at most 29 attributes of an instance inline; with a
+    30th every self.x and comm.send() on the fast path took a dict lookup
+    (a send+recv pair of 8 B: 9% more instructions, +0.08 us, found with
+    callgrind). Checked after every kind of call, since an attribute set
+    later (the barrier counter was) counts too. Group rarely used state in an
+    object of its own, as comm._end."""
+    import dis
+    import io
+    import sys
+
+    comm = varcomm.init(transport="shm")
+    try:
+        x, y = np.zeros(2, np.float32), np.zeros(64, np.float32)
+        for _ in range(100):
+            comm.send(x, 0)
+            comm.recv(0, out=y)
+            comm.isend(torch.zeros(2), 0).wait()
+            comm.recv(0)
+        comm.barrier()
+        comm.all_to_all_v(torch.zeros(2, 3), [2])
+        comm.all_to_all_v(torch.zeros(2, 3), [2], async_op=True).wait()
+        assert len(vars(comm)) < 30, sorted(vars(comm))
+        if sys.version_info[:2] == (3, 11):  # (what the count is for, in this version's words)
+            text = io.StringIO()
+            dis.dis(type(comm).send, adaptive=True, file=text)
+            assert "LOAD_ATTR_INSTANCE_VALUE" in text.getvalue() and "LOAD_ATTR_WITH_HINT" not in text.getvalue()
+    finally:
+        comm.close()

@@ -4,6 +4,7 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import hmac
 import itertools
@@ -217,10 +218,10 @@ def _close_at_exit() -> None:
         if c is None:
             continue
         try:
-            c._at_exit = True
+            c._end.at_exit = True
             if failing:
-                c._peer_wait_cap = _FAILING_EXIT_WAIT_S
-                c._failing = True
+                c._end.peer_wait_cap = _FAILING_EXIT_WAIT_S
+                c._end.failing = True
             c.close()
         except BaseException:  # (exiting anyway: one communicator's error must not keep the others open)
             pass
@@ -230,8 +231,25 @@ def _close_at_exit() -> None:
 _SETUP_FAILED = "setup/failed"
 
 
+class _Ending:
+    """How close() ends a communicator (kept apart: see Communicator's note on its attributes)."""
+
+    __slots__ = ("at_exit", "failing", "peer_wait_cap", "store_down")
+
+    def __init__(self) -> None:
+        self.at_exit = False
+        self.failing = False  # (closed at an exit after an uncaught exception: the peers' goodbyes say so)
+        self.peer_wait_cap: float | None = None  # (close at a failing exit: _close_at_exit)
+        self.store_down = False  # a call found the store's host gone: close() leaves the store alone
+
+
 class Communicator:
     """Variable-size send/recv between ranks; see varcomm.init()."""
+
+    # Fewer than 30 instance attributes (tests/test_fastpath.py checks): CPython 3.11 keeps an instance's
+    # attributes inline only up to 29, and beyond that every self.x and comm.method on the hot path takes
+    # a dict lookup (the small-message send+recv pair lost 0.08 us, about 9% of its instructions, when a
+    # 30th was added). Group rarely used state in an object of its own (_Ending).
 
     def __init__(self, placement: bootstrap.Placement, store: Store, owner: Store | None, options: Options):
         global _Status, _check_timeout, _OUT_EXACT
@@ -254,13 +272,14 @@ class Communicator:
         self._owner = owner
         self._pid = os.getpid()
         self._closed = False
-        self._peer_wait_cap: float | None = None  # (close at a failing exit: _close_at_exit)
-        self._at_exit = False
-        self._failing = False  # (closed at an exit after an uncaught exception: the peers' goodbyes say so)
-        self._store_down = False  # a call found the store's host gone: close() leaves the store alone
+        self._end = _Ending()
+        self._barriers = 0
         # Dropped receives whose message still has to be copied on (P2PWork settle):
         # run by the calls that follow (recv, irecv, isend, any wait, barrier, close).
         self._orphans: list[tuple[int, Callable[[], Any]]] = []
+        # Pending all-to-all Works, oldest first (weak: a dropped one finishes on a thread of its own); they
+        # finish in this order (collectives/alltoall.py _finish_older).
+        self._a2a_pending: collections.deque[weakref.ref[Any]] = collections.deque()
         self._routes_ready = False
         self._fallback: Any = None
         try:
@@ -929,7 +948,7 @@ class Communicator:
             limit = 1e9  # inf: no limit
         if self._orphans:
             self._settle_orphans()
-        n = getattr(self, "_barriers", 0) + 1
+        n = self._barriers + 1
         self._barriers = n
         try:
             self._publish(f"barrier/{n}")  # (who arrived: a rank that died after it is not blamed)
@@ -956,7 +975,7 @@ class Communicator:
     def _store_lost(self, what: str, e: Exception) -> PeerFailure:
         """The store stopped answering: its host (rank 0 under varcomm-run,
         the agent under torchrun) exited, or the network to it is down."""
-        self._store_down = True  # (each later call to it would print a C++ stack trace from torch)
+        self._end.store_down = True  # (each later call to it would print a C++ stack trace from torch)
         dead = [why for r in range(self.world_size) if r != self.rank and (why := self._c.peer_error(r))]
         return PeerFailure(f"{what}: the rendezvous store stopped answering ({e}); "
                            + ("; ".join(dead) if dead else "the process that hosts it has most likely exited"))
@@ -985,7 +1004,7 @@ class Communicator:
         # kernel writes its credits into this rank's workspace through CUDA IPC
         # (freed at once, a late peer wrote freed device memory).
         devices = [dev for dev in (self._device_p2p, self._device_a2a) if dev is not None]
-        store_down = self._store_down
+        store_down = self._end.store_down
         try:  # (whatever the drain raises, ^C too, the finally frees the devices and the core)
             for dev in devices:
                 try:
@@ -996,7 +1015,7 @@ class Communicator:
             # dropped irecv(out=) is filled so), then says goodbye; only then
             # "left": senders stop flushing to a rank that left, and a sender
             # that tears its endpoint down with our data unread loses it.
-            self._c.goodbye(self._failing)
+            self._c.goodbye(self._end.failing)
             if self._orphans:
                 self._settle_orphans()  # those whose message is in; the rest fail with the close
             try:
@@ -1013,13 +1032,13 @@ class Communicator:
             rdma = self._c.close_waits_for_peers
             if (keep_store or rdma or devices) and not store_down:
                 limit = float(30 if keep_store else 10)
-                if self._peer_wait_cap is not None:
-                    limit = min(limit, self._peer_wait_cap)
+                if self._end.peer_wait_cap is not None:
+                    limit = min(limit, self._end.peer_wait_cap)
                 start = time.monotonic()
                 deadline, said = start + limit, False
                 missing = [r for r in range(self.world_size) if r != self.rank]
                 while missing and time.monotonic() < deadline:
-                    if self._at_exit and not said and time.monotonic() - start > 1.0:
+                    if self._end.at_exit and not said and time.monotonic() - start > 1.0:
                         said = True  # (a process that seems to hang at its exit says why)
                         host = "it hosts the rendezvous store, and " if keep_store else ""
                         print(f"varcomm: at exit, rank {self.rank} waits for rank(s) {missing} to close too (up to "
