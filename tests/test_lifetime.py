@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import re
 import time
 
 import numpy as np
@@ -823,19 +824,27 @@ time.sleep(2)
 if sys.argv[1] == "sending":
     for _ in range(40):  # past the ring to the frozen rank: queued, flushed at exit
         comm.isend(np.zeros(25, np.float32), 0)
+if sys.argv[1] == "barrier":
+    t0 = time.monotonic()
+    try:
+        comm.barrier(timeout=2)
+    except varcomm.TimeoutError as e:
+        print(f"barrier raised after {time.monotonic() - t0:.1f} s: {e}", flush=True)
 print("main done", flush=True)
 """
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("how", ["idle", "sending"])
+@pytest.mark.parametrize("how", ["idle", "sending", "barrier"])
 def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, how, tmp_path):
     """Rank 0, which hosts the rendezvous store, stops answering (SIGSTOP);
     rank 1 exits without close(): the exit hook's close waited on each store
     call up to the store's timeout (the communicator's, 120 s here), so the
     process hung at its exit (on rdma; killed after 80 s in review). Store
     calls at exit now give up after 5 s each; also those of the flush of
-    sends queued to the frozen rank ("sending")."""
+    sends queued to the frozen rank ("sending"). A barrier(timeout=2) there
+    ("barrier") blocked in a store call past its timeout, for good (helper-55):
+    now a TimeoutError saying the store is silent, 2 s after its timeout."""
     import signal
     import subprocess
     import sys
@@ -854,6 +863,9 @@ def test_exit_without_close_while_the_store_host_is_frozen_ends(transport, how, 
     try:
         out, _ = procs[1].communicate(timeout=60)
         assert "main done" in out and procs[1].returncode == 0, out
+        if how == "barrier":
+            said = re.search(r"barrier raised after ([\d.]+) s: barrier: the rendezvous store did not answer", out)
+            assert said and float(said.group(1)) < 8, out
     finally:
         for p in procs:
             if p.poll() is None:

@@ -203,6 +203,10 @@ _FAILING_EXIT_WAIT_S = 1.0
 _CLOSE_STORE_S = 5.0
 
 
+class _StoreSilent(RuntimeError):
+    """A store call did not return in time (Communicator._bounded)."""
+
+
 def _close_at_exit() -> None:
     """Communicators still open when the interpreter exits are closed as
     close() closes them: their queued sends are flushed first (an un-waited
@@ -413,22 +417,22 @@ class Communicator:
         want = self._c.store_mac(r, name)
         return want == "none" or hmac.compare_digest(self._store.get(f"{name}/{r}"), want.encode())
 
-    def _wait_all(self, name: str, timeout: float | None = None) -> None:
+    def _wait_all(self, name: str, timeout: float | None = None, given_up: threading.Event | None = None) -> None:
         """Until every rank published `name` (barrier arrivals). Rank 0 reads
         the records, one rank at a time, and then publishes `name`/done; the
         others wait for that one record: O(world) requests to the store per
         barrier, not O(world^2). A rank 0 that gives up (its timeout, a dead
         peer) publishes `name`/gaveup, and the others then read the records
-        themselves."""
+        themselves. given_up: the caller stopped waiting (the loop ends)."""
         try:
-            self._wait_all_records(name, timeout)
+            self._wait_all_records(name, timeout, given_up)
         except BaseException:
             if self.rank == 0:
                 with contextlib.suppress(Exception):
                     self._publish(f"{name}/gaveup")
             raise
 
-    def _wait_all_records(self, name: str, timeout: float | None) -> None:
+    def _wait_all_records(self, name: str, timeout: float | None, given_up: threading.Event | None) -> None:
         limit = timeout if timeout is not None else self._timeout or 300
         now = time.monotonic()
         deadline, check = now + limit, now + 0.2
@@ -464,6 +468,8 @@ class Communicator:
                             raise PeerFailure(f"{self._barrier_text(name, others)}, and rank {r} failed: {why}")
             if self._routes_ready:
                 self._c.progress()  # a rank in a barrier still serves incoming rdma writes
+            if given_up is not None and given_up.is_set():
+                raise _Timeout(f"{name}: given up")  # (nobody hears it: the caller raised already)
             if time.monotonic() > deadline:
                 if scan and missing and not [q for q in missing if q not in self._published(missing, name)]:
                     continue  # (all in since the last look)
@@ -950,13 +956,26 @@ class Communicator:
             self._settle_orphans()
         n = self._barriers + 1
         self._barriers = n
-        try:
+        given_up = threading.Event()
+
+        def arrive() -> None:
             self._publish(f"barrier/{n}")  # (who arrived: a rank that died after it is not blamed)
-            self._wait_all(f"barrier/{n}", limit)
+            self._wait_all(f"barrier/{n}", limit, given_up)
+
+        try:
+            # (on a thread: a store call on a stopped store host held it past every timeout)
+            self._bounded(arrive, limit=(limit if limit is not None else self._timeout or 300) + 2.0)
+        except _StoreSilent as e:
+            self._end.store_down = True  # (close() must not wait on it either)
+            raise _Timeout(f"barrier: {e}: the process that hosts it (rank 0 under varcomm.init or varcomm-run, "
+                           "torchrun's agent under torchrun) is stopped or hung, or the network to it is down (no "
+                           "error came back, only silence)") from None
         except VarcommError:
             raise
         except (RuntimeError, OSError) as e:  # torch's DistNetworkError and DistStoreError are RuntimeErrors
             raise self._store_lost("barrier", e) from None
+        finally:
+            given_up.set()
 
     def _settle_orphans(self) -> None:
         """Finish the dropped receives whose message is in (see P2PWork settle)."""
@@ -1061,9 +1080,12 @@ class Communicator:
                 self._fallback.close()
             self._c.close()
 
-    def _bounded(self, call: Callable[..., Any], *args: Any) -> Any:
-        """A store call of close(), given up (RuntimeError) after _CLOSE_STORE_S,
-        its thread left behind (a daemon: it ends with the process)."""
+    def _bounded(self, call: Callable[..., Any], *args: Any, limit: float = _CLOSE_STORE_S) -> Any:
+        """Store calls (close()'s, a barrier's), given up (_StoreSilent) after
+        `limit` s, their thread left behind (a daemon: it ends with the
+        process). A store client call has no deadline of its own: a stopped or
+        unreachable store host (no connection reset) holds it for torch's
+        store timeout."""
         if sys.is_finalizing():  # (a close() from a __del__ at exit: a thread started now never runs)
             return call(*args)
         box: list[tuple[bool, Any]] = []
@@ -1074,11 +1096,11 @@ class Communicator:
             except BaseException as e:  # (handed to the caller)
                 box.append((False, e))
 
-        t = threading.Thread(target=run, daemon=True, name="varcomm-close-store")
+        t = threading.Thread(target=run, daemon=True, name="varcomm-store-call")
         t.start()
-        t.join(_CLOSE_STORE_S)
+        t.join(limit)
         if not box:
-            raise RuntimeError(f"the rendezvous store did not answer within {_CLOSE_STORE_S:.0f} s")
+            raise _StoreSilent(f"the rendezvous store did not answer within {limit:.3g} s")
         ok, value = box[0]
         if not ok:
             raise value
