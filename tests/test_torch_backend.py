@@ -295,6 +295,37 @@ def test_device_mesh_1d():
         dist.destroy_process_group()
 
 
+def test_varcomm_distributed_submodules_are_torchs():
+    """The docstring says `import varcomm.distributed as dist  # was: import
+    torch.distributed as dist`, so users rewrite torch.distributed.X too: the
+    module showed torch's __path__, and `import varcomm.distributed.X` made a
+    second copy of torch's module (a DeviceMesh class of its own; pipelining
+    raised RuntimeError registering its operators twice). A missing one is
+    ModuleNotFoundError under the name asked for; a missing dst says send."""
+    import importlib
+    import subprocess
+    import sys
+
+    import torch.distributed.device_mesh
+    import torch.distributed.pipelining.schedules
+
+    import varcomm.distributed
+
+    mesh = importlib.import_module("varcomm.distributed.device_mesh")
+    assert mesh is torch.distributed.device_mesh and mesh.DeviceMesh is torch.distributed.device_mesh.DeviceMesh
+    assert importlib.import_module("varcomm.distributed.pipelining.schedules") is torch.distributed.pipelining.schedules
+    assert importlib.import_module("varcomm.integrations.distributed.device_mesh") is torch.distributed.device_mesh
+    with pytest.raises(ModuleNotFoundError, match="varcomm.distributed.nope"):
+        importlib.import_module("varcomm.distributed.nope")
+    # (a fresh process: pipelining's operators register at its first import)
+    p = subprocess.run([sys.executable, "-c", "from varcomm.distributed.pipelining import PipelineStage; "
+                        "import torch.distributed.pipelining as t; assert PipelineStage is t.PipelineStage"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with pytest.raises(ValueError, match="dst is required: a send names its destination"):
+        varcomm.distributed.send(torch.ones(1), None)
+
+
 @world(2, timeout=60)
 def test_varcomm_distributed_module():
     import varcomm.distributed as vdist

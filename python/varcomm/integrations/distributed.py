@@ -29,6 +29,11 @@ Works); receiving from any source (``src=None``) is not supported.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 import types
 from collections.abc import Sequence
 from datetime import timedelta
@@ -177,13 +182,15 @@ def get_world_size(group: Group | None = None) -> int:
 
 
 def _peer(group: Group | None, peer: int | None, group_peer: int | None, what: str) -> tuple[Communicator, int]:
+    if peer is None and group_peer is None:
+        raise ValueError(f"{what} is required: a send names its destination" if what == "dst" else
+                         f"{what} is required: a receive names its source (from any source is not supported)")
     comm = get_comm(group)
     if group_peer is not None:
         if peer is not None:
             raise ValueError(f"pass {what} or group_{what}, not both")
         return comm, rank_int(group_peer, f"group_{what}")
-    if peer is None:
-        raise ValueError(f"{what} is required (receiving from any source is not supported)")
+    assert peer is not None
     if group is None:
         return comm, rank_int(peer, what)
     return comm, _tdist.get_group_rank(group, rank_int(peer, what))
@@ -442,6 +449,37 @@ class _Done:
 
     def result(self) -> Any:
         return self._result
+
+
+class _TorchSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import varcomm.distributed.X`` (``from varcomm.distributed.pipelining
+    import ...``) is torch.distributed.X, the same module object, as
+    ``varcomm.distributed.X`` the attribute is. Without it the module showed
+    torch.distributed's ``__path__`` and the import made a second copy of
+    torch's module (its own classes, so isinstance failed; pipelining's
+    registered its operators twice: RuntimeError)."""
+
+    _PREFIXES = ("varcomm.distributed.", __name__ + ".")
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        for prefix in self._PREFIXES:
+            if fullname.startswith(prefix):
+                theirs = "torch.distributed." + fullname[len(prefix):]
+                if importlib.util.find_spec(theirs) is None:
+                    return None  # (ModuleNotFoundError names the module asked for)
+                return importlib.util.spec_from_loader(fullname, self, origin=theirs)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return importlib.import_module(cast(str, spec.origin))
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass  # (torch's, already run)
+
+
+__path__: list[str] = []  # (a package, so that the import system asks _TorchSubmodules for its submodules)
+if not any(isinstance(f, _TorchSubmodules) for f in sys.meta_path):
+    sys.meta_path.insert(0, _TorchSubmodules())  # (first: torch's own finders would load a copy)
 
 
 def __getattr__(name: str) -> Any:
