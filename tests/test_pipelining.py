@@ -203,6 +203,39 @@ def test_stage_refuses_what_it_cannot_run():
 
 
 @world(2, timeout=60)
+def test_step_returns_outputs_that_differ_beyond_dim_0_as_a_list():
+    """Microbatches [2, T, 4] with T = 3 and 5: the last stage's step()
+    crashed in torch.cat after the whole step had run (RuntimeError: sizes of
+    tensors must match), and its peers then failed. Now its outputs come back
+    as a list, one per microbatch; outputs alike but for dim 0 still as one."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from varcomm.integrations.pipelining import step
+
+    dist.init_process_group("varcomm")
+    try:
+        r = dist.get_rank()
+        torch.manual_seed(0)
+        mod = torch.nn.Linear(4, 4)
+        stage = VarcommPipelineStage(mod if r == 0 else torch.nn.Identity(), r, 2)
+        for lengths, joined in (((3, 5), False), ((3, 3), True)):
+            mbs = [torch.randn(2, t, 4, generator=torch.Generator().manual_seed(t)) for t in lengths]
+            schedule = Schedule1F1B(stage, n_microbatches=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+            got = step(schedule, mbs if r == 0 else None, targets=mbs if r == 1 else None)
+            if r == 0:
+                assert got is None
+                continue
+            want = [mod(x).detach() for x in mbs]
+            if joined:
+                assert isinstance(got, torch.Tensor) and torch.allclose(got, torch.cat(want))
+            else:
+                assert isinstance(got, list) and [tuple(g.shape) for g in got] == [(2, 3, 4), (2, 5, 4)], got
+                assert all(torch.allclose(g, w) for g, w in zip(got, want))
+    finally:
+        dist.destroy_process_group()
+
+
+@world(2, timeout=60)
 def test_complex_output_is_refused_not_sent_as_its_real_view():
     """A complex activation between stages: torch.distributed (and the varcomm
     backend's batch_isend_irecv) send complex tensors as their real view, so

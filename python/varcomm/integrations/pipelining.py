@@ -271,7 +271,10 @@ def step(schedule: Any, microbatches: Sequence[Any] | None = None, targets: Sequ
     ``targets`` (ranks holding the last stage): the loss function's target
     for each. ``kwargs``: keyword inputs for each microbatch. Returns what
     ``schedule.step`` returns: the last stage's outputs, concatenated along
-    dim 0, on the rank holding it (else None)."""
+    dim 0, on the rank holding it (else None); where the microbatches' outputs
+    differ in more than their leading size (``[B, T, H]`` with T per
+    microbatch), which no concatenation joins, a list of them, one per
+    microbatch (``return_outputs=False``: none kept)."""
     n = schedule._n_microbatches
     for name, given in (("microbatches", microbatches), ("targets", targets), ("kwargs", kwargs)):
         if given is not None and len(given) != n:
@@ -290,5 +293,22 @@ def step(schedule: Any, microbatches: Sequence[Any] | None = None, targets: Sequ
                                 loss_kwargs=loss_kwargs)
     for s in stages:
         if s.is_last and return_outputs:
+            if not _joinable(s.output_chunks):  # (torch.cat raised, after the whole step had run)
+                return list(s.output_chunks)
             return schedule._merge_outputs(s.output_chunks)
     return None
+
+
+def _joinable(chunks: Sequence[Any]) -> bool:
+    """Whether the microbatches' outputs concatenate along dim 0: the same
+    structure, and tensors alike but for their leading size."""
+    from torch.utils._pytree import tree_flatten
+
+    flat = [tree_flatten(c) for c in chunks]
+    if any(spec != flat[0][1] for _, spec in flat):
+        return False
+    for leaves in zip(*(f[0] for f in flat)):
+        if all(isinstance(t, torch.Tensor) for t in leaves):
+            if any(t.dim() == 0 or t.dtype != leaves[0].dtype or t.shape[1:] != leaves[0].shape[1:] for t in leaves):
+                return False
+    return True
