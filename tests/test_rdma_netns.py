@@ -7,12 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 import varcomm
-from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns
+from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns, wait_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +48,29 @@ WORKER = textwrap.dedent('''
         out, splits = comm.all_to_all_v(torch.arange(6 * n, dtype=torch.float32).reshape(-1, 1) + 100 * r,
                                         [6] * n)
         assert splits == [6] * n
+        print("OK", r, flush=True)
+        comm.close()
+        sys.exit(0)
+    if mode == "flap":  # a ping-pong that goes on across a link outage shorter than the peer timeout
+        i, back = 0, None
+        while True:
+            if r == 0:
+                stop = back is not None and i >= back + 20
+                comm.send(torch.tensor([-1 if stop else i]), dst=1)
+                if stop:
+                    break
+                assert comm.recv(src=1, timeout=30).item() == i
+            else:
+                got = comm.recv(src=0, timeout=30).item()
+                if got == -1:
+                    break
+                assert got == i, (got, i)
+                comm.send(torch.tensor([i]), dst=0)
+            i += 1
+            if i == 20:
+                mark("ready")
+            if back is None and os.path.exists(os.path.join(flags, "back")):
+                back = i
         print("OK", r, flush=True)
         comm.close()
         sys.exit(0)
@@ -125,6 +149,35 @@ def test_a_rank_cut_off_from_every_peer_and_the_store_closes_within_seconds(tmp_
                                      members=3)
     took = float(res[2][1].split("closed in ")[1].split("s")[0])
     assert took < 15, f"close took {took} s"
+
+
+def test_a_link_outage_shorter_than_the_peer_timeout_is_survived(tmp_path):
+    """Rank 1's link down for 3.5 s with a peer timeout of 4 s, mid ping-pong:
+    both ranks failed with PeerFailure ("no answer for 4 s"): keepalive gave
+    up 4 s after the last answered probe, which may come a second before the
+    outage, and the probe before that check had to be answered, so links
+    silent for over 2-3 s were dropped (helper-56). Now the pair goes on,
+    every message in order."""
+    require_netns()
+    assert float(PEER_TIMEOUT) - 3.5 >= 0.5
+    flags = tmp_path / "flags"
+    with Netns(2) as net:
+        procs = _run(net, tmp_path, "flap", 2)
+        try:
+            wait_flag(flags / "ready0", 60)
+            wait_flag(flags / "ready1", 60)
+            net.link_down(1)
+            time.sleep(3.5)
+            net.link_up(1)
+            (flags / "back").touch()
+            res = finish(procs, timeout=90)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    for r, (code, out) in enumerate(res):
+        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
 
 
 @pytest.mark.parametrize("how", ["link_down", "kill"])

@@ -367,7 +367,7 @@ class Options(_Declared):
                            "libfabric domain: a NIC (`mlx5_0`) or a network interface (`eth0`) for tcp",
                            "the first non-loopback IPv4 domain")
     peer_timeout: int = _opt("VARCOMM_PEER_TIMEOUT", _int(2), 5,
-                             "seconds until a silent rdma link counts as down")
+                             "seconds of silence an rdma link survives (longer: down, within 2 s more)")
     rdma_strict: bool = _opt("VARCOMM_RDMA_STRICT", _BOOL, False,
                              "rdma: register local buffers as verbs/efa require, on any provider (tests)", "`0`")
     rdma_eager_credits: bool = _opt("VARCOMM_RDMA_EAGER_CREDITS", _BOOL, False,

@@ -189,8 +189,16 @@ bool hmem_offered(const std::string& prov, const std::string& iface, std::string
 }
 
 void set_keepalive(int fd, int timeout_s) {
-  int one = 1, idle = 1, intvl = 1, cnt = timeout_s > 1 ? timeout_s - 1 : 1;
-  unsigned user_ms = unsigned(timeout_s) * 1000;
+  // A probe each second once idle 1 s. Linux gives up when nothing came back
+  // for TCP_USER_TIMEOUT, checked when a probe is due, counted from the last
+  // probe answered (up to a second before the link went silent); the link
+  // must be back for the probe before that check to be answered. So a limit
+  // of L s keeps links silent for L - 2 to L - 1 s: with L = timeout_s, a
+  // 2.5 s flap survived a 4 s pair and a 3.6 s one failed it (helper-56).
+  // L = timeout_s + 2: a link silent for up to timeout_s s survives, one
+  // silent longer counts as down within timeout_s + 2 s.
+  int one = 1, idle = 1, intvl = 1, cnt = timeout_s + 2;
+  unsigned user_ms = (unsigned(timeout_s) + 2) * 1000;
   setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
   setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
@@ -1133,8 +1141,11 @@ void RdmaTransport::check_sock(int peer) {
   std::string who = "rank " + std::to_string(peer);
   if (k == 1 && c == 'B')
     p.error = who + " closed its communicator";
-  else if (k == 0 || (k < 0 && (errno == ECONNRESET || errno == EPIPE)))
+  else if (k == 0)
     p.error = who + " unreachable: connection lost (process exited or was killed)";
+  else if (k < 0 && (errno == ECONNRESET || errno == EPIPE))  // (a timeout on its side ends the link with a reset)
+    p.error = who + " unreachable: connection reset (its process exited or was killed, or it found the link silent "
+                    "for " + std::to_string(timeout_s_) + " s)";
   else if (k < 0 && errno == ETIMEDOUT)
     p.error = who + " unreachable: no answer for " + std::to_string(timeout_s_) + " s (link down or host gone)";
   else if (k < 0)
