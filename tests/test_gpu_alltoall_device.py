@@ -1008,6 +1008,32 @@ def _end(gpu, s) -> ctypes.c_void_p:
 
 
 @world(2, timeout=120)
+def test_fake_a_first_call_under_capture_says_to_warm_up(fake_cuda):
+    """The first device call sets the path up (GPU memory, a collective),
+    which a capture refuses: it said "cannot allocate its N bytes ... lower
+    the bound", sending the user the wrong way (helper-57). Now it says to
+    make one call before capturing, and one made after that sets it up."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    s = gpu.stream()
+    with comm:
+        x = FakeArray(gpu, (4, 4), "float32", s)
+        sp = FakeArray(gpu, (2,), "int64", s)
+        sp.host[...] = [2, 2]
+        out = FakeArray(gpu, (64, 4), "float32", s)
+        _begin(gpu, s)
+        with pytest.raises(varcomm.InvalidArgument, match="its first call on a communicator sets it up .* which a "
+                                                          "CUDA graph capture refuses .* make one call before capturing"):
+            D.all_to_all_vdev(comm, x, sp, out=out)
+        gpu.lib.cuStreamEndCapture(ctypes.c_void_p(s), ctypes.byref(ctypes.c_void_p()))  # (invalidated: an error)
+        comm.barrier()
+        oso = FakeArray(gpu, (2, 2), "int64", s)
+        D.all_to_all_vdev(comm, x, sp, out=out, out_splits_offsets=oso)
+        D.synchronize(comm, s)
+        assert oso.host.tolist() == [[2, 2], [0, 2]]
+        comm.barrier()
+
+
+@world(2, timeout=120)
 def test_fake_graph_replays_write_the_dispatch_number_and_check_it(fake_cuda):
     """Two dispatches and a combine captured in one graph, rank 1's combine
     undoing the second dispatch where rank 0's undoes the first: each replay

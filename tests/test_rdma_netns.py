@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif("rdma" not in varcomm.build_info()["transports"]
                                 reason="needs the rdma transport (libfabric-dev at build time)")
 
 # Keepalive probes go out once a second and a peer counts as gone once none is
-# answered for this long, so it is also how long a stall of the whole machine a
+# answered for longer than this, so it is also how long a stall of the whole machine a
 # live peer survives. At 2 s a loaded CI host once took a survivor for dead.
 PEER_TIMEOUT = "4"
 

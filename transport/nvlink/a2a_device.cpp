@@ -452,6 +452,15 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
   d.DeviceGetCount(&count);
   if (device < 0 || device >= count)
     throw Error(ErrorKind::Invalid, "device all-to-all: CUDA device " + std::to_string(device) + " does not exist");
+  // A call refused because a graph is being captured: set-up (GPU memory, a
+  // kernel module, every peer's handle: a collective) cannot be captured.
+  auto refused_by_capture = [&](CUresult r, const char* what) {
+    if (r >= cu::kCaptureErrorFirst && r <= cu::kCaptureErrorLast)
+      throw Error(ErrorKind::Invalid, "device all-to-all: its first call on a communicator sets it up (GPU memory, "
+                                      "and every peer's handle to it: a collective), which a CUDA graph capture "
+                                      "refuses (" + cu::error_string(d, r, what) + "): make one call before "
+                                      "capturing, as a warm-up");
+  };
   try {
     m.check(d.DeviceGet(&m.dev, device), "cuDeviceGet");
     m.check(d.DevicePrimaryCtxRetain(&m.ctx, m.dev), "cuDevicePrimaryCtxRetain");
@@ -461,6 +470,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
     CUresult r = d.ModuleLoadData(&m.module, varcomm_fatbin);
     if (r != CUDA_SUCCESS) {
       m.module = nullptr;
+      refused_by_capture(r, "cuModuleLoadData");
       throw Error(ErrorKind::Invalid, "device all-to-all: " + cu::error_string(d, r, "cuModuleLoadData") +
                                           " (this build has kernels for " + varcomm_fatbin_archs +
                                           "; rebuild with VARCOMM_CUDA_ARCHS including this GPU)");
@@ -474,6 +484,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
     CUresult ra = d.MemAlloc(&m.ws, m.ws_bytes);
     if (ra != CUDA_SUCCESS) {
       m.ws = 0;
+      refused_by_capture(ra, "cuMemAlloc");
       throw Error(ErrorKind::Invalid, "device all-to-all: cannot allocate its " + std::to_string(m.ws_bytes) +
                                           " bytes of GPU memory (world_size x bound): " +
                                           cu::error_string(d, ra, "cuMemAlloc") + "; lower the bound");
