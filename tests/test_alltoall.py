@@ -4,6 +4,8 @@ other rank's input from the seed, so each result is checked byte-for-byte
 against a single-process reference."""
 from __future__ import annotations
 
+from typing import Any
+
 import os
 import time
 
@@ -1028,6 +1030,63 @@ def test_more_pending_calls_than_slots_finish_in_any_wait_order(transport):
             time.sleep(0.001)
         for k, w in enumerate(works):
             assert w.wait(timeout=1)[0][:, 0].tolist() == [10.0 * k + s for s in range(n)], k
+
+
+@world(2, timeout=120)
+def test_earlier_pending_calls_are_neither_cancelled_nor_misread_by_a_later_wait():
+    """helper-58 on finishing pending calls in order: (1) a thread's wait()
+    on a pending call that a blocking call was finishing returned None at
+    once (the finish was taken before it ran); (2) wait(timeout=0.05) on a
+    later call cancelled the earlier ones with its timeout, losing their data
+    (and took 0.05 s per call). Now (1) waits and returns the result; (2) is
+    a TimeoutError saying earlier calls are unfinished, every call stays
+    pending, and each later returns its own data."""
+    import threading
+
+    with varcomm.init(transport="shm", slots=4, timeout=20) as comm:
+        r, n = comm.rank, comm.world_size
+        xs = [torch.full((n, 3), 10.0 * k + r) for k in range(4)]
+        if r == 1:
+            time.sleep(1.5)  # rank 0's calls wait for this rank
+        ws = [comm.all_to_all_v(xs[k], [1] * n, async_op=True) for k in range(3)]
+        if r == 0:
+            t0 = time.monotonic()
+            with pytest.raises(varcomm.TimeoutError, match="an earlier all-to-all .* has not finished; both stay"):
+                ws[2].wait(timeout=0.05)
+            assert time.monotonic() - t0 < 0.5
+            got: dict[str, Any] = {}
+
+            def waiter():
+                time.sleep(0.3)  # the main thread is in the blocking call below, finishing ws[0] first
+                got["w0"] = ws[0].wait()
+
+            t = threading.Thread(target=waiter)
+            t.start()
+            last, _ = comm.all_to_all_v(xs[3], [1] * n)
+            t.join()
+            assert got["w0"][0][:, 0].tolist() == [0.0, 1.0], got
+        else:
+            last, _ = comm.all_to_all_v(xs[3], [1] * n)
+        assert last[:, 0].tolist() == [30.0, 31.0]
+        for k in range(3):
+            assert ws[k].wait()[0][:, 0].tolist() == [10.0 * k, 10.0 * k + 1], k
+
+
+@pytest.mark.parametrize("transport", ["shm", "rdma"])
+@world(3, timeout=120)
+def test_many_dropped_calls_with_one_slot_finish_at_once(transport):
+    """300 async calls dropped unwaited, 1 slot: each finished on a thread of
+    its own, which woke in turn; the blocking call after them timed out at
+    30 s (helper-58). One thread finishes the dropped calls of a
+    communicator, in order."""
+    with varcomm.init(transport=transport, slots=1, timeout=30) as comm:
+        r, n = comm.rank, comm.world_size
+        for k in range(300):
+            comm.all_to_all_v(torch.full((n, 3), 10.0 * k + r), [1] * n, async_op=True)
+        t0 = time.monotonic()
+        got, _ = comm.all_to_all_v(torch.full((n, 3), -1.0 - r), [1] * n)
+        assert got[:, 0].tolist() == [-1.0 - s for s in range(n)]
+        assert time.monotonic() - t0 < 15
 
 
 @world(2, timeout=60)

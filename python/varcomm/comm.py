@@ -4,7 +4,6 @@ nothing here knows how a transport moves bytes or which one a pair uses."""
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import hmac
 import itertools
@@ -281,9 +280,7 @@ class Communicator:
         # Dropped receives whose message still has to be copied on (P2PWork settle):
         # run by the calls that follow (recv, irecv, isend, any wait, barrier, close).
         self._orphans: list[tuple[int, Callable[[], Any]]] = []
-        # Pending all-to-all Works, oldest first (weak: a dropped one finishes on a thread of its own); they
-        # finish in this order (collectives/alltoall.py _finish_older).
-        self._a2a_pending: collections.deque[weakref.ref[Any]] = collections.deque()
+        self._a2a: Any = None  # pending all-to-alls, in order (collectives/alltoall.py _Pendings), made on first use
         self._routes_ready = False
         self._fallback: Any = None
         try:
@@ -1079,6 +1076,8 @@ class Communicator:
             if self._fallback is not None:
                 self._fallback.close()
             self._c.close()
+            if self._a2a is not None:  # dropped all-to-alls end with ClosedError now: their thread goes too
+                self._a2a.join(2.0)
 
     def _bounded(self, call: Callable[..., Any], *args: Any, limit: float = _CLOSE_STORE_S) -> Any:
         """Store calls (close()'s, a barrier's), given up (_StoreSilent) after

@@ -34,7 +34,7 @@ import contextvars
 import functools
 import sys
 import threading
-import weakref
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar, cast, overload
 
@@ -42,6 +42,7 @@ import numpy as np
 
 from .. import _C, arrays, dtypes
 from ..errors import InvalidArgument, VarcommError
+from ..errors import TimeoutError as _Timeout
 from . import alltoall_device
 
 if TYPE_CHECKING:
@@ -356,6 +357,115 @@ def _no_device_transport(comm: Communicator) -> bool:
 # the work object
 
 
+class _Pending:
+    """A pending all-to-all's completion: its finish, run once by whoever
+    comes first (its Work's wait or is_completed, a later call finishing the
+    earlier ones, or the communicator's drainer once the Work was dropped);
+    the others wait on its lock, then read the result or error."""
+
+    __slots__ = ("finish", "poll", "keep", "lock", "done", "result", "error", "dropped")
+
+    def __init__(self, finish: Callable[[float | None], Any], poll: Callable[[], bool] | None, keep: Any):
+        self.finish = finish
+        self.poll = poll  # True once finish returns at once (never waits for a peer)
+        self.keep = keep  # the inputs must outlive the transfer
+        self.lock = threading.Lock()
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.dropped = False  # its Work is gone: the drainer finishes it
+
+    def complete(self, timeout: float | None) -> None:
+        with self.lock:
+            if self.done:
+                return
+            try:
+                self.result = self.finish(timeout)
+            except BaseException as e:
+                self.error = e
+            finally:
+                self.done, self.keep = True, None
+
+    def ready(self) -> bool:
+        """Finished, or finished now because its poll says finish returns at
+        once; never waits for a peer, nor for a thread finishing it (False)."""
+        if self.done:
+            return True
+        if self.poll is None or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self.done:
+                return True
+            try:
+                if not self.poll():
+                    return False
+            except BaseException as e:  # the call failed: its wait raises it
+                self.error, self.done, self.keep = e, True, None
+                return True
+        finally:
+            self.lock.release()
+        self.complete(None)  # (returns at once: its poll said so)
+        return True
+
+
+class _Pendings:
+    """A communicator's pending all-to-alls, oldest first (comm._a2a), and
+    the thread that finishes those whose Work was dropped, in order."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self.lock = threading.Lock()
+        self.drainer: threading.Thread | None = None
+
+    def forget(self, p: _Pending) -> None:
+        with contextlib.suppress(ValueError):
+            self.queue.remove(p)
+
+    def drop(self, p: _Pending) -> None:
+        """p's Work was dropped unfinished: it finishes anyway (every pair's
+        message must be consumed), on the drainer, never on the line that
+        dropped it: there it would block until every peer joined the call, a
+        deadlock (to the timeout) where this rank's next step is what a peer
+        waits for before it joins. One thread for all, in order: one thread
+        each (300 dropped calls, 1 slot) woke in turn and took 30 s."""
+        p.dropped = True
+        with self.lock:
+            if self.drainer is None or not self.drainer.is_alive():
+                self.drainer = threading.Thread(target=self._drain, daemon=True, name="varcomm-dropped-all-to-alls")
+                self.drainer.start()
+
+    def _drain(self) -> None:
+        while True:
+            with self.lock:
+                todo = [p for p in self.queue if p.dropped and not p.done]
+                if not todo:
+                    self.drainer = None
+                    return
+            for p in todo:
+                p.complete(None)  # (its error: nobody holds the Work to be told; the messages are consumed)
+                self.forget(p)
+
+    def join(self, timeout: float) -> None:
+        """Until the drainer ended (close(): at exit a thread still in the core when the interpreter
+        finalizes is ended by it, through C++ frames, which aborts the process)."""
+        t = self.drainer
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+
+
+_PENDINGS_LOCK = threading.Lock()
+
+
+def _pendings(comm: Communicator) -> _Pendings:
+    q = comm._a2a
+    if q is None:
+        with _PENDINGS_LOCK:
+            if comm._a2a is None:
+                comm._a2a = _Pendings()
+            q = comm._a2a
+    return cast(_Pendings, q)
+
+
 class AllToAllWork:
     """A pending all-to-all (a varcomm.Work). ``wait()`` finishes it and returns
     its result (the same value the blocking call returns).
@@ -365,79 +475,53 @@ class AllToAllWork:
     the earlier ones, whose wait() then returns their result at once. Each
     holds one slot per peer until it finishes, so a later one's messages can
     be queued behind them (more than `slots` pending hung to the timeout
-    when waited newest first)."""
+    when waited newest first). A wait(timeout) that runs out while earlier
+    ones are unfinished raises TimeoutError and leaves them, and this one,
+    pending."""
 
     def __init__(self, comm: Communicator, finish: Callable[[float | None], Any], keep: Any = None,
                  dev: _Dev | None = None, poll: Callable[[], bool] | None = None):
-        self._finish: Callable[[float | None], Any] | None = finish
-        self._poll = poll  # True once finish returns at once (never waits for a peer)
-        self._keep = keep  # the inputs must outlive the transfer
+        self._p = _Pending(finish, poll, keep)
         self._dev = dev  # device memory: the stream its copies are ordered on
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()  # (an earlier work may be finished by another thread's later call)
-        self._queue = comm._a2a_pending
-        self._ref = weakref.ref(self)
-        self._queue.append(self._ref)
-
-    def _complete(self, timeout: float | None) -> None:
-        """Finish it if nobody has: the result or error is kept for wait()."""
-        with self._lock:
-            if self._finish is None:
-                return
-            f, self._finish = self._finish, None
-            try:
-                self._result = f(timeout)
-            except BaseException as e:
-                self._error = e
-            finally:
-                self._keep = None
-                with contextlib.suppress(ValueError):  # (not queued: finished out of order by is_completed)
-                    self._queue.remove(self._ref)
+        self._q = _pendings(comm)
+        self._q.queue.append(self._p)
 
     def wait(self, timeout: float | None = None) -> Any:
         _check_timeout(timeout)  # before the collective is taken: a NaN leaves it pending
-        if self._finish is not None:
-            _finish_older(self._queue, self, timeout)
-            self._complete(timeout)
-        if self._error is not None:
-            raise self._error
-        return self._result
+        p = self._p
+        if not p.done:
+            remaining = _finish_older(self._q, p, timeout, "wait")
+            p.complete(remaining)
+            self._q.forget(p)
+        if p.error is not None:
+            raise p.error
+        return p.result
 
     def _then(self, fn: Callable[[Any], Any]) -> AllToAllWork:
         """Run fn(result) as part of finishing (its value becomes the result),
         so a Work dropped unwaited still runs it (the torch backend's copy of
         a non-contiguous output out of its contiguous stand-in)."""
-        f = self._finish
-        if f is not None:
-            self._finish = lambda t: fn(f(t))
+        p = self._p
+        with p.lock:
+            if not p.done:
+                f = p.finish
+                p.finish = lambda t: fn(f(t))
         return self
 
     def is_completed(self) -> bool:
         """True once every pair's data is in (the call is then finished here:
         wait() returns at once); never waits for a peer."""
-        if self._finish is None:
+        p = self._p
+        if p.done:
             return True
-        if self._poll is None:
-            return False
         # Earlier ones that are ready finish first (in order): they may hold the slots this one's data needs.
-        for ref in list(self._queue):
-            w = ref()
-            if w is self:
+        for q in list(self._q.queue):
+            if q is p or not q.ready():
                 break
-            if w is not None and not w.is_completed():
-                break
-        try:
-            if not self._poll():
-                return False
-        except BaseException as e:  # the call failed: wait() raises it
-            with self._lock:
-                self._finish, self._poll, self._keep, self._error = None, None, None, e
-                with contextlib.suppress(ValueError):
-                    self._queue.remove(self._ref)
+        if p.ready():
+            self._q.forget(p)
             return True
-        self._complete(None)  # (returns at once: its poll said so)
-        return True
+        return False
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """wait(), then (device memory) block the host until the copies on the stream ran."""
@@ -450,24 +534,15 @@ class AllToAllWork:
         return self.wait()
 
     def __del__(self) -> None:
-        # Dropped without wait(): every pair's message must still be consumed,
-        # so it finishes anyway, on a thread of its own. Here it would block
-        # whatever line dropped it until every peer joined the call: a
-        # deadlock (to the timeout) where this rank's next step is what a peer
-        # waits for before it joins.
-        f = self._finish
-        if f is None:
+        p = getattr(self, "_p", None)
+        if p is None or p.done:
             return
-        with contextlib.suppress(ValueError):
-            self._queue.remove(self._ref)
         # Not once the interpreter finalizes (a Work still referenced at exit):
         # a thread started then never runs, and start() waits for it forever.
         # The communicator is closed by then (atexit), so wait() ends at once.
         if self._dev is None and not sys.is_finalizing():
             try:
-                threading.Thread(target=_finish_dropped, args=(f, self._keep), daemon=True,
-                                 name="varcomm-dropped-all-to-all").start()
-                self._finish = None
+                self._q.drop(p)
                 return
             except RuntimeError:
                 pass  # no new threads
@@ -477,43 +552,55 @@ class AllToAllWork:
             pass
 
 
-def _finish_older(queue: collections.deque[weakref.ref[AllToAllWork]], upto: AllToAllWork | None,
-                  timeout: float | None) -> None:
+def _finish_older(q: _Pendings, upto: _Pending | None, timeout: float | None, what: str) -> float | None:
     """Finish the pending all-to-alls made before `upto` (None: all), oldest
-    first; each keeps its result or error for its own wait(). An interrupt
-    (^C) is raised here, not kept."""
+    first; each keeps its result or error for its own wait(). Returns the
+    time left of `timeout` (None: none was given). With a timeout, an earlier
+    one is waited for without being cancelled (polled: it is another call's),
+    and running out raises TimeoutError, leaving them all pending. An
+    interrupt (^C) is raised here, not kept."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.0
     while True:
         try:
-            ref = queue[0]
+            p = q.queue[0]
         except IndexError:
-            return
-        w = ref()
-        if w is not None and w is upto:
-            return
-        if w is not None:
-            w._complete(timeout)
-        with contextlib.suppress(ValueError):
-            queue.remove(ref)  # (dropped; or finished by another thread, which may not have removed it yet)
-        if w is None:
-            continue
-        if w._error is not None and not isinstance(w._error, Exception):
-            raise w._error
-
-
-def _finish_dropped(finish: Callable[[float | None], Any], keep: Any) -> None:
-    try:
-        finish(None)
-    except Exception:
-        pass  # nobody holds the work to be told; the pairs' messages are consumed either way
-    del keep
+            break
+        if p is upto:
+            break
+        if deadline is None or p.poll is None:
+            p.complete(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
+        else:
+            while not p.ready():
+                if time.monotonic() > deadline:
+                    raise _Timeout(f"all-to-all {what} timed out after {timeout:.3g} s: an earlier all-to-all of "
+                                   "this communicator, which this one finishes after, has not finished; both stay "
+                                   "pending (wait them, or give a longer timeout)")
+                time.sleep(pause)
+                pause = min(pause * 2 or 1e-5, 1e-3)
+        q.forget(p)
+        if p.error is not None and not isinstance(p.error, Exception):
+            raise p.error
+    return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
 
 
 def _done(comm: Communicator, finish: Callable[[float | None], R], async_op: bool, timeout: float | None,
           keep: object, dev: _Dev | None = None, poll: Callable[[], bool] | None = None) -> R | Work:
     if async_op:
         return AllToAllWork(comm, finish, keep, dev, poll)
-    _finish_older(comm._a2a_pending, None, timeout)  # (they hold slots this call's messages may need)
-    return finish(timeout)
+    if comm._a2a is None or not comm._a2a.queue:
+        return finish(timeout)
+    try:  # (earlier ones hold slots this call's messages may need)
+        remaining = _finish_older(comm._a2a, None, timeout, "call")
+    except BaseException as e:
+        try:
+            r = finish(1e-3)  # this call was posted: it is taken back (or, with its data all in, done)
+        except Exception:
+            raise e from None
+        if isinstance(e, _Timeout):
+            return r
+        raise
+    return finish(remaining)
 
 
 # ---------------------------------------------------------------------------
