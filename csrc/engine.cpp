@@ -2084,8 +2084,9 @@ std::string Engine::nothing_arrived_locked(int peer) {
   for (auto& a : peers_[peer].ready) held += a.claimed;
   if (held)
     msg += " This rank holds " + std::to_string(held) + " of the " + std::to_string(layout_.nslots) + " slots " +
-           peer_str(peer) + " writes into, in copy=False views or matched receives not yet waited for" +
-           (held >= size_t(layout_.nslots) ? ": it cannot send more until they are dropped" : "");
+           peer_str(peer) + " writes into, in copy=False views, matched receives or all-to-alls (async_op) not yet "
+           "waited for" + (held >= size_t(layout_.nslots) ? ": it cannot send more until they are dropped or waited"
+                                                           : "");
   return msg + ")";
 }
 
