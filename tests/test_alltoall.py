@@ -4,10 +4,9 @@ other rank's input from the seed, so each result is checked byte-for-byte
 against a single-process reference."""
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1051,7 +1050,8 @@ def test_earlier_pending_calls_are_neither_cancelled_nor_misread_by_a_later_wait
         ws = [comm.all_to_all_v(xs[k], [1] * n, async_op=True) for k in range(3)]
         if r == 0:
             t0 = time.monotonic()
-            with pytest.raises(varcomm.TimeoutError, match="an earlier all-to-all .* has not finished; both stay"):
+            said = "an earlier all-to-all .* has not finished; it stays pending, and this one stays pending too"
+            with pytest.raises(varcomm.TimeoutError, match=said):
                 ws[2].wait(timeout=0.05)
             assert time.monotonic() - t0 < 0.5
             got: dict[str, Any] = {}
@@ -1076,17 +1076,45 @@ def test_earlier_pending_calls_are_neither_cancelled_nor_misread_by_a_later_wait
 @world(3, timeout=120)
 def test_many_dropped_calls_with_one_slot_finish_at_once(transport):
     """300 async calls dropped unwaited, 1 slot: each finished on a thread of
-    its own, which woke in turn; the blocking call after them timed out at
-    30 s (helper-58). One thread finishes the dropped calls of a
-    communicator, in order."""
+    its own, which woke in turn; the calls after them timed out at 30 s
+    (helper-58). One thread finishes the dropped calls of a communicator, in
+    order: point-to-point messages behind theirs (which finish no pending
+    all-to-all) flow within seconds."""
     with varcomm.init(transport=transport, slots=1, timeout=30) as comm:
         r, n = comm.rank, comm.world_size
         for k in range(300):
             comm.all_to_all_v(torch.full((n, 3), 10.0 * k + r), [1] * n, async_op=True)
         t0 = time.monotonic()
+        for _ in range(3):  # a ring of sends, behind the dropped calls' messages in the 1-slot rings
+            w = comm.isend(torch.tensor([r]), (r + 1) % n)
+            assert comm.recv((r - 1) % n, timeout=15).item() == (r - 1) % n
+            w.wait(timeout=15)
+        assert time.monotonic() - t0 < 15
         got, _ = comm.all_to_all_v(torch.full((n, 3), -1.0 - r), [1] * n)
         assert got[:, 0].tolist() == [-1.0 - s for s in range(n)]
-        assert time.monotonic() - t0 < 15
+
+
+@world(2, timeout=120)
+def test_a_dropped_call_finishes_after_an_earlier_held_one():
+    """Rank 0 holds call 1, drops call 2 and computes for longer than the
+    timeout before waiting call 1 (1 slot): the drainer finished call 2 alone,
+    newest first; it waited behind call 1's slot, timed out, and rank 1's
+    wait of call 2 failed ("rank 0 has not taken its part"). Dropped calls
+    finish after every earlier one now, whose results their own wait()
+    returns."""
+    with varcomm.init(transport="shm", slots=1, timeout=3) as comm:
+        r, n = comm.rank, comm.world_size
+        w1 = comm.all_to_all_v(torch.full((n, 3), 10.0 + r), [1] * n, async_op=True)
+        w2 = comm.all_to_all_v(torch.full((n, 3), 20.0 + r), [1] * n, async_op=True)
+        if r == 0:
+            del w2
+            time.sleep(4.5)
+            assert w1.wait()[0][:, 0].tolist() == [10.0, 11.0]
+        else:  # (both within the 3 s timeout, while rank 0 sleeps: its drainer must take call 1's message first)
+            assert w1.wait()[0][:, 0].tolist() == [10.0, 11.0]
+            assert w2.wait()[0][:, 0].tolist() == [20.0, 21.0]
+        got, _ = comm.all_to_all_v(torch.full((n, 3), -1.0 - r), [1] * n, timeout=10)  # (rank 0 sleeps)
+        assert got[:, 0].tolist() == [-1.0, -2.0]
 
 
 @world(2, timeout=60)

@@ -314,6 +314,7 @@ def test_varcomm_distributed_submodules_are_torchs():
     mesh = importlib.import_module("varcomm.distributed.device_mesh")
     assert mesh is torch.distributed.device_mesh and mesh.DeviceMesh is torch.distributed.device_mesh.DeviceMesh
     assert importlib.import_module("varcomm.distributed.pipelining.schedules") is torch.distributed.pipelining.schedules
+    assert torch.distributed.pipelining.schedules.__spec__.name == "torch.distributed.pipelining.schedules"  # (kept)
     assert importlib.import_module("varcomm.integrations.distributed.device_mesh") is torch.distributed.device_mesh
     with pytest.raises(ModuleNotFoundError, match="varcomm.distributed.nope"):
         importlib.import_module("varcomm.distributed.nope")

@@ -961,7 +961,8 @@ class Communicator:
 
         try:
             # (on a thread: a store call on a stopped store host held it past every timeout)
-            self._bounded(arrive, limit=(limit if limit is not None else self._timeout or 300) + 2.0)
+            self._bounded(arrive, limit=(limit if limit is not None else self._timeout or 300) + 2.0,
+                          still=lambda: self._bounded(self._store.check, [f"barrier/{n}/probe"], limit=2.0))
         except _StoreSilent as e:
             self._end.store_down = True  # (close() must not wait on it either)
             raise _Timeout(f"barrier: {e}: the process that hosts it (rank 0 under varcomm.init or varcomm-run, "
@@ -1079,12 +1080,15 @@ class Communicator:
             if self._a2a is not None:  # dropped all-to-alls end with ClosedError now: their thread goes too
                 self._a2a.join(2.0)
 
-    def _bounded(self, call: Callable[..., Any], *args: Any, limit: float = _CLOSE_STORE_S) -> Any:
+    def _bounded(self, call: Callable[..., Any], *args: Any, limit: float = _CLOSE_STORE_S,
+                 still: Callable[[], Any] | None = None) -> Any:
         """Store calls (close()'s, a barrier's), given up (_StoreSilent) after
         `limit` s, their thread left behind (a daemon: it ends with the
         process). A store client call has no deadline of its own: a stopped or
         unreachable store host (no connection reset) holds it for torch's
-        store timeout."""
+        store timeout. still(): at `limit`, whether to wait on (it returns:
+        the store answers, so `call`, which makes many, is slow, not stuck;
+        _StoreSilent: give up)."""
         if sys.is_finalizing():  # (a close() from a __del__ at exit: a thread started now never runs)
             return call(*args)
         box: list[tuple[bool, Any]] = []
@@ -1098,6 +1102,12 @@ class Communicator:
         t = threading.Thread(target=run, daemon=True, name="varcomm-store-call")
         t.start()
         t.join(limit)
+        while not box and still is not None:
+            try:
+                still()
+            except _StoreSilent:
+                break
+            t.join(1.0)
         if not box:
             raise _StoreSilent(f"the rendezvous store did not answer within {limit:.3g} s")
         ok, value = box[0]

@@ -360,13 +360,14 @@ def _no_device_transport(comm: Communicator) -> bool:
 class _Pending:
     """A pending all-to-all's completion: its finish, run once by whoever
     comes first (its Work's wait or is_completed, a later call finishing the
-    earlier ones, or the communicator's drainer once the Work was dropped);
+    earlier ones, or the communicator's drainer once some Work was dropped);
     the others wait on its lock, then read the result or error."""
 
-    __slots__ = ("finish", "poll", "keep", "lock", "done", "result", "error", "dropped")
+    __slots__ = ("finish", "poll", "keep", "lock", "done", "result", "error", "dropped", "owner")
 
-    def __init__(self, finish: Callable[[float | None], Any], poll: Callable[[], bool] | None, keep: Any):
-        self.finish = finish
+    def __init__(self, finish: Callable[[float | None], Any], poll: Callable[[], bool] | None, keep: Any,
+                 owner: _Pendings):
+        self.finish: Callable[[float | None], Any] | None = finish
         self.poll = poll  # True once finish returns at once (never waits for a peer)
         self.keep = keep  # the inputs must outlive the transfer
         self.lock = threading.Lock()
@@ -374,33 +375,47 @@ class _Pending:
         self.result: Any = None
         self.error: BaseException | None = None
         self.dropped = False  # its Work is gone: the drainer finishes it
+        self.owner = owner
 
     def complete(self, timeout: float | None) -> None:
         with self.lock:
             if self.done:
                 return
             try:
+                assert self.finish is not None
                 self.result = self.finish(timeout)
-            except BaseException as e:
+            except Exception as e:
                 self.error = e
+            except BaseException as e:  # (^C: raised to whoever was finishing it; its own wait says so)
+                self.error = VarcommError(f"this all-to-all was interrupted ({type(e).__name__}) while it was being "
+                                          "finished; its data may be incomplete")
+                raise
             finally:
-                self.done, self.keep = True, None
+                self._finished()
+
+    def _finished(self) -> None:
+        # (the closures hold the inputs and the core's handle: not for as long as the Work lives)
+        self.done, self.keep, self.finish, self.poll = True, None, None, None
+        self.owner.forget(self)
 
     def ready(self) -> bool:
         """Finished, or finished now because its poll says finish returns at
         once; never waits for a peer, nor for a thread finishing it (False)."""
         if self.done:
             return True
-        if self.poll is None or not self.lock.acquire(blocking=False):
+        if not self.lock.acquire(blocking=False):
             return False
         try:
             if self.done:
                 return True
+            if self.poll is None:
+                return False
             try:
                 if not self.poll():
                     return False
-            except BaseException as e:  # the call failed: its wait raises it
-                self.error, self.done, self.keep = e, True, None
+            except Exception as e:  # the call failed: its wait raises it
+                self.error = e
+                self._finished()
                 return True
         finally:
             self.lock.release()
@@ -410,11 +425,12 @@ class _Pending:
 
 class _Pendings:
     """A communicator's pending all-to-alls, oldest first (comm._a2a), and
-    the thread that finishes those whose Work was dropped, in order."""
+    the thread that finishes them once one of their Works was dropped."""
 
     def __init__(self) -> None:
         self.queue: collections.deque[_Pending] = collections.deque()
-        self.lock = threading.Lock()
+        # Reentrant: a garbage collection while the drainer holds it may drop another Work on that thread.
+        self.lock = threading.RLock()
         self.drainer: threading.Thread | None = None
 
     def forget(self, p: _Pending) -> None:
@@ -431,19 +447,22 @@ class _Pendings:
         p.dropped = True
         with self.lock:
             if self.drainer is None or not self.drainer.is_alive():
-                self.drainer = threading.Thread(target=self._drain, daemon=True, name="varcomm-dropped-all-to-alls")
-                self.drainer.start()
+                t = threading.Thread(target=self._drain, daemon=True, name="varcomm-dropped-all-to-alls")
+                t.start()  # (RuntimeError at shutdown: the caller finishes p itself)
+                self.drainer = t
 
     def _drain(self) -> None:
         while True:
             with self.lock:
-                todo = [p for p in self.queue if p.dropped and not p.done]
+                todo = [p for p in list(self.queue) if p.dropped and not p.done]  # (list(): one C call)
                 if not todo:
                     self.drainer = None
                     return
             for p in todo:
+                # Every earlier call first (held ones too: each keeps its result for its own wait), as any
+                # later call finishes them: p's messages may queue behind theirs.
+                _finish_older(self, p, None, "drain")
                 p.complete(None)  # (its error: nobody holds the Work to be told; the messages are consumed)
-                self.forget(p)
 
     def join(self, timeout: float) -> None:
         """Until the drainer ended (close(): at exit a thread still in the core when the interpreter
@@ -481,9 +500,9 @@ class AllToAllWork:
 
     def __init__(self, comm: Communicator, finish: Callable[[float | None], Any], keep: Any = None,
                  dev: _Dev | None = None, poll: Callable[[], bool] | None = None):
-        self._p = _Pending(finish, poll, keep)
-        self._dev = dev  # device memory: the stream its copies are ordered on
         self._q = _pendings(comm)
+        self._p = _Pending(finish, poll, keep, self._q)
+        self._dev = dev  # device memory: the stream its copies are ordered on
         self._q.queue.append(self._p)
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -492,7 +511,6 @@ class AllToAllWork:
         if not p.done:
             remaining = _finish_older(self._q, p, timeout, "wait")
             p.complete(remaining)
-            self._q.forget(p)
         if p.error is not None:
             raise p.error
         return p.result
@@ -503,9 +521,11 @@ class AllToAllWork:
         a non-contiguous output out of its contiguous stand-in)."""
         p = self._p
         with p.lock:
-            if not p.done:
-                f = p.finish
+            f = p.finish
+            if f is not None:
                 p.finish = lambda t: fn(f(t))
+            elif p.error is None:  # (finished already, by another thread's call: fn still runs, once)
+                p.result = fn(p.result)
         return self
 
     def is_completed(self) -> bool:
@@ -518,10 +538,7 @@ class AllToAllWork:
         for q in list(self._q.queue):
             if q is p or not q.ready():
                 break
-        if p.ready():
-            self._q.forget(p)
-            return True
-        return False
+        return p.ready()
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """wait(), then (device memory) block the host until the copies on the stream ran."""
@@ -537,7 +554,8 @@ class AllToAllWork:
         p = getattr(self, "_p", None)
         if p is None or p.done:
             return
-        # Not once the interpreter finalizes (a Work still referenced at exit):
+        # Device memory: finished here, with every earlier call (on the line that dropped it). Not once the
+        # interpreter finalizes (a Work still referenced at exit):
         # a thread started then never runs, and start() waits for it forever.
         # The communicator is closed by then (atexit), so wait() ends at once.
         if self._dev is None and not sys.is_finalizing():
@@ -557,8 +575,7 @@ def _finish_older(q: _Pendings, upto: _Pending | None, timeout: float | None, wh
     first; each keeps its result or error for its own wait(). Returns the
     time left of `timeout` (None: none was given). With a timeout, an earlier
     one is waited for without being cancelled (polled: it is another call's),
-    and running out raises TimeoutError, leaving them all pending. An
-    interrupt (^C) is raised here, not kept."""
+    and running out raises TimeoutError, leaving the earlier ones pending."""
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = 0.0
     while True:
@@ -568,19 +585,18 @@ def _finish_older(q: _Pendings, upto: _Pending | None, timeout: float | None, wh
             break
         if p is upto:
             break
-        if deadline is None or p.poll is None:
-            p.complete(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
+        if deadline is None:
+            p.complete(None)
         else:
             while not p.ready():
                 if time.monotonic() > deadline:
+                    this = "this call was taken back" if what == "call" else "this one stays pending too"
                     raise _Timeout(f"all-to-all {what} timed out after {timeout:.3g} s: an earlier all-to-all of "
-                                   "this communicator, which this one finishes after, has not finished; both stay "
-                                   "pending (wait them, or give a longer timeout)")
+                                   f"this communicator, which this one finishes after, has not finished; it stays "
+                                   f"pending, and {this} (wait it, or give a longer timeout)")
                 time.sleep(pause)
                 pause = min(pause * 2 or 1e-5, 1e-3)
-        q.forget(p)
-        if p.error is not None and not isinstance(p.error, Exception):
-            raise p.error
+        q.forget(p)  # (finished: normally gone already)
     return None if deadline is None else max(deadline - time.monotonic(), 1e-3)
 
 

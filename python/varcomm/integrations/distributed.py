@@ -471,10 +471,14 @@ class _TorchSubmodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return importlib.import_module(cast(str, spec.origin))
+        module = importlib.import_module(cast(str, spec.origin))
+        spec.loader_state = module.__spec__  # (the import system sets __spec__ to ours next: exec_module restores)
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass  # (torch's, already run)
+        spec = module.__spec__  # (torch's module, already run: only its own spec goes back)
+        if spec is not None and spec.loader is self and spec.loader_state is not None:
+            module.__spec__ = spec.loader_state
 
 
 __path__: list[str] = []  # (a package, so that the import system asks _TorchSubmodules for its submodules)

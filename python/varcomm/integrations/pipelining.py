@@ -293,7 +293,8 @@ def step(schedule: Any, microbatches: Sequence[Any] | None = None, targets: Sequ
                                 loss_kwargs=loss_kwargs)
     for s in stages:
         if s.is_last and return_outputs:
-            if not _joinable(s.output_chunks):  # (torch.cat raised, after the whole step had run)
+            # (torch.cat raised, after the whole step had run; a merge spec of the schedule's own decides itself)
+            if getattr(schedule, "_output_merge_spec", None) is None and not _joinable(s.output_chunks):
                 return list(s.output_chunks)
             return schedule._merge_outputs(s.output_chunks)
     return None
@@ -309,6 +310,6 @@ def _joinable(chunks: Sequence[Any]) -> bool:
         return False
     for leaves in zip(*(f[0] for f in flat)):
         if all(isinstance(t, torch.Tensor) for t in leaves):
-            if any(t.dim() == 0 or t.dtype != leaves[0].dtype or t.shape[1:] != leaves[0].shape[1:] for t in leaves):
+            if any(t.dim() == 0 or t.shape[1:] != leaves[0].shape[1:] for t in leaves):  # (dtypes: cat promotes)
                 return False
     return True
