@@ -459,6 +459,8 @@ class _Pendings:
                     self.drainer = None
                     return
             for p in todo:
+                if p.done:
+                    continue
                 # Every earlier call first (held ones too: each keeps its result for its own wait), as any
                 # later call finishes them: p's messages may queue behind theirs.
                 _finish_older(self, p, None, "drain")
@@ -583,7 +585,7 @@ def _finish_older(q: _Pendings, upto: _Pending | None, timeout: float | None, wh
             p = q.queue[0]
         except IndexError:
             break
-        if p is upto:
+        if p is upto or (upto is not None and upto.done):  # (done meanwhile, on another thread: no longer queued)
             break
         if deadline is None:
             p.complete(None)
