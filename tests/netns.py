@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 IFACE = "eth0"  # the member's interface name: pass it as VARCOMM_FI_IFACE
@@ -185,13 +185,27 @@ def lose_member_mid_stream(net: Netns, procs: list[subprocess.Popen], flags: Pat
     Returns every waited member's (exit status, output)."""
     import signal
 
-    try:
-        wait_flag(flags / "ready0", timeout)
-        wait_flag(flags / "ready1", timeout)
+    def lose() -> None:
         if how == "link_down":
             net.link_down(2)
         else:
             procs[2].send_signal(signal.SIGKILL)
+
+    res = run_after_ready(procs, flags, lose, timeout, members)
+    took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
+    assert took < 15, f"dead peer detected only after {took} s"
+    return res
+
+
+def run_after_ready(procs: list[subprocess.Popen], flags: Path, act: Callable[[], None], timeout: float,
+                    members: int) -> list[tuple[int, str]]:
+    """Once members 0 and 1 flagged "ready", act(); then the first `members`
+    must each exit 0 printing "OK <rank>" (all are killed at the end, done or
+    not). Returns their (exit status, output)."""
+    try:
+        wait_flag(flags / "ready0", timeout)
+        wait_flag(flags / "ready1", timeout)
+        act()
         res = finish(procs[:members], timeout=timeout)
     finally:
         for p in procs:
@@ -200,8 +214,6 @@ def lose_member_mid_stream(net: Netns, procs: list[subprocess.Popen], flags: Pat
                 p.wait()
     for r, (code, out) in enumerate(res):
         assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
-    took = float(res[0][1].split("PeerFailure after ")[1].split("s")[0])
-    assert took < 15, f"dead peer detected only after {took} s"
     return res
 
 

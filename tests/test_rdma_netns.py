@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import varcomm
-from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns, wait_flag
+from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns, run_after_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,24 +160,14 @@ def test_a_link_outage_shorter_than_the_peer_timeout_is_survived(tmp_path):
     every message in order."""
     require_netns()
     assert float(PEER_TIMEOUT) - 3.5 >= 0.5
-    flags = tmp_path / "flags"
+    def flap() -> None:
+        net.link_down(1)
+        time.sleep(3.5)
+        net.link_up(1)
+        (tmp_path / "flags" / "back").touch()
+
     with Netns(2) as net:
-        procs = _run(net, tmp_path, "flap", 2)
-        try:
-            wait_flag(flags / "ready0", 60)
-            wait_flag(flags / "ready1", 60)
-            net.link_down(1)
-            time.sleep(3.5)
-            net.link_up(1)
-            (flags / "back").touch()
-            res = finish(procs, timeout=90)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    for r, (code, out) in enumerate(res):
-        assert code == 0 and f"OK {r}" in out, f"rank {r} (exit {code}):\n{out[-3000:]}"
+        run_after_ready(_run(net, tmp_path, "flap", 2), tmp_path / "flags", flap, 90, 2)
 
 
 @pytest.mark.parametrize("how", ["link_down", "kill"])
