@@ -441,8 +441,9 @@ def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace)
         parser.error(str(e))
     for w in seen:
         log(f"warning: {w.message}")
-    isz = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2,
-           "int16": 2}.get(a.dtype, 1)
+    import torch
+
+    isz = getattr(torch, a.dtype).itemsize
     for opt, v in (("-b/--minbytes", a.minbytes), ("-e/--maxbytes", a.maxbytes)):
         if v is not None and a.cmd != "alltoall" and v % isz:  # (the tables would show other sizes, unexplained)
             log(f"note: {opt} {v}: messages are whole {a.dtype} elements ({isz} B each), so this size runs as "

@@ -556,10 +556,10 @@ class AllToAllWork:
         p = getattr(self, "_p", None)
         if p is None or p.done:
             return
-        # Device memory: finished here, with every earlier call (on the line that dropped it). Not once the
-        # interpreter finalizes (a Work still referenced at exit):
-        # a thread started then never runs, and start() waits for it forever.
-        # The communicator is closed by then (atexit), so wait() ends at once.
+        # On the drainer; here, with every earlier call, for device memory (its stream order is this
+        # line's), or once the interpreter finalizes (a Work still referenced at exit: a thread started
+        # then never runs, and start() waits for it forever; the communicator is closed by then, so
+        # wait() ends at once).
         if self._dev is None and not sys.is_finalizing():
             try:
                 self._q.drop(p)
