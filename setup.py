@@ -131,6 +131,8 @@ class NinjaBuildExt(build_ext):
     """Writes build/<tag>/build.ninja and runs ninja on it."""
 
     def build_extension(self, ext: Extension) -> None:
+        if isinstance(ext, _Built):
+            return
         import pybind11
 
         src = sources()
@@ -242,6 +244,7 @@ class NinjaBuildExt(build_ext):
             ]
             objs.append(fatbin_obj)
         lines.append(f"build {out}: link {' '.join(map(str, objs))}")
+        lines += self._torch_hooks(build_dir, includes)
         text = "\n".join(lines) + "\n"
         ninja_file = build_dir / "build.ninja"
         if not ninja_file.exists() or ninja_file.read_text() != text:
@@ -257,7 +260,58 @@ class NinjaBuildExt(build_ext):
         subprocess.check_call([ninja, "-C", str(build_dir)])
 
 
+    def _torch_hooks(self, build_dir: Path, includes: list[str]) -> list[str]:
+        """ninja lines for varcomm._torch_hooks (csrc/adapters/torch_hooks.cpp),
+        the torch adapter of the fast paths, built against the torch installed
+        here; the module names that torch's version, and arrays.py uses it only
+        under that torch (the C++ ABI is one version's)."""
+        torch = _torch_for_hooks()
+        if torch is None:
+            return []
+        out = Path(self.get_ext_fullpath("varcomm._torch_hooks")).resolve()
+        root = Path(torch.__file__).resolve().parent
+        abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+        obj = build_dir / "csrc_adapters_torch_hooks.cpp.o"
+        # torch's headers as system headers: their warnings are not ours.
+        tflags = [f"-isystem {root / 'include'}", f"-isystem {root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+                  f"-D_GLIBCXX_USE_CXX11_ABI={abi}", shlex.quote(f'-DVARCOMM_TORCH_VERSION="{torch.__version__}"')]
+        lib = root / "lib"
+        return [
+            f"build {obj}: cxx {TORCH_HOOKS_SRC}",
+            f"  cxxflags = $cxxflags -I{ROOT / 'csrc' / 'python'} {' '.join(tflags)}",
+            f"build {out}: link {obj}",
+            f"  ldflags = -shared -L{lib} -Wl,-rpath,{lib} -ltorch_python -ltorch -ltorch_cpu -lc10",
+        ]
+
+    def run(self) -> None:
+        torch = _torch_for_hooks()
+        print("varcomm: torch adapter: " + (f"yes (torch {torch.__version__})" if torch is not None else
+                                            "no (no torch, or VARCOMM_NO_TORCH_HOOKS=1): torch tensors take the "
+                                            "Python paths"), flush=True)
+        super().run()
+
+
+TORCH_HOOKS_SRC = ROOT / "csrc" / "adapters" / "torch_hooks.cpp"
+
+
+def _torch_for_hooks():  # type: ignore[no-untyped-def]
+    """torch, when the torch adapter is to be built (it is installed and not
+    turned off with VARCOMM_NO_TORCH_HOOKS=1), else None."""
+    if os.environ.get("VARCOMM_NO_TORCH_HOOKS") or not TORCH_HOOKS_SRC.exists():
+        return None
+    try:
+        import torch  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return torch
+
+
+class _Built(Extension):
+    """An extension the ninja file of varcomm._C builds too."""
+
+
 setup(
-    ext_modules=[Extension("varcomm._C", sources=[])],
+    ext_modules=[Extension("varcomm._C", sources=[])]
+    + ([_Built("varcomm._torch_hooks", sources=[])] if _torch_for_hooks() is not None else []),
     cmdclass={"build_ext": NinjaBuildExt},
 )

@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "array_hooks.h"
 #include "collectives.h"
 #include "dtypes.h"
 #include "engine.h"
@@ -113,6 +114,18 @@ bool foreign_byte_order(const char* format) {
 
 // A borrowed C-contiguous buffer. Raw CPython API: the ping-pong path cannot
 // afford py::buffer_info's vector copies.
+static_assert(kArrayHooksMaxDims == kMaxDims, "array_hooks.h describes shapes of up to kMaxDims");
+
+// Array adapters (array_hooks.h), at most one per array kind: the types whose
+// objects the fast paths describe and make through C, not Python.
+const ArrayHooks* g_hooks[4] = {};
+
+const ArrayHooks* hooks_of(PyObject* o) {
+  for (const ArrayHooks* h : g_hooks)
+    if (h && Py_TYPE(o) == h->type) return h;
+  return nullptr;
+}
+
 struct Buf {
   Py_buffer v{};
   bool ok = false;
@@ -121,8 +134,19 @@ struct Buf {
   int64_t shape[kMaxDims] = {};
   uint32_t ndim = 0;
   // false when the object is not C-contiguous or not in our byte order (the
-  // caller converts it first).
+  // caller converts it first), or is an adapter's array it does not take.
   bool get(PyObject* o, bool writable) {
+    if (const ArrayHooks* h = hooks_of(o)) {
+      ArrayDesc d;
+      if (h->describe(o, writable, &d) != 1 || Engine::no_memory(d.ptr, d.nbytes)) return false;
+      v.buf = d.ptr;  // ok stays false: nothing to release
+      nbytes = d.nbytes;
+      dtype = d.dtype;
+      ndim = d.ndim;
+      std::copy(d.shape, d.shape + d.ndim, shape);
+      return true;
+    }
+    if (!PyObject_CheckBuffer(o)) return false;  // (no exception made and dropped: a torch tensor without adapter)
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(o, &v, flags) != 0) {
       PyErr_Clear();
@@ -515,7 +539,8 @@ std::vector<int64_t> to_shape(const py::sequence& s) {
 // one table serves a fixed kind and array="auto". An allocator returns the
 // array (a writable C-contiguous buffer: numpy), or (array, data pointer) for
 // one without the buffer protocol (torch), or (array, pointer, then): then
-// turns the host array into the kind asked for (cupy: a copy on the GPU).
+// turns the host array into the kind asked for (cupy: a copy on the GPU); an
+// allocator may also be an adapter's capsule (array_hooks.h: its empty()).
 // None, with the message left in place, when irecvs from src are posted
 // (FIFO) or the message is a device payload or a descriptor (the caller's
 // irecv path handles those). An alloc that raises leaves the message for the
@@ -534,21 +559,28 @@ py::object recv_new(Comm& c, int src, int64_t tag, std::optional<double> timeout
   Py_ssize_t n = PyTuple_GET_SIZE(allocs);
   try {  // anything that refuses the message leaves it for the next recv
     py::handle alloc = PyTuple_GET_ITEM(allocs, Py_ssize_t(kind) < n ? Py_ssize_t(kind) : 0);
-    py::tuple shape(h.ndim);
-    for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-    py::object made = alloc(h.dtype, shape);
-    if (PyTuple_Check(made.ptr())) {
-      arr = made[py::int_(0)];
-      ptr = reinterpret_cast<void*>(made[py::int_(1)].cast<uintptr_t>());
-      if (PyTuple_GET_SIZE(made.ptr()) > 2) then = made[py::int_(2)];
+    if (PyCapsule_CheckExact(alloc.ptr())) {  // an adapter's (set_array_hooks): no Python call
+      auto* hk = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(alloc.ptr(), kArrayHooksCapsule));
+      if (!hk) throw py::error_already_set();
+      arr = py::reinterpret_steal<py::object>(hk->empty(h.dtype, h.shape, h.ndim, &ptr));
+      if (!arr) throw py::error_already_set();
     } else {
-      arr = made;
-      Py_buffer v;
-      if (PyObject_GetBuffer(arr.ptr(), &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
-      ptr = v.buf;
-      bool short_ = uint64_t(v.len) < h.nbytes;
-      PyBuffer_Release(&v);
-      if (short_) throw Error(ErrorKind::Invalid, "recv allocator made an array smaller than the message");
+      py::tuple shape(h.ndim);
+      for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
+      py::object made = alloc(h.dtype, shape);
+      if (PyTuple_Check(made.ptr())) {
+        arr = made[py::int_(0)];
+        ptr = reinterpret_cast<void*>(made[py::int_(1)].cast<uintptr_t>());
+        if (PyTuple_GET_SIZE(made.ptr()) > 2) then = made[py::int_(2)];
+      } else {
+        arr = made;
+        Py_buffer v;
+        if (PyObject_GetBuffer(arr.ptr(), &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+        ptr = v.buf;
+        bool short_ = uint64_t(v.len) < h.nbytes;
+        PyBuffer_Release(&v);
+        if (short_) throw Error(ErrorKind::Invalid, "recv allocator made an array smaller than the message");
+      }
     }
   } catch (...) {
     c.engine->unclaim(src, h.seq);
@@ -635,7 +667,13 @@ PyObject* received_view(PyObject* out, int src, const MsgHeader& h, const int64_
     Py_INCREF(out);
     return out;
   }
-  if (h.ndim == 1 && out_ndim == 1 && !(h.flags & kDescriptor)) {
+  if (h.flags & kDescriptor) return status_of(src, h).release().ptr();
+  if (const ArrayHooks* hk = hooks_of(out)) {
+    if (PyObject* v = hk->prefix(out, h.shape, h.ndim)) return v;
+    if (PyErr_Occurred()) return nullptr;
+    return status_of(src, h).release().ptr();  // the Python path makes the view
+  }
+  if (h.ndim == 1 && out_ndim == 1) {
     PyObject* stop = PyLong_FromLongLong(h.shape[0]);
     if (!stop) return nullptr;
     PyObject* sl = PySlice_New(nullptr, stop, nullptr);
@@ -1478,6 +1516,26 @@ PYBIND11_MODULE(_C, m) {
   bind_fallback_mover(m);
   bind_device_a2a(m);
   ready_fast_types(m);
+  // An array adapter's table (array_hooks.h), from its module's install().
+  m.def(
+      "set_array_hooks",
+      [](py::capsule cap) {
+        auto* h = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(cap.ptr(), kArrayHooksCapsule));
+        if (!h) throw py::error_already_set();
+        if (h->abi != kArrayHooksAbi || h->kind == 0 || h->kind >= std::size(g_hooks) || !h->type)
+          throw Error(ErrorKind::Invalid, "set_array_hooks: an adapter built for another varcomm (ABI " +
+                                              std::to_string(h->abi) + ", kind " + std::to_string(h->kind) +
+                                              "): rebuild varcomm (make build)");
+        cap.inc_ref();  // the table lives as long as the process
+        g_hooks[h->kind] = h;
+      },
+      py::arg("capsule"));
+  m.def(
+      "clear_array_hooks",
+      [](uint32_t kind) {
+        if (kind < std::size(g_hooks)) g_hooks[kind] = nullptr;
+      },
+      py::arg("kind"));
 
   // The doctor's views; with an options dict they describe what those options would select.
   m.def("rdma_info", [](std::optional<py::dict> opts) -> std::string {

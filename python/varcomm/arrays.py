@@ -354,9 +354,51 @@ def to_cupy(x: Any) -> Any:
 
 
 #: An allocator returns the array (a buffer: numpy), or (array, data pointer[, then]).
+#: The core also takes an array adapter's capsule in its place (torch_hooks()).
 Alloc = Callable[[int, tuple[int, ...]], Any]
 ALLOCATORS: dict[str, Alloc] = {
     "numpy": new_numpy, "torch": new_torch, "cupy": new_cupy}
+
+_torch_hooks: Any = None  # the torch adapter's capsule while installed
+_torch_lend: Any = None  # and its lend (copy=False's tensor over a Loan)
+_torch_hooks_why = "torch is not installed"  # why not, while not
+
+
+def use_torch_hooks(on: bool = True) -> bool:
+    """Installs (on) or removes the torch adapter of the core's fast paths
+    (csrc/adapters/torch_hooks.cpp, built by setup.py against the torch it
+    finds): blocking and nonblocking host send/recv describe torch tensors and
+    make result tensors in C, ~1 us less per small message. It is installed at
+    import when it was built for the torch in use; without it, the same results
+    come from the Python paths. Communicators made later allocate by the new
+    setting. Returns whether it is installed."""
+    global _torch_hooks, _torch_hooks_why, _torch_lend
+    _C.clear_array_hooks(TORCH)
+    _torch_hooks = _torch_lend = None
+    if not on:
+        _torch_hooks_why = "turned off (varcomm.arrays.use_torch_hooks(False))"
+        return False
+    if torch is None:
+        _torch_hooks_why = "torch is not installed"
+        return False
+    try:
+        from . import _torch_hooks as module
+    except ImportError as e:
+        _torch_hooks_why = f"not built (make build, with torch installed): {e}"
+        return False
+    if module.torch_version != torch.__version__:  # its C++ ABI is that torch's: never call it under another
+        _torch_hooks_why = (f"built for torch {module.torch_version}, running torch {torch.__version__}: rebuild "
+                            "varcomm (make build) for the faster paths")
+        return False
+    _torch_hooks = module.install(torch.Tensor, list(dtypes.torch_words().items()), TORCH, InvalidArgument)
+    _C.set_array_hooks(_torch_hooks)
+    _torch_lend = module.lend
+    return True
+
+
+def torch_hooks() -> str:
+    """Whether the torch adapter is in use, and why not (varcomm-doctor)."""
+    return "in use" if _torch_hooks is not None else f"not in use: {_torch_hooks_why}"
 
 
 def default_kind() -> str:
@@ -368,10 +410,11 @@ def allocators(array: str) -> tuple[Alloc, ...]:
     """The blocking recv's allocators, indexed by the sender's kind (KINDS; the
     core takes item 0 for a kind past the end): one for a fixed kind; for
     "auto" the sender's kind, where this process has it, else default_kind()."""
+    new_t = _torch_hooks if _torch_hooks is not None else new_torch
     if array != "auto":
-        return (ALLOCATORS[array],)
-    base = ALLOCATORS[default_kind()]
-    return (base, new_numpy, new_torch if torch is not None else base, _new_cupy_or(base))
+        return (new_t if array == "torch" else ALLOCATORS[array],)
+    base = new_t if default_kind() == "torch" else ALLOCATORS[default_kind()]
+    return (base, new_numpy, new_t if torch is not None else base, _new_cupy_or(ALLOCATORS[default_kind()]))
 
 
 def _new_cupy_or(base: Alloc) -> Alloc:
@@ -409,6 +452,8 @@ def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array | Non
             dt = dtypes.to_torch(dtype_word)
             if loan is None:
                 return None
+            if _torch_lend is not None:  # the adapter: one step
+                return _torch_lend(loan, dtype_word, shape)  # type: ignore[no-any-return]
             if 0 in shape:
                 return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
             t = torch.frombuffer(loan, dtype=dt)
@@ -485,3 +530,6 @@ def set_device_memory(d: DeviceMemory) -> DeviceMemory:
     global _DEVICE_MEMORY
     old, _DEVICE_MEMORY = _DEVICE_MEMORY, d
     return old
+
+
+use_torch_hooks()

@@ -540,19 +540,24 @@ class Communicator:
         if kind is np.ndarray:
             if self._f.send(tensor, dst, tag, t, 1):
                 return
-        # `kind is _Tensor` narrows nothing for mypy and a cast() would be a
-        # call, hence the ignores. Complex dtypes are not in _TORCH_WORDS (a
-        # conjugate view's bits are not its values): they, and negative views,
-        # take describe_send.
-        elif (kind is _Tensor and tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
-              and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
-            word = _TORCH_WORDS.get(tensor.dtype)
-            try:
-                shape = tensor.shape
-            except RuntimeError:  # (a nested tensor has none: the general path names it)
-                word = None
-            if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(), word, shape, t, 2):  # type: ignore[union-attr]
+        elif kind is _Tensor:
+            # The torch adapter (arrays.use_torch_hooks) describes it in the core.
+            if self._f.send(tensor, dst, tag, t, 2):
                 return
+            # Without the adapter, the description is read here. `kind is _Tensor`
+            # narrows nothing for mypy and a cast() would be a call, hence the
+            # ignores. Complex dtypes are not in _TORCH_WORDS (a conjugate view's
+            # bits are not its values): they, and negative views, take describe_send.
+            if (tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
+                    and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
+                word = _TORCH_WORDS.get(tensor.dtype)
+                try:
+                    shape = tensor.shape
+                except RuntimeError:  # (a nested tensor has none: the general path names it)
+                    word = None
+                if word is not None and self._f.send_ptr(tensor, dst, tag, tensor.data_ptr(),  # type: ignore[union-attr]
+                                                         word, shape, t, 2):
+                    return
         _check_timeout(t)
         if not (type(dst) is int and 0 <= dst < self.world_size):
             self._check_peer(dst, "dst")
@@ -573,6 +578,8 @@ class Communicator:
             rid = self._f.isend(tensor, dst, tag, 1)
             if rid:
                 return P2PWork(self, rid, None, dst, "send", tensor)
+        elif kind is _Tensor and (rid := self._f.isend(tensor, dst, tag, 2)):  # the torch adapter, as in send
+            return P2PWork(self, rid, None, dst, "send", tensor)
         elif (kind is _Tensor and tensor.layout is _STRIDED and tensor.is_cpu  # type: ignore[union-attr]
               and tensor.is_contiguous() and not tensor.is_neg()):  # type: ignore[union-attr]
             word = _TORCH_WORDS.get(tensor.dtype)
@@ -653,10 +660,11 @@ class Communicator:
                 raise _copy_and_out("recv")
             kind = type(out)
             r: Any = None
-            if kind is np.ndarray:
+            if kind is np.ndarray or kind is _Tensor:  # (torch: through its adapter, as in send)
                 r = f.recv(src, tag, out, t)
             # Inlined, as in send.
-            elif kind is _Tensor and out.layout is _STRIDED and out.is_cpu and out.is_contiguous() and not out.is_neg():
+            if (r is None and kind is _Tensor and out.layout is _STRIDED and out.is_cpu and out.is_contiguous()
+                    and not out.is_neg()):
                 word = _TORCH_WORDS.get(out.dtype)
                 try:
                     shape = out.shape
@@ -1248,9 +1256,8 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
     if arrays.torch is not None and not _TORCH_WORDS:
         from . import dtypes
 
-        dtypes.from_torch(arrays.torch.float32)
         # Not complex ones: a conjugate view's bytes are not its values (arrays.values).
-        _TORCH_WORDS.update({dt: w for dt, w in dtypes._TORCH.items() if not dt.is_complex})
+        _TORCH_WORDS.update({dt: w for dt, w in dtypes.torch_words().items() if not dt.is_complex})
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
     options = options.placed(p.local_world_size)
     s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix, options.job_key)

@@ -71,6 +71,13 @@ def _torch_table() -> None:
             _FROM_TORCH[w] = dt
 
 
+def torch_words() -> dict[torch.dtype, int]:
+    """Every torch dtype varcomm carries, with its dtype word."""
+    if not _TORCH:
+        _torch_table()
+    return _TORCH
+
+
 def from_torch(dtype: torch.dtype) -> int:
     try:
         return _TORCH[dtype]

@@ -215,7 +215,9 @@ def _versions(fab: list[str]) -> list[str]:
         import torch
 
         cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ", CPU only"
-        lines.append(f"torch {torch.__version__}{cuda}")
+        from varcomm import arrays
+
+        lines.append(f"torch {torch.__version__}{cuda}; varcomm's torch adapter: {arrays.torch_hooks()}")
     except Exception as e:  # torch is optional
         lines.append(f"torch: not importable ({type(e).__name__})")
     try:

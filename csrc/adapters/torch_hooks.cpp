@@ -1,0 +1,227 @@
+// varcomm._torch_hooks: the torch adapter of the fast paths (array_hooks.h).
+// Reading a tensor's description through Python attributes costs ~0.5 us a
+// send and making a result tensor ~0.9 us (torch.empty's argument parsing
+// and dispatch): together more than the rest of a small message's half round
+// trip. Here both are a few field reads and one TensorImpl.
+//
+// Built against one torch, whose version it names (torch_version);
+// python/varcomm/arrays.py installs it only under that torch, as its C++ ABI
+// is that version's, and the Python paths serve any other. Loading it calls
+// nothing of torch's. dtypes: the table in
+// python/varcomm/dtypes.py, handed over by install().
+#include <Python.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/from_blob.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "array_hooks.h"
+
+using varcomm::ArrayDesc;
+using varcomm::ArrayHooks;
+
+namespace {
+
+constexpr int kTypes = static_cast<int>(c10::ScalarType::NumOptions);
+uint32_t g_word[kTypes] = {};  // scalar type -> dtype word; 0: not taken by the fast path
+std::vector<std::pair<uint32_t, c10::ScalarType>> g_type;  // dtype word -> scalar type
+PyObject* g_invalid = PyExc_TypeError;  // varcomm's InvalidArgument (install)
+
+// As python/varcomm/dtypes.py's to_torch says it.
+void no_torch_dtype(uint32_t dtype) {
+  PyErr_Format(g_invalid, "received dtype word %#x has no torch equivalent in this torch version", unsigned(dtype));
+}
+
+// A plain strided CPU tensor with its own storage: not a wrapper (functorch,
+// functionalization, a Python-dispatch subclass' impl), whose data the
+// fast path must not touch behind its back.
+bool plain_cpu(const c10::TensorImpl* t) {
+  return t->device_type() == c10::DeviceType::CPU && t->layout() == c10::kStrided && t->has_storage() &&
+         !t->is_python_dispatch() &&
+         !t->key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Functionalize,
+                                                    c10::DispatchKey::FuncTorchBatched,
+                                                    c10::DispatchKey::FuncTorchGradWrapper}));
+}
+
+c10::ScalarType* scalar_type_of(uint32_t dtype);
+
+int describe(PyObject* obj, bool writable, ArrayDesc* d) {
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    // Negative and conjugate views: their bytes are not their values (arrays.values).
+    if (!plain_cpu(impl) || impl->is_neg() || impl->is_conj() || !impl->is_contiguous()) return 0;
+    int st = static_cast<int>(impl->dtype().toScalarType());
+    int64_t nd = impl->dim();
+    if (st < 0 || st >= kTypes || !g_word[st] || nd > varcomm::kArrayHooksMaxDims) return 0;
+    auto sizes = impl->sizes();
+    for (int64_t i = 0; i < nd; ++i) d->shape[i] = sizes[i];
+    d->ndim = uint32_t(nd);
+    d->dtype = g_word[st];
+    d->nbytes = uint64_t(impl->numel()) * impl->itemsize();
+    // The write materializes a copy-on-write storage first, as t.data_ptr() does.
+    d->ptr = writable ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
+    return 1;
+  } catch (...) {  // anything unusual: the Python path decides, and names it
+    return 0;
+  }
+}
+
+PyObject* empty(uint32_t dtype, const int64_t* shape, uint32_t ndim, void** data) {
+  c10::ScalarType* st = scalar_type_of(dtype);
+  if (!st) {
+    no_torch_dtype(dtype);
+    return nullptr;
+  }
+  try {
+    // empty_cpu is torch.empty(..., device="cpu")'s kernel without the
+    // dispatcher: always host memory, whatever torch's default device is.
+    at::Tensor t = at::detail::empty_cpu(c10::IntArrayRef(shape, ndim), *st, false, std::nullopt);
+    *data = t.mutable_data_ptr();
+    return THPVariable_Wrap(std::move(t));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* prefix(PyObject* out, const int64_t* shape, uint32_t ndim) {
+  try {
+    const at::Tensor& base = THPVariable_Unpack(out);
+    // A base autograd records: torch's own view op (the Python path), so the
+    // view has its grad_fn and _base.
+    if (base.requires_grad()) return nullptr;
+    c10::TensorImpl* b = base.unsafeGetTensorImpl();
+    // What as_strided makes of a base outside autograd: the same storage,
+    // offset and version counter (an in-place change of either is seen by
+    // both), contiguous strides.
+    auto v = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(b->storage()),
+                                                      b->key_set(), b->dtype());
+    c10::TensorImpl* vi = v.unsafeGetTensorImpl();
+    vi->set_sizes_contiguous(c10::IntArrayRef(shape, ndim));
+    vi->set_storage_offset(b->storage_offset());
+    if (!b->is_inference()) vi->set_version_counter(b->version_counter());
+    return THPVariable_Wrap(std::move(v));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+c10::ScalarType* scalar_type_of(uint32_t dtype) {
+  auto it = std::find_if(g_type.begin(), g_type.end(), [&](const auto& p) { return p.first == dtype; });
+  return it == g_type.end() ? nullptr : &it->second;
+}
+
+// lend(buffer, dtype word, shape) -> a tensor over the buffer's bytes that
+// holds the buffer until the tensor's storage is freed (recv copy=False: the
+// buffer is a receive slot's Loan, which frees the slot then). What
+// torch.frombuffer(...).reshape(...) makes, in one step.
+PyObject* lend(PyObject*, PyObject* args) {
+  PyObject *buf, *shape_obj;
+  unsigned long dtype;
+  if (!PyArg_ParseTuple(args, "OkO!", &buf, &dtype, &PyTuple_Type, &shape_obj)) return nullptr;
+  c10::ScalarType* st = scalar_type_of(uint32_t(dtype));
+  if (!st) {
+    no_torch_dtype(uint32_t(dtype));
+    return nullptr;
+  }
+  Py_ssize_t nd = PyTuple_GET_SIZE(shape_obj);
+  if (nd > varcomm::kArrayHooksMaxDims) {
+    PyErr_SetString(PyExc_ValueError, "lend: too many dimensions");
+    return nullptr;
+  }
+  int64_t shape[varcomm::kArrayHooksMaxDims];
+  int64_t numel = 1;
+  for (Py_ssize_t i = 0; i < nd; ++i) {
+    shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape_obj, i));
+    numel *= shape[i];
+  }
+  if (PyErr_Occurred()) return nullptr;
+  Py_buffer v;
+  if (PyObject_GetBuffer(buf, &v, PyBUF_WRITABLE) != 0) return nullptr;
+  void* ptr = v.buf;
+  bool fits = uint64_t(v.len) == uint64_t(numel) * c10::elementSize(*st);
+  PyBuffer_Release(&v);  // the object, held below, keeps its bytes
+  if (!fits) {
+    PyErr_SetString(PyExc_ValueError, "lend: the buffer's size is not the shape's");
+    return nullptr;
+  }
+  try {
+    Py_INCREF(buf);
+    at::Tensor t = at::from_blob(
+        ptr, c10::IntArrayRef(shape, nd),
+        [buf](void*) {
+          if (!Py_IsInitialized()) return;  // at exit: nothing to give back
+          PyGILState_STATE g = PyGILState_Ensure();  // the last owner may be a thread without the GIL
+          Py_DECREF(buf);
+          PyGILState_Release(g);
+        },
+        at::TensorOptions().dtype(*st));
+    return THPVariable_Wrap(std::move(t));
+  } catch (const std::exception& e) {
+    Py_DECREF(buf);
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+ArrayHooks g_hooks = {varcomm::kArrayHooksAbi, 0, nullptr, describe, empty, prefix};
+
+// install(tensor_type, [(torch dtype, dtype word), ...], kind, error class)
+// -> the capsule the core takes (_C.set_array_hooks). Errors of a dtype word
+// without a torch dtype are of the error class.
+PyObject* install(PyObject*, PyObject* args) {
+  PyObject *type, *pairs, *invalid;
+  unsigned kind;
+  if (!PyArg_ParseTuple(args, "O!OIO", &PyType_Type, &type, &pairs, &kind, &invalid)) return nullptr;
+  Py_INCREF(invalid);  // for the life of the process, as the type
+  g_invalid = invalid;
+  PyObject* seq = PySequence_Fast(pairs, "install: pairs must be a sequence of (torch.dtype, word)");
+  if (!seq) return nullptr;
+  std::fill(std::begin(g_word), std::end(g_word), 0u);
+  g_type.clear();
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    PyObject* p = PySequence_Fast_GET_ITEM(seq, i);
+    PyObject* dt;
+    unsigned long w;
+    if (!PyArg_ParseTuple(p, "Ok", &dt, &w)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    if (!THPDtype_Check(dt)) {
+      Py_DECREF(seq);
+      PyErr_SetString(PyExc_TypeError, "install: each pair is (torch.dtype, dtype word)");
+      return nullptr;
+    }
+    auto st = reinterpret_cast<THPDtype*>(dt)->scalar_type;
+    g_word[static_cast<int>(st)] = uint32_t(w);
+    g_type.emplace_back(uint32_t(w), st);
+  }
+  Py_DECREF(seq);
+  Py_INCREF(type);  // the table points at it for the life of the process
+  g_hooks.type = reinterpret_cast<PyTypeObject*>(type);
+  g_hooks.kind = kind;
+  return PyCapsule_New(&g_hooks, varcomm::kArrayHooksCapsule, nullptr);
+}
+
+PyMethodDef methods[] = {
+    {"install", install, METH_VARARGS, "install(tensor_type, [(torch.dtype, dtype word)], kind, error) -> capsule"},
+    {"lend", lend, METH_VARARGS, "lend(buffer, dtype word, shape) -> a tensor over the buffer, holding it"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "varcomm._torch_hooks",
+                      "torch's adapter for varcomm's fast paths (csrc/python/array_hooks.h)", -1, methods,
+                      nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__torch_hooks() {
+  PyObject* m = PyModule_Create(&module);
+  if (m && PyModule_AddStringConstant(m, "torch_version", VARCOMM_TORCH_VERSION) != 0) Py_CLEAR(m);
+  return m;
+}

@@ -1,0 +1,184 @@
+"""The torch adapter of the fast paths (csrc/adapters/torch_hooks.cpp,
+arrays.use_torch_hooks): torch tensors described and made in C. It must give
+exactly what the Python paths give, for every tensor it takes or hands on, and
+stand aside where it was built for another torch."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import varcomm
+from conftest import TRANSPORTS, make_tensor, same_bytes
+from varcomm import arrays, dtypes
+from varcomm.testing import seeded, world
+
+BOUND = 4096
+
+
+def _cases(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor to send): every dtype varcomm carries, in shapes from 0-d
+    to 3-d, and the tensor forms the adapter must take or hand on."""
+    out = []
+    for i, dt in enumerate(dtypes.torch_words()):
+        for j, shape in enumerate([(), (0,), (5,), (2, 3, 4)]):
+            out.append((f"{dt}{shape}", make_tensor(dt, shape, seed=hash((seed, i, j)) & 0x7FFFFFFF)))
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    out += [("transposed", base.t()), ("neg view", torch._neg_view(base)),
+            ("conj view", torch.arange(4.0).mul(1 + 2j).to(torch.complex64).conj()),
+            ("parameter", torch.nn.Parameter(base.clone())), ("requires grad", base.clone().requires_grad_()),
+            ("offset view", torch.arange(10, dtype=torch.int32)[3:8])]
+    with torch.inference_mode():
+        out.append(("inference", torch.arange(6, dtype=torch.float64)))
+    return out
+
+
+def _values(x: torch.Tensor) -> torch.Tensor:
+    """What a message of x carries: its values' bytes (a neg or conj view resolved)."""
+    return x.detach().resolve_neg().resolve_conj()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=120)
+def test_adapter_gives_what_the_python_paths_give(transport):
+    """Each case is sent and received once with the adapter and once without,
+    in every receive form: recv(), recv(out=) into a larger and into an exact
+    buffer, irecv(out=), recv(copy=False), recv(out=) into a leaf that
+    requires grad. The results agree in values, dtype,
+    shape and type, and for out= in storage, offset, autograd and version.
+    Catches: a wrong dtype word or shape, a view that is a copy or lacks out's
+    version counter, a subclass or conj/neg view taken as plain bytes."""
+    seed = seeded()
+    assert arrays.torch_hooks() == "in use", arrays.torch_hooks()
+    cases = _cases(seed)
+    results = {}
+    for on in (True, False):
+        arrays.use_torch_hooks(on)
+        with varcomm.init(transport=transport, bound=BOUND, slots=4, timeout=30) as comm:
+            if comm.rank == 0:
+                for _name, x in cases:
+                    for _form in range(6):
+                        comm.send(x, 1)
+                comm.barrier()
+                continue
+            got = []
+            for name, x in cases:
+                want = _values(x)
+                r0 = comm.recv(0)
+                big = torch.full((BOUND,), 7, dtype=torch.uint8).view(x.dtype)
+                r1 = comm.recv(0, out=big)
+                exact = torch.empty(x.shape, dtype=x.dtype)
+                r2 = comm.recv(0, out=exact)
+                big3 = torch.zeros(BOUND, dtype=torch.uint8).view(x.dtype)
+                r3 = comm.irecv(0, out=big3).wait()
+                r4 = comm.recv(0, copy=False)
+                # An out autograd tracks: the view is torch's own (the adapter declines it).
+                leaf = torch.zeros(BOUND, dtype=torch.uint8).view(x.dtype).requires_grad_(x.dtype.is_floating_point)
+                r5 = comm.recv(0, out=leaf)
+                assert r5.requires_grad == leaf.requires_grad and (r5.grad_fn is not None) == (
+                    leaf.requires_grad and tuple(r5.shape) != tuple(leaf.shape)), name
+                for form, r in enumerate([r0, r1, r2, r3, r4, r5]):
+                    assert type(r) is torch.Tensor, (name, form, type(r))
+                    assert same_bytes(r, want), (name, form, on, r, want)
+                assert r1.numel() == 0 or r1.data_ptr() == big.data_ptr(), name
+                assert r2 is exact, name
+                assert r3.numel() == 0 or r3.data_ptr() == big3.data_ptr(), name
+                got.append((r0.dtype, tuple(r0.shape), r1.requires_grad, r1._version, r4.shape))
+                del r4  # its slot back to the sender
+            comm.barrier()
+            results[on] = got
+    if results:
+        assert results[True] == results[False]
+    arrays.use_torch_hooks(True)
+
+
+@world(2, timeout=60)
+def test_prefix_view_shares_storage_and_version():
+    """recv(out=) with the adapter returns a view of out's front: writes through
+    either are seen by the other, and an in-place change of out bumps the
+    view's version (torch refuses a backward through stale saved tensors by
+    it). Catches: a copy, a view at the wrong offset, a fresh version counter."""
+    with varcomm.init(bound=BOUND, slots=2, timeout=30) as comm:
+        if comm.rank == 0:
+            comm.send(torch.arange(6.0).reshape(2, 3), 1)
+            comm.send(torch.arange(3.0), 1)
+            comm.barrier()
+            return
+        out = torch.zeros(100)
+        v = comm.recv(0, out=out)
+        assert v.shape == (2, 3) and torch.equal(v, torch.arange(6.0).reshape(2, 3))
+        before = v._version
+        out.add_(1)
+        assert v._version == before + 1
+        assert float(v[0, 0]) == 1.0
+        v[1, 2] = -5.0
+        assert float(out[5]) == -5.0
+        base = torch.zeros(10)[2:]  # an out with an offset into its storage
+        w = comm.recv(0, out=base)
+        assert w.data_ptr() == base.data_ptr() and torch.equal(w, torch.arange(3.0))
+        comm.barrier()
+
+
+def _torch_calls(fn) -> set[str]:
+    """The names of the C functions Python calls while fn runs."""
+    names: set[str] = set()
+
+    def prof(frame, event, arg):
+        if event == "c_call":
+            names.add(getattr(arg, "__name__", "?"))
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+@world(1, timeout=60)
+def test_the_adapter_leaves_python_out_of_small_messages():
+    """With the adapter, send, recv(out=) and recv() of a plain CPU tensor call
+    no torch method from Python (each is one call into the core); without it
+    they read the tensor through Python (the test's own check that it sees
+    those calls). Catches: the fast path not taking torch tensors, so every
+    small message pays ~1 us of Python attribute reads and torch.empty."""
+    torch_methods = {"is_contiguous", "is_neg", "data_ptr", "empty", "as_strided", "frombuffer", "reshape"}
+    x, out = torch.arange(4.0), torch.zeros(16)
+    for on in (False, True):
+        arrays.use_torch_hooks(on)
+        with varcomm.init(transport="shm", bound=BOUND, slots=2, timeout=30) as comm:
+            def ops() -> None:
+                comm.send(x, 0)
+                comm.recv(0, out=out)
+                comm.send(x, 0)
+                comm.recv(0)
+                comm.send(x, 0)
+                r = comm.recv(0, copy=False)
+                del r
+
+            ops()  # warm: first-call set-up is not the steady state
+            seen = _torch_calls(ops) & torch_methods
+            assert (not seen) if on else seen, (on, seen)
+    arrays.use_torch_hooks(True)
+
+
+@world(1, timeout=60)
+def test_an_adapter_built_for_another_torch_stands_aside(monkeypatch):
+    """The adapter's C++ ABI is one torch version's: under another it is never
+    installed, the doctor says why and what to do, and tensors still go (by
+    the Python paths). Catches: calling into a module built against another
+    torch (a crash or silent corruption)."""
+    from varcomm import _torch_hooks
+
+    monkeypatch.setattr(_torch_hooks, "torch_version", "1.0.0+other")
+    try:
+        assert arrays.use_torch_hooks() is False
+        why = arrays.torch_hooks()
+        assert "built for torch 1.0.0+other" in why and torch.__version__ in why and "make build" in why, why
+        with varcomm.init(transport="shm", bound=BOUND, timeout=30) as comm:
+            comm.send(torch.arange(3.0), 0)
+            assert torch.equal(comm.recv(0), torch.arange(3.0))
+    finally:
+        monkeypatch.undo()
+        assert arrays.use_torch_hooks() is True
