@@ -117,60 +117,37 @@ c10::ScalarType* scalar_type_of(uint32_t dtype) {
   return it == g_type.end() ? nullptr : &it->second;
 }
 
-// lend(buffer, dtype word, shape) -> a tensor over the buffer's bytes that
-// holds the buffer until the tensor's storage is freed (recv copy=False: the
-// buffer is a receive slot's Loan, which frees the slot then). What
+// A tensor over ptr that holds keep until its storage is freed (recv
+// copy=False: keep is the slot's Loan, whose end frees the slot): what
 // torch.frombuffer(...).reshape(...) makes, in one step.
-PyObject* lend(PyObject*, PyObject* args) {
-  PyObject *buf, *shape_obj;
-  unsigned long dtype;
-  if (!PyArg_ParseTuple(args, "OkO!", &buf, &dtype, &PyTuple_Type, &shape_obj)) return nullptr;
-  c10::ScalarType* st = scalar_type_of(uint32_t(dtype));
+PyObject* lend(PyObject* keep, void* ptr, uint32_t dtype, const int64_t* shape, uint32_t ndim) {
+  c10::ScalarType* st = scalar_type_of(dtype);
   if (!st) {
-    no_torch_dtype(uint32_t(dtype));
+    no_torch_dtype(dtype);
     return nullptr;
   }
-  Py_ssize_t nd = PyTuple_GET_SIZE(shape_obj);
-  if (nd > varcomm::kArrayHooksMaxDims) {
-    PyErr_SetString(PyExc_ValueError, "lend: too many dimensions");
-    return nullptr;
-  }
-  int64_t shape[varcomm::kArrayHooksMaxDims];
-  int64_t numel = 1;
-  for (Py_ssize_t i = 0; i < nd; ++i) {
-    shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape_obj, i));
-    numel *= shape[i];
-  }
-  if (PyErr_Occurred()) return nullptr;
-  Py_buffer v;
-  if (PyObject_GetBuffer(buf, &v, PyBUF_WRITABLE) != 0) return nullptr;
-  void* ptr = v.buf;
-  bool fits = uint64_t(v.len) == uint64_t(numel) * c10::elementSize(*st);
-  PyBuffer_Release(&v);  // the object, held below, keeps its bytes
-  if (!fits) {
-    PyErr_SetString(PyExc_ValueError, "lend: the buffer's size is not the shape's");
-    return nullptr;
-  }
+  if (!keep) Py_RETURN_NONE;
   try {
-    Py_INCREF(buf);
+    Py_INCREF(keep);
     at::Tensor t = at::from_blob(
-        ptr, c10::IntArrayRef(shape, nd),
-        [buf](void*) {
+        ptr, c10::IntArrayRef(shape, ndim),
+        [keep](void*) {
           if (!Py_IsInitialized()) return;  // at exit: nothing to give back
           PyGILState_STATE g = PyGILState_Ensure();  // the last owner may be a thread without the GIL
-          Py_DECREF(buf);
+          Py_DECREF(keep);
           PyGILState_Release(g);
         },
         at::TensorOptions().dtype(*st));
     return THPVariable_Wrap(std::move(t));
   } catch (const std::exception& e) {
-    Py_DECREF(buf);
+    // keep stays referenced: whether from_blob's deleter already dropped it is
+    // not known (a leak, never a double free).
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
 }
 
-ArrayHooks g_hooks = {varcomm::kArrayHooksAbi, 0, nullptr, describe, empty, prefix};
+ArrayHooks g_hooks = {varcomm::kArrayHooksAbi, 0, nullptr, describe, empty, prefix, lend};
 
 // install(tensor_type, [(torch dtype, dtype word), ...], kind, error class)
 // -> the capsule the core takes (_C.set_array_hooks). Errors of a dtype word
@@ -211,7 +188,6 @@ PyObject* install(PyObject*, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"install", install, METH_VARARGS, "install(tensor_type, [(torch.dtype, dtype word)], kind, error) -> capsule"},
-    {"lend", lend, METH_VARARGS, "lend(buffer, dtype word, shape) -> a tensor over the buffer, holding it"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "varcomm._torch_hooks",

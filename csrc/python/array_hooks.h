@@ -39,6 +39,10 @@ struct ArrayHooks {
   // nullptr with no error: not made here (the Python path makes it); nullptr
   // with an error set: failed.
   PyObject* (*prefix)(PyObject* out, const int64_t* shape, uint32_t ndim);
+  // An array over `ptr` (recv copy=False: a receive slot) that holds `keep`
+  // until the array's memory is freed; with keep nullptr it only checks that
+  // it could (Py_None). nullptr with a Python error set: refused.
+  PyObject* (*lend)(PyObject* keep, void* ptr, uint32_t dtype, const int64_t* shape, uint32_t ndim);
 };
 
 }  // namespace varcomm

@@ -742,21 +742,45 @@ PyObject* new_loan(PyObject* owner, Comm& c, int peer, int slot, const MsgHeader
   return reinterpret_cast<PyObject*>(l);
 }
 
+// A lender by the sender's array kind: `make` itself, or for a tuple of
+// lenders (arrays.lenders) its item for that kind (item 0 past its end).
+PyObject* lender_for(PyObject* make, unsigned kind) {
+  if (!PyTuple_Check(make)) return make;
+  Py_ssize_t n = PyTuple_GET_SIZE(make);
+  return PyTuple_GET_ITEM(make, Py_ssize_t(kind) < n ? Py_ssize_t(kind) : 0);
+}
+
+// An array adapter's table when the lender is its capsule, else nullptr.
+const ArrayHooks* capsule_hooks(PyObject* lender) {
+  if (!PyCapsule_CheckExact(lender)) return nullptr;
+  auto* hk = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(lender, kArrayHooksCapsule));
+  if (!hk) throw py::error_already_set();
+  return hk;
+}
+
 // make(loan, dtype word, shape, sender's array kind) turns a Loan into the
-// array recv returns; if it raises, the message stays for the next recv.
+// array recv returns (make: a lender, a tuple of them, or an adapter's
+// capsule: see lender_for); if it raises, the message stays for the next recv.
 PyObject* lend(PyObject* owner, Comm& c, int src, int slot, const MsgHeader& h, PyObject* make) {
   PyObject* loan = new_loan(owner, c, src, slot, h);
   if (!loan) {
     c.engine->unclaim(src, h.seq);
     return nullptr;
   }
-  py::tuple shape(h.ndim);
-  for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
-  PyObject* args[4] = {loan, PyLong_FromUnsignedLong(h.dtype), shape.ptr(),
-                       PyLong_FromUnsignedLong(unsigned((h.flags & kArrayMask) >> kArrayShift))};
-  PyObject* made = (args[1] && args[3]) ? PyObject_Vectorcall(make, args, 4, nullptr) : nullptr;
-  Py_XDECREF(args[1]);
-  Py_XDECREF(args[3]);
+  unsigned kind = unsigned((h.flags & kArrayMask) >> kArrayShift);
+  make = lender_for(make, kind);
+  PyObject* made = nullptr;
+  if (PyCapsule_CheckExact(make)) {  // an adapter's (array_hooks.h): no Python call
+    if (auto* hk = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(make, kArrayHooksCapsule)))
+      made = hk->lend(loan, reinterpret_cast<LoanObj*>(loan)->ptr, h.dtype, h.shape, h.ndim);
+  } else {
+    py::tuple shape(h.ndim);
+    for (uint32_t i = 0; i < h.ndim; ++i) shape[i] = py::int_(h.shape[i]);
+    PyObject* args[4] = {loan, PyLong_FromUnsignedLong(h.dtype), shape.ptr(), PyLong_FromUnsignedLong(kind)};
+    made = (args[1] && args[3]) ? PyObject_Vectorcall(make, args, 4, nullptr) : nullptr;
+    Py_XDECREF(args[1]);
+    Py_XDECREF(args[3]);
+  }
   if (!made) {
     // Whatever make kept of the Loan no longer frees the slot: the message is
     // back (a landed one has left the ring and is dropped, as a message taken
@@ -1729,10 +1753,18 @@ PYBIND11_MODULE(_C, m) {
                // is free again), so make's refusals (a kind that cannot hold
                // the dtype) are asked first, with no Loan: refused, it is kept.
                MsgInfo m = c.engine->info(id);
-               py::tuple shape(m.shape.size());
-               for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = py::int_(m.shape[i]);
+               unsigned kind = unsigned((m.flags & kArrayMask) >> kArrayShift);
+               py::handle lender = lender_for(make.ptr(), kind);
                try {
-                 make(py::none(), m.dtype, shape, unsigned((m.flags & kArrayMask) >> kArrayShift));
+                 if (const ArrayHooks* hk = capsule_hooks(lender.ptr())) {
+                   if (!py::reinterpret_steal<py::object>(
+                           hk->lend(nullptr, nullptr, m.dtype, m.shape.data(), uint32_t(m.shape.size()))))
+                     throw py::error_already_set();
+                 } else {
+                   py::tuple shape(m.shape.size());
+                   for (size_t i = 0; i < m.shape.size(); ++i) shape[i] = py::int_(m.shape[i]);
+                   lender(py::none(), m.dtype, shape, kind);
+                 }
                } catch (...) {
                  c.engine->cancel(id);  // back for the next recv (Engine::Peer::returned)
                  throw;

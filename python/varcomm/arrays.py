@@ -360,7 +360,6 @@ ALLOCATORS: dict[str, Alloc] = {
     "numpy": new_numpy, "torch": new_torch, "cupy": new_cupy}
 
 _torch_hooks: Any = None  # the torch adapter's capsule while installed
-_torch_lend: Any = None  # and its lend (copy=False's tensor over a Loan)
 _torch_hooks_why = "torch is not installed"  # why not, while not
 
 
@@ -372,9 +371,9 @@ def use_torch_hooks(on: bool = True) -> bool:
     import when it was built for the torch in use; without it, the same results
     come from the Python paths. Communicators made later allocate by the new
     setting. Returns whether it is installed."""
-    global _torch_hooks, _torch_hooks_why, _torch_lend
+    global _torch_hooks, _torch_hooks_why
     _C.clear_array_hooks(TORCH)
-    _torch_hooks = _torch_lend = None
+    _torch_hooks = None
     if not on:
         _torch_hooks_why = "turned off (varcomm.arrays.use_torch_hooks(False))"
         return False
@@ -392,7 +391,6 @@ def use_torch_hooks(on: bool = True) -> bool:
         return False
     _torch_hooks = module.install(torch.Tensor, list(dtypes.torch_words().items()), TORCH, InvalidArgument)
     _C.set_array_hooks(_torch_hooks)
-    _torch_lend = module.lend
     return True
 
 
@@ -436,6 +434,18 @@ def receive_kind(array: str, sent: int) -> str:
     return default_kind()
 
 
+def lenders(array: str) -> tuple[Any, ...]:
+    """copy=False's makers for the core (recv_loan, loan), indexed by the
+    sender's kind (KINDS; item 0 past the end) as allocators() are: lender(array)'s,
+    or the torch adapter's capsule where the result is a torch tensor."""
+    lend = lender(array)
+    if _torch_hooks is None or array not in ("auto", "torch"):
+        return (lend,)
+    if array == "torch":
+        return (_torch_hooks,)
+    return (lend, lend, _torch_hooks, lend)
+
+
 def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array | None]:
     """copy=False's maker: (Loan, dtype word, shape, sender's kind) -> a
     zero-copy array of the kind `array` asks for ("auto": the sender's) over a
@@ -452,8 +462,6 @@ def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array | Non
             dt = dtypes.to_torch(dtype_word)
             if loan is None:
                 return None
-            if _torch_lend is not None:  # the adapter: one step
-                return _torch_lend(loan, dtype_word, shape)  # type: ignore[no-any-return]
             if 0 in shape:
                 return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
             t = torch.frombuffer(loan, dtype=dt)

@@ -286,7 +286,7 @@ class Communicator:
         try:
             self._c = _C.Comm(self.rank, self.world_size, options.core(_cuda_device(options)))
             self._f = self._c.fast()  # blocking send/recv, one core call each
-            self._lend = arrays.lender(options.array)  # copy=False: a slot's Loan as the array kind asked for
+            self._lend = arrays.lenders(options.array)  # copy=False: a slot's Loan as the array kind asked for
             self._setup()
         except BaseException as e:
             self._setup_failed(e)
@@ -650,7 +650,7 @@ class Communicator:
             if copy:
                 a = f.recv_new(src, tag, t, self._alloc if array is None else _allocators(array))
             else:
-                a = f.recv_loan(src, tag, t, self._lend if array is None else arrays.lender(_check_array(array)))
+                a = f.recv_loan(src, tag, t, self._lend if array is None else arrays.lenders(_check_array(array)))
             if a is not None:
                 if self._orphans:
                     self._settle_orphans()
@@ -792,7 +792,7 @@ class Communicator:
             rid = c.irecv(src, tag, ptr, cap, word, stream)
             return P2PWork(self, rid, lambda: _prefix_of(out, c.info(rid)), src, "recv", out, cur)
         asked = _check_array(array) if array is not None else self._array
-        lend = self._lend if array is None else arrays.lender(asked)
+        lend = self._lend if array is None else arrays.lenders(asked)
         rid = c.irecv(src, tag, 0, 0, 0)
 
         def finish() -> Any:
