@@ -65,6 +65,8 @@ Alloc = Callable[[int, tuple[int, ...]], Any]
 # (Loan, dtype word, shape, sender's array kind) -> the array recv(copy=False) returns;
 # with None for the Loan only checks the kind can hold the dtype (raises, else None)
 Lend = Callable[[Loan | None, int, tuple[int, ...], int], Array | None]
+# A Lend, or (arrays.lenders) a tuple of Lends or array-adapter capsules indexed by the sender's kind
+Lenders = Lend | tuple[Any, ...]
 
 class Loan(Buffer):
     """A received message's bytes in its receive slot (copy=False); the slot returns when it is freed."""
@@ -87,7 +89,7 @@ class Fast:
     # Claims, allocates through allocs[sender's array kind] (item 0 past its end), copies.
     def recv_new(self, src: object, tag: object, timeout: object, allocs: tuple[Alloc, ...], /) -> Any: ...
     # copy=False: the message in place, made into an array by make.
-    def recv_loan(self, src: object, tag: object, timeout: object, make: Lend, /) -> Any: ...
+    def recv_loan(self, src: object, tag: object, timeout: object, make: Lenders, /) -> Any: ...
 
 class Comm:
     def __init__(self, rank: int, world: int, options: CoreOptions) -> None: ...
@@ -151,7 +153,7 @@ class Comm:
     # copy=False after an irecv matched: make(Loan, dtype word, shape, sender's kind) -> the array;
     # None for a rendezvous message, whose data is not in the slot (copy it out instead).
     # landed_only: only a message that landed in a landing block (else None, nothing taken).
-    def loan(self, id: int, make: Lend, landed_only: bool = False) -> Array | None: ...
+    def loan(self, id: int, make: Lenders, landed_only: bool = False) -> Array | None: ...
     # A Loan over a new block of the landing area (Comm.empty); None: no room.
     def landing_buffer(self, nbytes: int, lend_cap: int = 0) -> Loan | None: ...
     def landing_stats(self) -> tuple[int, int, int]: ...  # (bytes free, blocks in use, bytes lent)
