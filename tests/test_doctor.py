@@ -36,7 +36,8 @@ def test_help():
 def test_report_names_versions_launcher_and_options_but_no_secret():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VARCOMM_", "OMPI_", "PMI_", "SLURM_"))}
     env.update(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.1.2.3",
-               MASTER_PORT="29555", VARCOMM_SLOTS="16", VARCOMM_JOB_KEY="sekrit-4f2a", SLURM_JOB_NAME="x")
+               MASTER_PORT="29555", VARCOMM_SLOTS="16", VARCOMM_JOB_KEY="sekrit-4f2a", SLURM_JOB_NAME="x",
+               VARCOMM_JOB_KYE="sekrit-misspelt")  # a key all the same: its nearest name is a secret's
     r = doctor(env=env)
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -55,8 +56,10 @@ def test_report_names_versions_launcher_and_options_but_no_secret():
     # An option decided at init says by what (it printed "None").
     spin = next(ln for ln in out.splitlines() if ln.strip().startswith("spin_us "))
     assert "None" not in spin and "if this host's ranks have a core each" in spin, spin
-    assert "sekrit-4f2a" not in out, "a secret was printed"
+    assert "sekrit-4f2a" not in out and "sekrit-misspelt" not in out, "a secret was printed"
     assert "VARCOMM_JOB_KEY=(set, not shown)" in out, out
+    assert "VARCOMM_JOB_KYE=(set, not shown)  (not a varcomm variable: did you mean VARCOMM_JOB_KEY?)" in out, out
+    assert "varcomm's torch adapter: in use" in out, out
 
 
 def test_selftest_passes_for_each_built_transport():

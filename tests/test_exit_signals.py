@@ -130,3 +130,43 @@ def test_sigterm_after_init() -> None:
         assert foreign_bits(mask) == [], f"after init ({t}) SigCgt={mask:#x}: foreign handlers installed"
     rcs = terminate_all(procs)
     assert rcs == [-signal.SIGTERM] * TRIES, f"exit codes after SIGTERM: {list(zip(names, rcs))}"
+
+
+def test_ctrl_c_during_a_receive_is_a_keyboard_interrupt_even_when_the_peer_left_first(tmp_path: Path) -> None:
+    """Ctrl-C reaches both ranks of a job (varcomm-run forwards SIGINT): rank 0
+    sleeps and exits at once, saying goodbye; rank 1, blocked in recv, saw
+    the goodbye and the signal in the same wait slice. The PeerFailure was
+    raised over the pending KeyboardInterrupt, and the interpreter printed an
+    object dump ("lost sys.stderr") instead of a traceback, exiting 1. Now
+    the KeyboardInterrupt wins, as in any blocking Python call: a traceback
+    that ends in KeyboardInterrupt, and the launcher's 130."""
+    prog = tmp_path / "prog.py"
+    prog.write_text(textwrap.dedent("""
+        import time, varcomm
+        comm = varcomm.init(timeout=None)  # (the receive waits in slices of 100 ms, without end)
+        comm.barrier()
+        print("ready", comm.rank, flush=True)
+        if comm.rank == 0:
+            time.sleep(60)
+        else:
+            comm.recv(0)
+    """))
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-m", "varcomm.run", "-n", "2", str(prog)],
+                             env=dict(os.environ, PYTHONPATH=PYTHONPATH), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        assert p.stdout is not None
+        seen = ""
+        deadline = time.monotonic() + 60
+        while seen.count("ready") < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            seen += line
+        time.sleep(3.0)  # rank 1 is in its recv, past its spinning (asleep in its wait slices)
+        p.send_signal(signal.SIGINT)
+        out = seen + p.stdout.read()
+        p.wait(timeout=30)
+        assert "object address" not in out and "lost sys.stderr" not in out and "PeerFailure" not in out, out
+        assert out.count("KeyboardInterrupt") == 2, out  # (rank 0's and rank 1's)
+        assert p.returncode == 130, out

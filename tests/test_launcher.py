@@ -85,6 +85,36 @@ def test_failing_rank_stops_others(tmp_path: Path) -> None:
     assert "stopped ranks 0,1" in res.stderr
 
 
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_the_rank_that_failed_first_is_named_not_the_peer_its_goodbye_ended(tmp_path: Path, how: str) -> None:
+    """Rank 1 fails mid ping-pong; its exit-time goodbye makes rank 0 raise
+    PeerFailure and exit, often before rank 1 has. The launcher still names
+    rank 1 as the first failure, exits with its code, and says why rank 0
+    ended. Three jobs: the old launcher, which took the first exit it saw,
+    got this wrong in about half of them.
+    Catches: the report blaming the survivor, the job's code being the
+    survivor's 1 instead of the failing rank's."""
+    prog = script(tmp_path, f"""
+        import numpy as np, varcomm
+        comm = varcomm.init(timeout=30)
+        x = np.zeros(4, np.float32)
+        for i in range(3000):
+            if rank == 0:
+                comm.send(x, 1); comm.recv(1, out=x)
+            else:
+                if i == 1000:
+                    {"sys.exit(7)" if how == "exit" else "raise ValueError('boom')"}
+                comm.recv(0, out=x); comm.send(x, 0)
+    """)
+    want = 7 if how == "exit" else 1
+    for _ in range(3):
+        res = launch("-n", "2", "--timeout", "60", prog, timeout=90)
+        lines = [ln for ln in res.stderr.splitlines() if ln.startswith("varcomm-run:")]
+        assert res.returncode == want, res.stderr
+        assert lines[0] == f"varcomm-run: rank 1 exited with code {want} (first failure)", res.stderr
+        assert lines[1] == "varcomm-run: rank 0 exited with code 1 (PeerFailure: rank 1 failed)", res.stderr
+
+
 def test_signal_killed_rank(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         if rank == 1:

@@ -340,6 +340,29 @@ def test_a_dtype_or_width_mismatch_in_dispatch_is_told_in_the_tokens_terms():
 
 
 @world(2, timeout=60)
+def test_no_tokens_in_a_strided_tensor_dispatch_and_combine():
+    """A rank with no tokens whose tensor is a column-strided view (x[:, ::2]
+    of an empty batch): torch calls an empty tensor contiguous whatever its
+    strides, and the byte view of it raised RuntimeError on that rank (its peer
+    got a refusal). Now it dispatches nothing and gets back its peer's rows,
+    and combine gives [0, H]. Catches: the RuntimeError."""
+    with varcomm.init(timeout=30) as comm:
+        r = comm.rank
+        if r == 0:
+            tokens = torch.randn(0, 16)[:, ::2]
+            ids = torch.zeros(0, 1, dtype=torch.int64)
+        else:
+            tokens = torch.arange(8.0).reshape(1, 8)
+            ids = torch.tensor([[0]])  # to rank 0's expert
+        et, tpe, h = dispatch(comm, tokens, ids, torch.ones(ids.shape), 2)
+        assert tpe.tolist() == ([1] if r == 0 else [0]), tpe
+        if r == 0:
+            assert torch.equal(et, torch.arange(8.0).reshape(1, 8)), et
+        y = combine(comm, et, h)
+        assert y.shape == tokens.shape and (r == 0 or torch.equal(y, tokens)), (r, y)
+
+
+@world(2, timeout=60)
 def test_mistaken_argument_types_are_refused_to_the_peer_too():
     """A float num_experts, numpy tokens, no topk_weights or numpy expert
     outputs on one rank raised torch's own error (NotImplementedError,

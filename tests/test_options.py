@@ -169,6 +169,16 @@ def test_bad_keyword_names_the_keyword():
         Options(slots=True)  # a bool is not a count
 
 
+def test_a_refused_secret_is_not_shown():
+    """A job key of the wrong type (bytes read from a key file) was quoted in
+    the error, and so in tracebacks and logs. Catches: the value in the text."""
+    for call in (lambda: Options.resolve({}, keyword_origin="init", job_key=b"SECRETBYTES"),
+                 lambda: Options(job_key=b"SECRETBYTES")):
+        with pytest.raises(varcomm.InvalidArgument, match=r"job_key=\(not shown: a secret\)") as e:
+            call()
+        assert "SECRETBYTES" not in str(e.value)
+
+
 def test_keywords_beat_the_environment():
     env = {"VARCOMM_BOUND": "64K", "VARCOMM_SLOTS": "4", "VARCOMM_TIMEOUT": "5", "VARCOMM_NVLINK": "off"}
     o = Options.resolve(env, bound="1M", slots=None, timeout=None, nvlink=True)

@@ -162,6 +162,18 @@ elif mode == "forge-store":
     store.set(prefix + "left/1", "none")
     print("planted", flush=True)
 
+elif mode == "bad-notes":
+    # Failure notes that are not even text, where every rank looks for a
+    # failure while it waits for the others.
+    store.set(prefix + "rdzv/conflict", b"\xff\xfe not text")
+    store.set(prefix + "setup/failed", b"\xff\xfe not text")
+    print("planted", flush=True)
+
+elif mode == "bad-count":
+    # The rendezvous' arrival count (not authenticated: only a count) set back.
+    store.add(prefix + "rdzv/arrived", -100)
+    print("planted", flush=True)
+
 elif mode == "tamper":
     # Over a genuine message waiting in rank 1's slot 0 of rank 0's ring: a
     # plain one-sided write of the payload only (the header and its pair tag
@@ -557,6 +569,47 @@ def test_rdma_liveness_port_stalled_by_a_stranger_does_not_hang_setup():
         else:
             np.testing.assert_array_equal(comm.recv(src=0), np.arange(3.0))
             assert held
+
+
+@as_root
+@world(2, timeout=60)
+def test_failure_notes_that_are_not_text_are_ignored_as_forged():
+    """Another user wrote bytes that are not UTF-8 as the set-up's failure
+    notes: every rank died of a UnicodeDecodeError in init. A note that does
+    not verify under the key is ignored (README: security), so the job goes
+    on. Rank 1 comes late, so rank 0 waits, reading the notes (the attacker
+    plants them as soon as rank 0's store listens)."""
+    rank = int(os.environ["RANK"])
+    attacker = _attacker("bad-notes") if rank == 0 else None
+    if rank == 1:
+        time.sleep(3.0)
+    with varcomm.init(transport="shm", job_key=KEY, timeout=30, array="numpy") as comm:
+        if comm.rank == 0:
+            comm.send(np.arange(3.0), 1)
+        else:
+            np.testing.assert_array_equal(comm.recv(0), np.arange(3.0))
+    if attacker is not None:
+        out, _ = attacker.communicate(timeout=30)
+        assert "planted" in out, out
+
+
+@as_root
+@world(2, timeout=60)
+def test_a_forged_arrival_count_is_named_as_such():
+    """Another user set the rendezvous' arrival count back while rank 1 was
+    late: init timed out saying "rank  of 2 never arrived" (no rank named:
+    every rank had checked in). Now it says the count was changed, and what to
+    do. Catches: the blank, misleading message."""
+    rank = int(os.environ["RANK"])
+    attacker = _attacker("bad-count") if rank == 0 else None
+    if rank == 1:
+        time.sleep(2.0)
+    with pytest.raises(varcomm.TimeoutError, match=r"every rank of 2 checked in .* arrival count says -\d+: "
+                                                   r"another process changed it"):
+        varcomm.init(transport="shm", job_key=KEY, timeout=30, init_timeout=5, array="numpy")
+    if attacker is not None:
+        out, _ = attacker.communicate(timeout=30)
+        assert "planted" in out, out
 
 
 @as_root

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <set>
@@ -601,8 +602,18 @@ py::object recv_new(Comm& c, int src, int64_t tag, std::optional<double> timeout
 // A varcomm Error as the Python exception of its kind (the exception
 // translator below does the same for pybind11 calls).
 void set_error(const Error& e) {
+  // A Ctrl-C that came while the call waited wins, as in any blocking Python
+  // call: the error the wait ended with is often only its echo (the peer that
+  // the same Ctrl-C stopped first said goodbye), and raised over a pending
+  // KeyboardInterrupt it made the interpreter's exit print an object dump.
+  if (PyErr_CheckSignals() != 0) return;
   py::object cls = py::module_::import("varcomm.errors").attr(error_class(e.kind));
-  py::object exc = cls(e.what());
+  // Texts may quote bytes from elsewhere (a peer's note, an OS message):
+  // never a UnicodeDecodeError in place of the error.
+  const char* w = e.what();
+  py::object text = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(w, Py_ssize_t(strlen(w)), "replace"));
+  if (!text) throw py::error_already_set();
+  py::object exc = cls(text);
   exc.attr("peer") = e.peer >= 0 ? py::object(py::int_(e.peer)) : py::none();
   PyErr_SetObject(cls.ptr(), exc.ptr());
 }

@@ -348,14 +348,18 @@ def _note_mac(job_key: str, text: str) -> str:
     return hmac.new(job_key.encode(), b"varcomm-note\0" + text.encode(), "sha256").hexdigest()
 
 
-def open_note(job_key: str, note: str) -> str | None:
-    """The text of a note of seal_note, None where it is forged (with a job
-    key: a MAC that does not verify; the ranks go on, and the real note, if
-    one comes, overwrites it). Without a key, control characters and length
-    are trimmed: anything that reaches the store may have written it."""
+def open_note(job_key: str, raw: bytes) -> str | None:
+    """The text of a note of seal_note (the store's bytes), None where it is
+    forged (with a job key: a MAC that does not verify, or bytes that are not
+    text; the ranks go on, and the real note, if one comes, overwrites it).
+    Without a key, control characters and length are trimmed: anything that
+    reaches the store may have written it."""
+    note = raw.decode(errors="replace")
     if job_key:
         mac, _, text = note.partition(" ")
-        return text if hmac.compare_digest(mac, _note_mac(job_key, text)) else None
+        # (bytes: compare_digest refuses a str with non-ASCII characters)
+        ok = hmac.compare_digest(mac.encode(), _note_mac(job_key, text).encode())
+        return text if ok and "\ufffd" not in note else None
     text = "".join(c if c.isprintable() else " " for c in note)
     return text if len(text) <= 2000 else text[:2000] + " ..."
 
@@ -383,13 +387,13 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
         if int(store.add(f"rdzv/rank/{p.rank}", 1)) > 1:
             fail(f"rank {p.rank} arrived twice at {where}: two processes have rank {p.rank} (check RANK or the "
                  "launcher's rank variables, and that no earlier job still runs on this port)")
-        agreed = store.compare_set("rdzv/world_size", "", str(p.world_size)).decode()
+        agreed = store.compare_set("rdzv/world_size", "", str(p.world_size)).decode(errors="replace")
         if agreed != str(p.world_size):
             fail(f"world_size disagrees between ranks at {where}: rank {p.rank} has {p.world_size}, a rank before "
                  f"it has {agreed} (check WORLD_SIZE or the launcher's size variable on every rank)")
         store.add("rdzv/arrived", 1)
         def failed_elsewhere() -> None:
-            if store.check([conflict]) and (why := open_note(job_key, store.get(conflict).decode())) is not None:
+            if store.check([conflict]) and (why := open_note(job_key, store.get(conflict))) is not None:
                 raise (TimeoutError if why[:1] == "T" else InvalidArgument)(f"rank {p.rank}: set-up failed: "
                                                                             + why[1:])
 
@@ -398,6 +402,10 @@ def _arrive(store: Store, p: Placement, deadline: _Deadline, where: str, hosting
             failed_elsewhere()
             if deadline.left() <= 0:
                 missing = [r for r in range(p.world_size) if not store.check([f"rdzv/rank/{r}"])]
+                if not missing:
+                    fail(f"every rank of {p.world_size} checked in at {where}, but the store's arrival count says "
+                         f"{int(store.add('rdzv/arrived', 0))}: another process changed it (the count is not "
+                         "authenticated): start the job again, on a port that only it uses", late=True)
                 names = ", ".join(map(str, missing))
                 fail(f"rank{'s' if len(missing) > 1 else ''} {names} of {p.world_size} never arrived at {where} "
                      f"after {deadline} (VARCOMM_INIT_TIMEOUT / init_timeout): are they started, with the same "

@@ -23,6 +23,7 @@ from .arrays import NO_MEMORY_BELOW as _NO_MEMORY_BELOW
 from .errors import InvalidArgument, MessageTooLarge, PeerFailure, VarcommError
 from .errors import TimeoutError as _Timeout
 from .options import Options
+from .tools import run
 from .work import Work
 
 if TYPE_CHECKING:
@@ -354,7 +355,7 @@ class Communicator:
             if now >= note_at:
                 note_at = now + 0.1
                 if call(store.check, [_SETUP_FAILED]):
-                    why = bootstrap.open_note(self.options.job_key, call(store.get, _SETUP_FAILED).decode())
+                    why = bootstrap.open_note(self.options.job_key, call(store.get, _SETUP_FAILED))
                     if why is not None:
                         raise PeerFailure(f"rank {self.rank}: set-up failed on {why}")
             if now > deadline:
@@ -1261,7 +1262,9 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
     options = options.placed(p.local_world_size)
     s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix, options.job_key)
-    return Communicator(p, s, owner, options)
+    comm = Communicator(p, s, owner, options)
+    run.mark_peer_failures()  # (under varcomm-run: the launcher then names the rank that failed first)
+    return comm
 
 
 __all__ = ["Communicator", "Work", "P2PWork", "P2POp", "Options", "init", "connect"]

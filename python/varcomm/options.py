@@ -322,7 +322,8 @@ def _convert(spec: Spec, value: object, where: str) -> Any:
     try:
         return spec.kind.convert(value)
     except _Bad:
-        shown = f"{where}={value!r}" if where == spec.env else where.replace("...", repr(value))
+        text = "(not shown: a secret)" if spec.secret else repr(value)
+        shown = f"{where}={text}" if where == spec.env else where.replace("...", text)
         raise InvalidArgument(f"{shown}: use {spec.kind.accepts}") from None
 
 
@@ -490,6 +491,9 @@ class ToolOptions(_Declared):
     launcher_warned: str = _opt("VARCOMM_LAUNCHER_WARNED", _TEXT, "",
                                 "set by varcomm-run: the unknown VARCOMM_* variables it warned about for the job "
                                 "(comma-separated; its ranks do not repeat them)", "none")
+    launcher_status: str = _opt("VARCOMM_LAUNCHER_STATUS", _TEXT, "",
+                                "set by varcomm-run: the file where a rank that ends on a peer's failure says so, "
+                                "so that the launcher names the rank that failed first", "none")
 
 
 #: Read by setup.py at build time, not here.

@@ -72,6 +72,12 @@ _DISPATCH_BACK = ("moe.dispatch's backward", "gradient", True)
 _COMBINE_BACK = ("moe.combine's backward", "gradient", True)
 
 
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t with C-contiguous strides. An empty tensor counts as contiguous to
+    torch whatever its strides, and a byte view of a column-strided one fails."""
+    return t.contiguous() if t.numel() else t.new_empty(t.shape)
+
 def _num_experts(num_experts: int) -> tuple[int, int, str, str]:
     """What every rank's dispatch chunks carry and check (alltoall.agreeing), so that a
     rank that receives no rows from a peer with another num_experts fails too."""
@@ -145,7 +151,7 @@ class _Dispatch(torch.autograd.Function):
         # raises MessageMismatch (rows packed as bytes matched whenever their
         # byte counts did: float32 [T, 4] and float16 [T, 8] went through,
         # reinterpreted). num_experts travels in the header (agree).
-        x = tokens.detach().contiguous()
+        x = _dense(tokens.detach())
         isz = x.element_size()
         hb = H * isz
         extra = -(-4 // isz)
@@ -201,7 +207,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, expert_outputs: torch.Tensor, comm: Any, order: torch.Tensor, send_splits: list[int],
                 recv_splits: list[int], perm: torch.Tensor, T: int, K: int, place: Any, call: int) -> torch.Tensor:
-        y = _unpermute(expert_outputs.detach().contiguous(), perm)  # back to received order
+        y = _unpermute(_dense(expert_outputs.detach()), perm)  # back to received order
         try:  # [T*K, H'] in send (expert-sorted) order
             back, _ = _all_to_all_v(comm, y, recv_splits, place, _COMBINE, send_splits,
                                     agree=_undoing(alltoall.AGREE_COMBINE, call))

@@ -176,8 +176,11 @@ def _cuda_devices() -> tuple[list[str], int]:
 
 
 def shown(name: str, value: object) -> str:
-    """value as the report shows it: a secret only says whether it is set."""
-    if _SECRET.search(name):
+    """value as the report shows it: a secret only says whether it is set. A
+    misspelt variable whose nearest name is a secret's is one too
+    (VARCOMM_JOB_KYE holds a key)."""
+    near = _options.nearest_variable(name) if name.startswith("VARCOMM_") else None
+    if _SECRET.search(name) or (near and _SECRET.search(near)):
         return "(set, not shown)" if value not in (None, "") else "(not set)"
     return str(value)
 

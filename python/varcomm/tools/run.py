@@ -13,7 +13,11 @@ plus ``VARCOMM_LAUNCHER=1``, so ``varcomm.init()`` (and torch.distributed's
 The job is all-or-nothing, like mpirun: as soon as one rank fails (non-zero
 exit or signal) or ``--timeout`` passes, the remaining ranks are stopped
 (SIGTERM to their process groups, SIGKILL ~3 s later) so a failure never turns
-into a hang waiting on a dead peer. SIGINT, SIGTERM and SIGHUP (a closed
+into a hang waiting on a dead peer. A failing rank's goodbye often ends its
+peers first (PeerFailure), so the others get a moment (SETTLE_S) to end on
+their own, and a rank that ended on a peer's failure says so
+(``mark_peer_failures``): the report names the rank that failed first, and
+the job exits with its code. SIGINT, SIGTERM and SIGHUP (a closed
 terminal) sent to the launcher are forwarded to the ranks (SIGKILL ~3 s later),
 and the launcher exits with 128 + the signal. On Linux the ranks also die if the
 launcher itself is killed (SIGKILL, OOM killer): each rank asks the kernel for
@@ -31,10 +35,12 @@ import os
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -50,6 +56,9 @@ __all__ = ["main", "launch", "rank_env", "free_port"]
 KILL_GRACE_S = 3.0
 #: Exit code used when ``--timeout`` expires (same as coreutils ``timeout``).
 TIMEOUT_EXIT = 124
+#: Seconds the other ranks get to end on their own after the first failure
+#: (the rank that failed first is often still exiting: its goodbye ended a peer).
+SETTLE_S = 1.0
 
 _PREFIX = "varcomm-run: "
 #: Signals to the launcher that stop the job (forwarded to the ranks).
@@ -107,6 +116,54 @@ def _describe(rank: int, code: int) -> str:
     if code < 0:
         return f"rank {rank} killed by signal {_signal_name(-code)}"
     return f"rank {rank} exited with code {code}"
+
+
+_marking = False
+
+
+def mark_peer_failures() -> None:
+    """In a rank of varcomm-run (varcomm.init calls it): when the process ends
+    on an uncaught exception that a peer's failure caused (a PeerFailure in
+    its chain), say so in the launcher's folder, so that the launcher does not
+    take this rank for the one that failed first. Once per process."""
+    global _marking
+    path = ToolOptions.resolve().launcher_status  # this rank's note: <the launcher's folder>/<rank>
+    if _marking or not path:
+        return
+    _marking = True
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        from ..errors import PeerFailure
+
+        seen: set[int] = set()
+        e: BaseException | None = exc
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
+            if isinstance(e, PeerFailure):
+                try:
+                    with open(path, "w") as f:
+                        f.write(str(e.peer if e.peer is not None else ""))
+                except OSError:
+                    pass  # the launcher then goes by time
+                break
+            e = e.__cause__ or e.__context__
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+
+
+def _peer_marks(folder: str) -> dict[int, str]:
+    """rank -> the peer it says ended it ("" unknown): mark_peer_failures' notes."""
+    marks = {}
+    try:
+        for name in os.listdir(folder):
+            if name.isdigit():
+                with open(os.path.join(folder, name)) as f:
+                    marks[int(name)] = f.read(32).strip()
+    except OSError:
+        pass
+    return marks
 
 
 def _exit_code(code: int) -> int:
@@ -231,6 +288,8 @@ def launch(
     codes: dict[int, int] = {}
     own_failures: list[int] = []  # ranks that failed on their own, in order seen
     stop_at: float | None = None  # when we began stopping ranks
+    failed_at: float | None = None  # the first failure: the others may still end on their own until SETTLE_S after
+    status = tempfile.mkdtemp(prefix="varcomm-run-")  # mark_peer_failures' notes
     killed = False
     timed_out: list[int] = []
     interrupted: list[int] = []
@@ -256,10 +315,13 @@ def launch(
             old_handlers[sig] = signal.signal(sig, on_signal)
     try:
         for r in range(nprocs):
+            if interrupted:  # (a stop signal during start-up: start no more)
+                break
             env = rank_env(r, nprocs, port, master_addr)
             env[env_name(ToolOptions, "launcher")] = "1"
             env[env_name(ToolOptions, "launcher_warned")] = ",".join(unknown_variables(env))  # (said once, here)
             env[env_name(ToolOptions, "test_seed")] = seed
+            env[env_name(ToolOptions, "launcher_status")] = os.path.join(status, str(r))
             env[key_var] = job_key
             if tag_output:
                 env.setdefault("PYTHONUNBUFFERED", "1")  # pipes are block-buffered otherwise
@@ -286,7 +348,7 @@ def launch(
                     pumps.append(t)
 
         deadline = time.monotonic() + timeout if timeout else None
-        while len(codes) < nprocs:
+        while len(codes) < len(procs):
             for r, p in enumerate(procs):
                 code = _exit_status(p.pid) if r not in codes else None
                 if code is not None:
@@ -295,16 +357,18 @@ def launch(
                     # most likely ended by it: the job's status is the signal's.
                     if code != 0 and stop_at is None and not interrupted:
                         own_failures.append(r)
-            if len(codes) == nprocs:
+            if len(codes) == len(procs):
                 break
             now = time.monotonic()
+            if own_failures and failed_at is None:
+                failed_at = now
             if stop_at is None and interrupted:
                 stop_at = now  # the signal was already forwarded; SIGKILL follows after the grace period
-            elif stop_at is None and own_failures:
+            elif stop_at is None and failed_at is not None and now - failed_at >= SETTLE_S:
                 stop_at = now
                 stop_all(signal.SIGTERM)
             elif stop_at is None and deadline is not None and now >= deadline:
-                timed_out = [r for r in range(nprocs) if r not in codes]
+                timed_out = [r for r in range(len(procs)) if r not in codes]
                 stop_at = now
                 stop_all(signal.SIGTERM)
             elif stop_at is not None and not killed and now - stop_at >= KILL_GRACE_S:
@@ -324,8 +388,12 @@ def launch(
         join_until = time.monotonic() + 2.0  # a surviving grandchild may hold a pipe open
         for t in pumps:
             t.join(timeout=max(0.0, join_until - time.monotonic()))
+        marks = _peer_marks(status)
+        shutil.rmtree(status, ignore_errors=True)
 
-    return _report(codes, own_failures, timed_out, interrupted, timeout)
+    # The rank that failed first: not one that says a peer's failure ended it.
+    own_failures = [r for r in own_failures if r not in marks] + [r for r in own_failures if r in marks]
+    return _report(codes, own_failures, timed_out, interrupted, timeout, marks)
 
 
 def _report(
@@ -334,8 +402,11 @@ def _report(
     timed_out: Sequence[int],
     interrupted: Sequence[int],
     timeout: float | None,
+    marks: Mapping[int, str] | None = None,
 ) -> int:
-    """Print one line per failure to stderr and return the job's exit code."""
+    """Print one line per failure to stderr and return the job's exit code
+    (marks: the ranks that ended on a peer's failure, and that peer)."""
+    marks = marks or {}
     lines: list[str] = []
     result = 0
     if timed_out and not own_failures:
@@ -343,7 +414,9 @@ def _report(
         lines.append(f"timeout after {timeout:g} s: rank{'s' if len(timed_out) > 1 else ''} {ranks} still running")
         result = TIMEOUT_EXIT
     for i, r in enumerate(own_failures):
-        lines.append(_describe(r, codes[r]) + (" (first failure)" if i == 0 and len(own_failures) > 1 else ""))
+        after = (f" (PeerFailure: {'rank ' + marks[r] if marks[r] else 'a peer'} failed)" if r in marks else "")
+        lines.append(_describe(r, codes[r]) + after
+                     + (" (first failure)" if i == 0 and len(own_failures) > 1 else ""))
     if own_failures:
         result = _exit_code(codes[own_failures[0]])
     stopped = [r for r, c in sorted(codes.items()) if c != 0 and r not in own_failures]
