@@ -332,6 +332,10 @@ Request& Engine::get(uint64_t id) {
 
 void Engine::recycle(uint64_t id) {
   Request& r = reqs_[uint32_t(id)];
+  if (r.staged) {  // a staged send that was never written (failed, cancelled)
+    if (Transport* t = peers_[r.peer].tdev.get()) t->unstage_async(r.staged, r.mem.stream);
+    r.staged = nullptr;
+  }
   if (r.reported) recycled_.push_back(id);
   r.state = ReqState::Free;
   r.own.reset();
@@ -468,6 +472,17 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   sending_++;
   progress_sends(peer);
   throw_if_failed(reqs_[uint32_t(id)], id);  // refused at once: raised here, as before it was queued
+  Request& q = reqs_[uint32_t(id)];
+  // Not written yet (no free slot): it is written later, when the caller may
+  // have enqueued work that changes its source on the stream (an isend's
+  // buffer reused in stream order, as NCCL allows). Its bytes are copied
+  // now, in stream order, and written from the copy.
+  if (q.state == ReqState::Queued && q.mem.device && q.nbytes && p.tdev) {
+    if (void* copy = p.tdev->stage_async(q.data, q.nbytes, q.mem.stream)) {
+      q.staged = copy;
+      q.data = copy;
+    }
+  }
   return id;
 }
 
@@ -1017,8 +1032,13 @@ bool Engine::try_write(int peer, Request& r) {
     }
     if (r.mem.device) {
       h.flags |= kDevicePayload;
-      ticket = device_transport(peer).write_message_async(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data,
-                                                          r.nbytes, h.seq, r.mem.stream);
+      Transport& dev = device_transport(peer);
+      ticket = dev.write_message_async(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, r.nbytes, h.seq,
+                                       r.mem.stream);
+      if (ticket && r.staged) {  // read by the write enqueued on the same stream: freed after it
+        dev.unstage_async(r.staged, r.mem.stream);
+        r.staged = nullptr;
+      }
     } else {
       ticket = p.t->write_message(peer, L.slot_off(rank_, k), &h, sizeof(h), r.data, payload_bytes(h), h.seq);
     }

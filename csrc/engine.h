@@ -72,6 +72,9 @@ struct Request {
   // The data, copied, once the caller stopped waiting (Engine::move_rendezvous):
   // `data` points here then, and the caller's buffer is the caller's again.
   std::unique_ptr<char[]> own;
+  // A device send's copy made when it had to wait for a slot (Transport::
+  // stage_async): `data` points here until it is written, then it is freed.
+  void* staged = nullptr;
   // recv
   void* out = nullptr;  // nullptr: caller allocates after the match
   uint64_t out_cap = 0;

@@ -153,6 +153,14 @@ class Transport {
   // Whether the copy a mark stands for ran (`wait`: blocks until it has);
   // once true, the mark is spent.
   virtual bool copy_done(uintptr_t mark, bool wait) { return true; }
+  // A device send that must wait for a slot is written later, when the
+  // caller's stream may hold later work that changes its source: a copy of
+  // its n bytes, made on `stream` now, in memory of the transport's own
+  // (stream-ordered), that unstage_async frees on `stream` after the work
+  // enqueued so far. nullptr: this transport writes later work in order
+  // anyway (the send keeps its source).
+  virtual void* stage_async(const void* src, size_t n, uintptr_t stream) { return nullptr; }
+  virtual void unstage_async(void* staged, uintptr_t stream) {}
 };
 
 }  // namespace varcomm

@@ -89,6 +89,11 @@ class FakeGpu:
     def put(self, ptr: int, data: bytes) -> None:
         assert self.lib.cuMemcpyHtoD_v2(ctypes.c_ulonglong(ptr), data, ctypes.c_size_t(len(data))) == 0
 
+    def memset_async(self, ptr: int, value: int, n: int, s: int) -> None:
+        """Device bytes set on stream s, in its order (a kernel writing a buffer)."""
+        assert self.lib.cuMemsetD8Async(ctypes.c_ulonglong(ptr), ctypes.c_ubyte(value), ctypes.c_size_t(n),
+                                        ctypes.c_void_p(s)) == 0
+
     def get(self, ptr: int, n: int) -> bytes:
         buf = ctypes.create_string_buffer(max(n, 1))
         assert self.lib.cuMemcpyDtoH_v2(buf, ctypes.c_ulonglong(ptr), ctypes.c_size_t(n)) == 0
@@ -227,6 +232,45 @@ def test_fake_isend_irecv_and_slow_paths(fake_cuda, nvlink_flags):
                 h = c.recv_into(0, 2, dev, BOUND, U8, 30.0, s)
                 gpu.sync(s)
                 assert gpu.get(dev, 128) == _payload(100 + i, 128)
+        comm.barrier()
+
+
+@pytest.mark.parametrize("delay", ["0", "300"])
+@world(2, timeout=120)
+def test_fake_an_isend_past_a_full_ring_keeps_the_stream_order_of_its_source(fake_cuda, nvlink_flags, delay,
+                                                                             monkeypatch):
+    """isend of device buffers past the receiver's free slots, each buffer
+    overwritten right after on the same stream (NCCL's contract: stream order
+    protects the source). A send that waited for a slot was written later,
+    its copy enqueued behind the overwrite: 7 of 8 messages arrived as the
+    overwrite's bytes (helper-62). Now its bytes are copied at the isend, in
+    stream order. Catches: any message not the bytes sent."""
+    monkeypatch.setenv("FAKE_CUDA_DELAY_US", delay)
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=1)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    n, count = 4096, 8
+    with comm:
+        comm.barrier()
+        if r == 0:
+            works = []
+            for i in range(count):
+                p = gpu.alloc(n)
+                gpu.put(p, _payload(i, n))
+                works.append(c.isend(1, 1, p, n, U8, (n,), s))
+                gpu.memset_async(p, 0x5A, n, s)  # the buffer's next use, in stream order
+            for w in works:
+                c.wait(w, 30.0)
+            gpu.sync(s)
+        else:
+            out = gpu.alloc(BOUND)
+            bad = []
+            for i in range(count):
+                c.recv_into(0, 1, out, BOUND, U8, 30.0, s)
+                gpu.sync(s)
+                if gpu.get(out, n) != _payload(i, n):
+                    bad.append(i)
+            assert not bad, f"messages {bad} of {count} are not the bytes sent (delay {delay} us)"
         comm.barrier()
 
 

@@ -90,6 +90,9 @@ constexpr int CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER = 100;
   X(CtxPopCurrent, CUresult, (CUcontext * pctx), "cuCtxPopCurrent_v2")                                            \
   X(MemAlloc, CUresult, (CUdeviceptr * dptr, size_t bytesize), "cuMemAlloc_v2")                                   \
   X(MemFree, CUresult, (CUdeviceptr dptr), "cuMemFree_v2")                                                        \
+  /* Stream-ordered (11.2+): a device send's staging copy, freed after its write. */                              \
+  X(MemAllocAsync, CUresult, (CUdeviceptr * dptr, size_t bytesize, CUstream stream), "cuMemAllocAsync")           \
+  X(MemFreeAsync, CUresult, (CUdeviceptr dptr, CUstream stream), "cuMemFreeAsync")                                \
   X(MemsetD8Async, CUresult, (CUdeviceptr dst, unsigned char uc, size_t n, CUstream stream), "cuMemsetD8Async")   \
   X(MemcpyAsync, CUresult, (CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream), "cuMemcpyAsync")        \
   X(MemHostRegister, CUresult, (void* p, size_t bytesize, unsigned int flags), "cuMemHostRegister_v2",            \

@@ -271,6 +271,43 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
   close(a.fd);
   return 0;
 }
+// Stream-ordered allocation: the memory exists at once here (a real pool's
+// may be reused from the stream's earlier frees); its free runs in stream
+// order, after the work enqueued before it (a copy out of it).
+API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, void* s) {
+  if (dead(s)) return kInvalidHandle;
+  if (CUresult r = need_ctx()) return r;
+  int fd = memfd_create("fake-cuda", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, off_t(n ? n : 1)) != 0) return 2;
+  void* m = mmap(nullptr, n ? n : 1, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED) return 2;
+  std::memset(m, 0xa5, n);
+  std::lock_guard<std::mutex> g(g_mu);
+  g_allocs[uintptr_t(m)] = {n ? n : 1, fd, true};
+  *p = uintptr_t(m);
+  return 0;
+}
+API CUresult cuMemFreeAsync(CUdeviceptr p, void* s) {
+  if (dead(s)) return kInvalidHandle;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    auto it = g_allocs.find(uintptr_t(p));
+    if (it == g_allocs.end() || it->second.fd < 0) return 1;
+  }
+  stream_of(s)->push([=] {
+    Alloc a;
+    {
+      std::lock_guard<std::mutex> g(g_mu);
+      auto it = g_allocs.find(uintptr_t(p));
+      if (it == g_allocs.end()) return;
+      a = it->second;
+      g_allocs.erase(it);
+    }
+    munmap(reinterpret_cast<void*>(p), a.size);
+    close(a.fd);
+  });
+  return 0;
+}
 API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void* s) {
   if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
