@@ -201,6 +201,41 @@ def test_fake_rdma_stream_order_and_enqueue_never_waits(fake_cuda, hmem):
 
 
 @world(2, timeout=120, requires=("libfabric",))
+@pytest.mark.parametrize("hmem", ["0", "1"])
+def test_fake_rdma_an_isend_past_a_full_ring_keeps_the_stream_order_of_its_source(fake_cuda, hmem):
+    """As on nvlink (test_gpu): isends of device buffers past the receiver's
+    free slots, each buffer overwritten right after on the same stream. A send
+    that waited for a slot staged its payload later, behind the overwrite.
+    Catches: any message not the bytes sent."""
+    os.environ["VARCOMM_RDMA_HMEM"] = hmem
+    gpu, comm = _comm(fake_cuda, slots=1)
+    c, r = comm._c, comm.rank
+    s = gpu.stream()
+    n, count = 2 * CHUNK + 3, 6
+    with comm:
+        if r == 0:
+            works = []
+            for i in range(count):
+                p = gpu.alloc(n)
+                gpu.put(p, _payload(i, n))
+                works.append(c.isend(1, 1, p, n, U8, (n,), s))
+                gpu.memset_async(p, 0x5A, n, s)  # the buffer's next use, in stream order
+            for w in works:
+                c.wait(w, 30.0)
+            gpu.sync(s)
+        else:
+            out = gpu.alloc(BOUND)
+            bad = []
+            for i in range(count):
+                c.recv_into(0, 1, out, BOUND, U8, 30.0, s)
+                gpu.sync(s)
+                if gpu.get(out, n) != _payload(i, n):
+                    bad.append(i)
+            assert not bad, f"messages {bad} of {count} are not the bytes sent"
+        comm.barrier()
+
+
+@world(2, timeout=120, requires=("libfabric",))
 def test_fake_rdma_close_flushes_staged_sends(fake_cuda):
     """The sender closes right after its sends returned, while its late stream
     has not yet staged their data: close keeps flushing until every chunk is

@@ -173,6 +173,23 @@ CUevent copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who,
   return ev;
 }
 
+void* stage_async(const Driver& d, CUcontext ctx, const char* who, const void* src, size_t n, std::uintptr_t stream) {
+  CtxScope scope(d, ctx);
+  CUstream s = reinterpret_cast<CUstream>(stream);
+  CUdeviceptr p = 0;
+  check(d, d.MemAllocAsync(&p, n, s), who, "cuMemAllocAsync (isend: a copy of a send that waits for a slot)");
+  CUresult r = d.MemcpyAsync(p, reinterpret_cast<CUdeviceptr>(src), n, s);
+  if (r != CUDA_SUCCESS) d.MemFreeAsync(p, s);
+  check(d, r, who, "cuMemcpyAsync (isend: a copy of a send that waits for a slot)");
+  return reinterpret_cast<void*>(p);
+}
+
+void unstage_async(const Driver& d, CUcontext ctx, void* staged, std::uintptr_t stream) {
+  CtxScope scope(d, ctx);
+  // (an error, such as a stream destroyed meanwhile, leaves it to the pool)
+  d.MemFreeAsync(reinterpret_cast<CUdeviceptr>(staged), reinterpret_cast<CUstream>(stream));
+}
+
 bool copied(const Driver& d, CUcontext ctx, CUevent ev, bool wait) {
   if (!ev) return true;
   CtxScope scope(d, ctx);

@@ -178,6 +178,11 @@ void check_stream(const Driver& d, CUcontext ctx, int ordinal, CUstream s, const
 // (null when n is 0), for copied().
 CUevent copy_async(const Driver& d, CUcontext ctx, int ordinal, const char* who, void* dst, const void* src,
                    size_t n, std::uintptr_t stream, bool mark);
+// Transport::stage_async / unstage_async for every device transport: a copy
+// of n bytes at src in stream-ordered memory (cuMemAllocAsync) made on
+// `stream` now, and its stream-ordered free.
+void* stage_async(const Driver& d, CUcontext ctx, const char* who, const void* src, size_t n, std::uintptr_t stream);
+void unstage_async(const Driver& d, CUcontext ctx, void* staged, std::uintptr_t stream);
 // Transport::copy_done: whether the copy `ev` marks ran (`wait`: blocks until
 // it has); once true (also on a driver error: nothing more runs), `ev` is destroyed.
 bool copied(const Driver& d, CUcontext ctx, CUevent ev, bool wait);

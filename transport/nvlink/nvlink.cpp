@@ -360,22 +360,9 @@ class NvlinkTransport : public Transport {
     return cu::copied(d_, ctx_, reinterpret_cast<cu::CUevent>(mark), wait);
   }
   void* stage_async(const void* src, size_t n, uintptr_t stream) override {
-    CtxScope scope(d_, ctx_);
-    CUstream s = reinterpret_cast<CUstream>(stream);
-    CUdeviceptr p = 0;
-    check(d_.MemAllocAsync(&p, n, s), "cuMemAllocAsync (isend: a copy of a send that waits for a slot)");
-    CUresult r = d_.MemcpyAsync(p, reinterpret_cast<CUdeviceptr>(src), n, s);
-    if (r != CUDA_SUCCESS) {
-      d_.MemFreeAsync(p, s);
-      check(r, "cuMemcpyAsync (isend: a copy of a send that waits for a slot)");
-    }
-    return reinterpret_cast<void*>(p);
+    return cu::stage_async(d_, ctx_, "nvlink", src, n, stream);
   }
-  void unstage_async(void* staged, uintptr_t stream) override {
-    CtxScope scope(d_, ctx_);
-    // (an error, such as a stream destroyed meanwhile, leaves it to the pool)
-    d_.MemFreeAsync(reinterpret_cast<CUdeviceptr>(staged), reinterpret_cast<CUstream>(stream));
-  }
+  void unstage_async(void* staged, uintptr_t stream) override { cu::unstage_async(d_, ctx_, staged, stream); }
 
  private:
   struct Peer {

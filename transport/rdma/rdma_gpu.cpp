@@ -228,6 +228,10 @@ class RdmaGpuTransport final : public Transport {
   bool copy_done(uintptr_t mark, bool wait) override {
     return cu::copied(d_, ctx_, reinterpret_cast<cu::CUevent>(mark), wait);
   }
+  void* stage_async(const void* src, size_t n, uintptr_t stream) override {
+    return cu::stage_async(d_, ctx_, "rdma-gpu", src, n, stream);
+  }
+  void unstage_async(void* staged, uintptr_t stream) override { cu::unstage_async(d_, ctx_, staged, stream); }
 
   std::string expose(void* /*base*/, size_t /*size*/) override {
     std::ostringstream o;
