@@ -51,4 +51,4 @@ bench: build
 	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m varcomm_bench p2p --save bench/results
 
 clean:
-	rm -rf build python/varcomm/_C*.so $(SO_STAMP)
+	rm -rf build python/varcomm/_C*.so python/varcomm/_torch_hooks*.so $(SO_STAMP)
