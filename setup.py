@@ -132,6 +132,16 @@ class NinjaBuildExt(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         if isinstance(ext, _Built):
+            # Its own ninja target, after varcomm._C's: a torch whose headers it
+            # does not compile against (an older or newer C++ API) leaves the
+            # torch paths in Python, it does not fail the build.
+            out = Path(self.get_ext_fullpath(ext.name)).resolve()
+            if subprocess.call([*self._ninja, str(out)]) != 0:
+                print("varcomm: torch adapter: FAILED to build against this torch (above): torch tensors take the "
+                      "Python paths; varcomm itself is built", flush=True)
+                out.unlink(missing_ok=True)
+                (ROOT / "python" / "varcomm" / out.name).unlink(missing_ok=True)  # (an earlier build's)
+                self.extensions.remove(ext)  # (the last one: nothing to copy in place)
             return
         import pybind11
 
@@ -257,7 +267,8 @@ class NinjaBuildExt(build_ext):
                 ninja = str(Path(ninja_mod.BIN_DIR) / "ninja")
             except ImportError as e:
                 raise RuntimeError("ninja is needed to build varcomm: pip install ninja") from e
-        subprocess.check_call([ninja, "-C", str(build_dir)])
+        subprocess.check_call([ninja, "-C", str(build_dir), str(out)])
+        self._ninja = [ninja, "-C", str(build_dir)]
 
 
     def _torch_hooks(self, build_dir: Path, includes: list[str]) -> list[str]:

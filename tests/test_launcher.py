@@ -71,6 +71,23 @@ def test_tag_output_and_plain_executable() -> None:
     assert all(line.startswith(("[0] ", "[1] ")) for line in out + err)
 
 
+def test_tag_output_of_an_endless_line_comes_in_tagged_pieces(tmp_path: Path) -> None:
+    """A rank writing 1 MiB without a newline (a progress bar redrawn with \\r,
+    a dump): the launcher held it whole in memory and showed nothing until it
+    ended. Now it is forwarded in pieces of vrun.PUMP_PIECE bytes, each tagged,
+    and no byte is lost. Catches: one 1 MiB line."""
+    prog = script(tmp_path, """
+        sys.stdout.write("ab" * (512 * 1024))
+        sys.stdout.flush()
+    """)
+    res = launch("-n", "1", "--tag-output", prog)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 1024 * 1024 // vrun.PUMP_PIECE, len(lines)
+    assert all(ln.startswith("[0] ") for ln in lines)
+    assert "".join(ln[4:] for ln in lines) == "ab" * (512 * 1024)
+
+
 def test_failing_rank_stops_others(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         if rank == 2:
@@ -85,34 +102,41 @@ def test_failing_rank_stops_others(tmp_path: Path) -> None:
     assert "stopped ranks 0,1" in res.stderr
 
 
-@pytest.mark.parametrize("how", ["exit", "raise"])
+@pytest.mark.parametrize("how", ["exit", "raise", "catch"])
 def test_the_rank_that_failed_first_is_named_not_the_peer_its_goodbye_ended(tmp_path: Path, how: str) -> None:
     """Rank 1 fails mid ping-pong; its exit-time goodbye makes rank 0 raise
     PeerFailure and exit, often before rank 1 has. The launcher still names
     rank 1 as the first failure, exits with its code, and says why rank 0
-    ended. Three jobs: the old launcher, which took the first exit it saw,
-    got this wrong in about half of them.
+    ended, also where rank 0 catches the PeerFailure and exits with a code of
+    its own ("catch"). Three jobs: the old launcher, which took the first exit
+    it saw, got this wrong in about half of them.
     Catches: the report blaming the survivor, the job's code being the
-    survivor's 1 instead of the failing rank's."""
+    survivor's instead of the failing rank's."""
     prog = script(tmp_path, f"""
         import numpy as np, varcomm
         comm = varcomm.init(timeout=30)
         x = np.zeros(4, np.float32)
-        for i in range(3000):
-            if rank == 0:
-                comm.send(x, 1); comm.recv(1, out=x)
-            else:
-                if i == 1000:
-                    {"sys.exit(7)" if how == "exit" else "raise ValueError('boom')"}
-                comm.recv(0, out=x); comm.send(x, 0)
+        try:
+            for i in range(3000):
+                if rank == 0:
+                    comm.send(x, 1); comm.recv(1, out=x)
+                else:
+                    if i == 1000:
+                        {"sys.exit(7)" if how == "exit" else "raise ValueError('boom')"}
+                    comm.recv(0, out=x); comm.send(x, 0)
+        except varcomm.PeerFailure:
+            if {how == "catch"}:
+                sys.exit(3)
+            raise
     """)
-    want = 7 if how == "exit" else 1
+    want, victim = (7 if how == "exit" else 1), (3 if how == "catch" else 1)
     for _ in range(3):
         res = launch("-n", "2", "--timeout", "60", prog, timeout=90)
         lines = [ln for ln in res.stderr.splitlines() if ln.startswith("varcomm-run:")]
         assert res.returncode == want, res.stderr
         assert lines[0] == f"varcomm-run: rank 1 exited with code {want} (first failure)", res.stderr
-        assert lines[1] == "varcomm-run: rank 0 exited with code 1 (PeerFailure: rank 1 failed)", res.stderr
+        assert lines[1] == f"varcomm-run: rank 0 exited with code {victim} (after a peer's failure: PeerFailure)", \
+            res.stderr
 
 
 def test_signal_killed_rank(tmp_path: Path) -> None:

@@ -182,3 +182,51 @@ def test_an_adapter_built_for_another_torch_stands_aside(monkeypatch):
     finally:
         monkeypatch.undo()
         assert arrays.use_torch_hooks() is True
+
+
+@world(1, timeout=60)
+def test_what_review_found_behaves_as_the_python_paths():
+    """Each of these differed between the adapter and the Python paths
+    (helper-63), or crashed the latter:
+    - copy=False of empty messages held a slot each, and the sender of the
+      third stalled (slots=2): an empty tensor holds none;
+    - a prefix view of out= was no autograd view: an in-place op with a tensor
+      that requires grad did not reach out, and no_grad's rule was skipped;
+    - a dtype word torch lacks printed "%#x" in its error;
+    - under torch.set_default_device("meta") the Python path made a meta
+      tensor and wrote the message at its address (a segfault)."""
+    w = torch.ones(4, requires_grad=True)
+    seen = {}
+    for on in (True, False):
+        arrays.use_torch_hooks(on)
+        with varcomm.init(transport="shm", bound=BOUND, slots=2, timeout=5) as comm:
+            kept = []
+            for _ in range(6):
+                comm.send(torch.empty(0, 3), 0)
+                kept.append(comm.recv(0, copy=False))
+            assert all(k.shape == (0, 3) for k in kept)
+            out = torch.zeros(8)
+            comm.send(torch.arange(4.0), 0)
+            v = comm.recv(0, out=out)
+            v.mul_(w)
+            with torch.no_grad():
+                comm.send(torch.arange(4.0), 0)
+                v2 = comm.recv(0, out=torch.zeros(8))
+            with pytest.raises(RuntimeError, match="no_grad"):
+                v2.mul_(w)
+            seen[on] = (v._is_view(), v._base is out, out.requires_grad, type(out.grad_fn).__name__,
+                        type(v.grad_fn).__name__)
+            torch.set_default_device("meta")
+            try:
+                comm.send(torch.arange(3.0, device="cpu"), 0)
+                r = comm.recv(0)
+            finally:
+                torch.set_default_device(None)
+            assert r.device.type == "cpu" and torch.equal(r, torch.arange(3.0)), r
+            word = dtypes.word(dtypes.FLOAT, 8)  # an 8-bit "float": no torch dtype (dropped at close)
+            raw = torch.arange(4, dtype=torch.uint8)
+            assert comm._f.send_ptr(raw, 0, 0, raw.data_ptr(), word, (4,), None, 2)
+            with pytest.raises(varcomm.InvalidArgument, match=f"dtype word {word:#x} has no torch equivalent"):
+                comm.recv(0)
+    assert seen[True] == seen[False] == (True, True, True, "CopySlices", "AsStridedBackward0"), seen
+    arrays.use_torch_hooks(True)

@@ -11,6 +11,8 @@
 // python/varcomm/dtypes.py, handed over by install().
 #include <Python.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/ops/from_blob.h>
@@ -33,7 +35,7 @@ PyObject* g_invalid = PyExc_TypeError;  // varcomm's InvalidArgument (install)
 
 // As python/varcomm/dtypes.py's to_torch says it.
 void no_torch_dtype(uint32_t dtype) {
-  PyErr_Format(g_invalid, "received dtype word %#x has no torch equivalent in this torch version", unsigned(dtype));
+  PyErr_Format(g_invalid, "received dtype word 0x%x has no torch equivalent in this torch version", unsigned(dtype));
 }
 
 // A plain strided CPU tensor with its own storage: not a wrapper (functorch,
@@ -77,34 +79,40 @@ PyObject* empty(uint32_t dtype, const int64_t* shape, uint32_t ndim, void** data
     no_torch_dtype(dtype);
     return nullptr;
   }
-  try {
-    // empty_cpu is torch.empty(..., device="cpu")'s kernel without the
-    // dispatcher: always host memory, whatever torch's default device is.
-    at::Tensor t = at::detail::empty_cpu(c10::IntArrayRef(shape, ndim), *st, false, std::nullopt);
-    *data = t.mutable_data_ptr();
-    return THPVariable_Wrap(std::move(t));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+  // torch's error handling: its C++ errors as Python's, and its warnings
+  // (complex32 is experimental, ...) as Python warnings, as torch.empty gives.
+  HANDLE_TH_ERRORS
+  // empty_cpu is torch.empty(..., device="cpu")'s kernel without the
+  // dispatcher: always host memory, whatever torch's default device is.
+  at::Tensor t = at::detail::empty_cpu(c10::IntArrayRef(shape, ndim), *st, false, std::nullopt);
+  *data = t.mutable_data_ptr();
+  return THPVariable_Wrap(std::move(t));
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* prefix(PyObject* out, const int64_t* shape, uint32_t ndim) {
   try {
     const at::Tensor& base = THPVariable_Unpack(out);
-    // A base autograd records: torch's own view op (the Python path), so the
-    // view has its grad_fn and _base.
+    // A base autograd records: torch's own view op (the Python path).
     if (base.requires_grad()) return nullptr;
     c10::TensorImpl* b = base.unsafeGetTensorImpl();
-    // What as_strided makes of a base outside autograd: the same storage,
-    // offset and version counter (an in-place change of either is seen by
-    // both), contiguous strides.
+    // What out.as_strided(shape, contiguous strides) makes, without its
+    // dispatch: the same storage and offset, then autograd's view of the base
+    // (as the ADInplaceOrView kernel records it: a later in-place op with a
+    // tensor that requires grad reaches out, and the view shares out's
+    // version counter). An inference tensor's views are plain.
     auto v = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(b->storage()),
                                                       b->key_set(), b->dtype());
     c10::TensorImpl* vi = v.unsafeGetTensorImpl();
     vi->set_sizes_contiguous(c10::IntArrayRef(shape, ndim));
     vi->set_storage_offset(b->storage_offset());
-    if (!b->is_inference()) vi->set_version_counter(b->version_counter());
+    if (!b->is_inference()) {
+      auto meta = c10::InferenceMode::is_enabled() ? torch::autograd::CreationMeta::INFERENCE_MODE
+                  : at::GradMode::is_enabled()     ? torch::autograd::CreationMeta::DEFAULT
+                                                   : torch::autograd::CreationMeta::NO_GRAD_MODE;
+      v = torch::autograd::as_view(base, v, /*is_bw_differentiable=*/true, /*is_fw_differentiable=*/true, nullptr,
+                                   nullptr, meta);
+    }
     return THPVariable_Wrap(std::move(v));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -127,7 +135,16 @@ PyObject* lend(PyObject* keep, void* ptr, uint32_t dtype, const int64_t* shape, 
     return nullptr;
   }
   if (!keep) Py_RETURN_NONE;
-  try {
+  // (keep stays referenced if from_blob fails: whether its deleter already
+  // dropped it is not known; a leak, never a double free.)
+  HANDLE_TH_ERRORS
+  {
+    int64_t numel = 1;
+    for (uint32_t i = 0; i < ndim; ++i) numel *= shape[i];
+    if (!numel) {  // no bytes to lend: holding the slot for none would stall its sender
+      void* unused;
+      return empty(dtype, shape, ndim, &unused);
+    }
     Py_INCREF(keep);
     at::Tensor t = at::from_blob(
         ptr, c10::IntArrayRef(shape, ndim),
@@ -139,12 +156,8 @@ PyObject* lend(PyObject* keep, void* ptr, uint32_t dtype, const int64_t* shape, 
         },
         at::TensorOptions().dtype(*st));
     return THPVariable_Wrap(std::move(t));
-  } catch (const std::exception& e) {
-    // keep stays referenced: whether from_blob's deleter already dropped it is
-    // not known (a leak, never a double free).
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
   }
+  END_HANDLE_TH_ERRORS
 }
 
 ArrayHooks g_hooks = {varcomm::kArrayHooksAbi, 0, nullptr, describe, empty, prefix, lend};

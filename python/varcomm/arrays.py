@@ -310,7 +310,8 @@ def empty(kind: str, dtype_word: int, shape: Sequence[int],
     """A fresh array for a message of unknown size, and its data pointer (a
     torch tensor on `device` when given)."""
     if kind == "torch":
-        t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word), device=device)
+        # (device "cpu", not torch's default device, which a program may have set to CUDA or meta)
+        t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word), device=device or "cpu")
         if t.is_cpu:  # huge pages from 4 MiB, as numpy's own arrays (csrc/hostmem.h)
             _C.advise_huge_pages(t.data_ptr(), t.nbytes)
         return t, t.data_ptr()
@@ -323,7 +324,9 @@ def new_torch(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:
     # Sizes as separate ints: torch's argument parser takes them ~0.4 us faster
     # than one tuple (timeit, 1.25 -> 0.86 us), a third of a small receive's cost.
     dt = dtypes.to_torch(dtype_word)
-    t = torch.empty(*shape, dtype=dt) if shape else torch.empty((), dtype=dt)
+    # Host memory whatever torch's default device is (set_default_device, a
+    # `with torch.device("meta")`): the core writes the message at data_ptr().
+    t = torch.empty(*shape, dtype=dt, device="cpu") if shape else torch.empty((), dtype=dt, device="cpu")
     return t, t.data_ptr()
 
 
@@ -463,7 +466,8 @@ def lender(array: str) -> Callable[[Any, int, tuple[int, ...], int], Array | Non
             if loan is None:
                 return None
             if 0 in shape:
-                return torch.empty(shape, dtype=dt)  # frombuffer refuses an empty buffer; no bytes to lend
+                # frombuffer refuses an empty buffer; no bytes to lend
+                return torch.empty(shape, dtype=dt, device="cpu")
             t = torch.frombuffer(loan, dtype=dt)
             return t if len(shape) == 1 else t.reshape(shape)
         if kind == "cupy":

@@ -354,12 +354,16 @@ def open_note(job_key: str, raw: bytes) -> str | None:
     text; the ranks go on, and the real note, if one comes, overwrites it).
     Without a key, control characters and length are trimmed: anything that
     reaches the store may have written it."""
-    note = raw.decode(errors="replace")
+    try:
+        note = raw.decode()
+    except UnicodeDecodeError:  # not a note of ours: seal_note writes text
+        if job_key:
+            return None
+        note = raw.decode(errors="replace")
     if job_key:
         mac, _, text = note.partition(" ")
         # (bytes: compare_digest refuses a str with non-ASCII characters)
-        ok = hmac.compare_digest(mac.encode(), _note_mac(job_key, text).encode())
-        return text if ok and "\ufffd" not in note else None
+        return text if hmac.compare_digest(mac.encode(), _note_mac(job_key, text).encode()) else None
     text = "".join(c if c.isprintable() else " " for c in note)
     return text if len(text) <= 2000 else text[:2000] + " ..."
 

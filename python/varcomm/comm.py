@@ -768,7 +768,7 @@ class Communicator:
                 # No GPU path to src (no nvlink or rdma-gpu for the pair): land in host
                 # memory, then copy into out on the current stream.
                 dout = cast("torch.Tensor", out)  # a CUDA tensor (stream >= 0)
-                bounce = arrays.torch.empty(dout.shape, dtype=dout.dtype)
+                bounce = arrays.torch.empty(dout.shape, dtype=dout.dtype, device="cpu")
                 bptr, bcap, bword = arrays.describe_out(bounce)
                 rid = c.irecv(src, tag, bptr, bcap, bword | (word & _OUT_EXACT))
 
@@ -1261,10 +1261,9 @@ def connect(options: Options, rank: int | None = None, world_size: int | None = 
         _TORCH_WORDS.update({dt: w for dt, w in dtypes.torch_words().items() if not dt.is_complex})
     p = bootstrap.placement(rank, world_size, have_store=store is not None)
     options = options.placed(p.local_world_size)
-    s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix, options.job_key)
-    comm = Communicator(p, s, owner, options)
     run.mark_peer_failures()  # (under varcomm-run: the launcher then names the rank that failed first)
-    return comm
+    s, owner = bootstrap.make_store(p, store, options.timeout, options.init_timeout, prefix, options.job_key)
+    return Communicator(p, s, owner, options)
 
 
 __all__ = ["Communicator", "Work", "P2PWork", "P2POp", "Options", "init", "connect"]

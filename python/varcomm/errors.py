@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import builtins
+from typing import Callable
 
 
 class VarcommError(RuntimeError):
@@ -30,6 +31,16 @@ class TimeoutError(VarcommError, builtins.TimeoutError):  # mirrors the builtin 
 
 class PeerFailure(VarcommError):
     """A peer process died or became unreachable; every operation with it fails."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        if _on_peer_failure is not None:
+            _on_peer_failure()
+
+
+#: Under varcomm-run: tells the launcher that this rank met a peer's failure
+#: (tools/run.py mark_peer_failures), whether or not its program catches it.
+_on_peer_failure: Callable[[], None] | None = None
 
 
 class ClosedError(VarcommError):

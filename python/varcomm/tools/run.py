@@ -30,6 +30,7 @@ varcomm C extension.
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import os
 import random
@@ -122,48 +123,49 @@ _marking = False
 
 
 def mark_peer_failures() -> None:
-    """In a rank of varcomm-run (varcomm.init calls it): when the process ends
-    on an uncaught exception that a peer's failure caused (a PeerFailure in
-    its chain), say so in the launcher's folder, so that the launcher does not
-    take this rank for the one that failed first. Once per process."""
+    """In a rank of varcomm-run (varcomm.init calls it, first thing): the
+    first PeerFailure this process makes before it begins to exit (its
+    program may catch it and exit as it likes) is noted in the launcher's
+    file for this rank, so that the launcher does not take this rank for the
+    one that failed first. Once per process."""
     global _marking
-    path = ToolOptions.resolve().launcher_status  # this rank's note: <the launcher's folder>/<rank>
+    from .. import errors
+
+    path = env_value(ToolOptions, "launcher_status")  # this rank's note: <the launcher's folder>/<rank>
     if _marking or not path:
         return
     _marking = True
+    exiting: list[bool] = []
+
+    def met() -> None:
+        # A failing rank's own exit (its close() after its error) may meet the
+        # peers it ended: only what comes before its exit counts.
+        if exiting or not errors._on_peer_failure:
+            return
+        errors._on_peer_failure = None  # the first one says it
+        try:
+            with open(path, "w") as f:
+                f.write("peer")
+        except OSError:
+            pass  # the launcher then goes by time
+
+    errors._on_peer_failure = met
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        from ..errors import PeerFailure
-
-        seen: set[int] = set()
-        e: BaseException | None = exc
-        while e is not None and id(e) not in seen:
-            seen.add(id(e))
-            if isinstance(e, PeerFailure):
-                try:
-                    with open(path, "w") as f:
-                        f.write(str(e.peer if e.peer is not None else ""))
-                except OSError:
-                    pass  # the launcher then goes by time
-                break
-            e = e.__cause__ or e.__context__
+        exiting.append(True)
         previous(kind, exc, tb)
 
     sys.excepthook = hook
+    atexit.register(exiting.append, True)
 
 
-def _peer_marks(folder: str) -> dict[int, str]:
-    """rank -> the peer it says ended it ("" unknown): mark_peer_failures' notes."""
-    marks = {}
+def _peer_marks(folder: str) -> set[int]:
+    """The ranks that noted a peer's failure (mark_peer_failures)."""
     try:
-        for name in os.listdir(folder):
-            if name.isdigit():
-                with open(os.path.join(folder, name)) as f:
-                    marks[int(name)] = f.read(32).strip()
+        return {int(name) for name in os.listdir(folder) if name.isdigit()}
     except OSError:
-        pass
-    return marks
+        return set()
 
 
 def _exit_code(code: int) -> int:
@@ -227,25 +229,49 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+#: A line longer than this is forwarded in pieces of it, each prefixed (a
+#: rank's unbounded line, or a progress bar redrawn with \r, stays bounded).
+PUMP_PIECE = 64 * 1024
+
+
 def _pump(src: IO[bytes], dst: IO[str], prefix: str, lock: threading.Lock) -> None:
-    """Forward ``src`` to ``dst`` line by line with ``prefix`` (one thread per child pipe)."""
+    """Forward ``src`` to ``dst`` line by line with ``prefix`` (one thread per
+    child pipe): what a read returns, its whole lines in one write, so lines
+    of ranks never mix and a flood of output costs one flush per read."""
     binary = getattr(dst, "buffer", None)
+    tag = prefix.encode()
+    fd = src.fileno()
+    partial = b""
     try:
-        for raw in iter(src.readline, b""):
-            if not raw.endswith(b"\n"):
-                raw += b"\n"
-            with lock:
-                if binary is not None:
-                    dst.flush()
-                    binary.write(prefix.encode() + raw)
-                    binary.flush()
-                else:
-                    dst.write(prefix + raw.decode(errors="replace"))
-                    dst.flush()
+        while True:
+            data = os.read(fd, PUMP_PIECE)
+            if not data:
+                break
+            partial += data
+            lines, sep, partial = partial.rpartition(b"\n")
+            out = [tag + ln + b"\n" for ln in lines.split(b"\n")] if sep else []
+            while len(partial) >= PUMP_PIECE:
+                out.append(tag + partial[:PUMP_PIECE] + b"\n")
+                partial = partial[PUMP_PIECE:]
+            if out:
+                _write(dst, binary, b"".join(out), lock)
+        if partial:
+            _write(dst, binary, tag + partial + b"\n", lock)
     except (OSError, ValueError):
         pass
     finally:
         src.close()
+
+
+def _write(dst: IO[str], binary: IO[bytes] | None, data: bytes, lock: threading.Lock) -> None:
+    with lock:
+        if binary is not None:
+            dst.flush()
+            binary.write(data)
+            binary.flush()
+        else:
+            dst.write(data.decode(errors="replace"))
+            dst.flush()
 
 
 def _command(program: Sequence[str]) -> list[str]:
@@ -402,11 +428,11 @@ def _report(
     timed_out: Sequence[int],
     interrupted: Sequence[int],
     timeout: float | None,
-    marks: Mapping[int, str] | None = None,
+    marks: set[int] | None = None,
 ) -> int:
     """Print one line per failure to stderr and return the job's exit code
-    (marks: the ranks that ended on a peer's failure, and that peer)."""
-    marks = marks or {}
+    (marks: the ranks that met a peer's failure before they failed)."""
+    marks = marks or set()
     lines: list[str] = []
     result = 0
     if timed_out and not own_failures:
@@ -414,7 +440,7 @@ def _report(
         lines.append(f"timeout after {timeout:g} s: rank{'s' if len(timed_out) > 1 else ''} {ranks} still running")
         result = TIMEOUT_EXIT
     for i, r in enumerate(own_failures):
-        after = (f" (PeerFailure: {'rank ' + marks[r] if marks[r] else 'a peer'} failed)" if r in marks else "")
+        after = " (after a peer's failure: PeerFailure)" if r in marks else ""
         lines.append(_describe(r, codes[r]) + after
                      + (" (first failure)" if i == 0 and len(own_failures) > 1 else ""))
     if own_failures:
