@@ -16,6 +16,7 @@ import varcomm
 from varcomm import bootstrap, options, testing
 from varcomm.options import Options, ToolOptions
 from varcomm.testing import world
+from varcomm.tools.run import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "varcomm"
@@ -177,6 +178,18 @@ def test_a_refused_secret_is_not_shown():
         with pytest.raises(varcomm.InvalidArgument, match=r"job_key=\(not shown: a secret\)") as e:
             call()
         assert "SECRETBYTES" not in str(e.value)
+
+
+def test_a_bad_tool_variable_does_not_fail_init(tmp_path):
+    """init() marks peer failures for varcomm-run by reading its one variable:
+    it validated every tool variable, so VARCOMM_TEST_SEED=abc (a harness
+    variable) failed every init, inside or outside the launcher. Catches: the
+    InvalidArgument."""
+    env = dict(os.environ, VARCOMM_TEST_SEED="abc", VARCOMM_LAUNCHER_STATUS=str(tmp_path / "0"),
+               MASTER_PORT=str(free_port()))
+    r = subprocess.run([sys.executable, "-c", "import varcomm; varcomm.init(transport='shm').close(); print('ok')"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
 def test_keywords_beat_the_environment():

@@ -220,9 +220,12 @@ def test_what_review_found_behaves_as_the_python_paths():
             try:
                 comm.send(torch.arange(3.0, device="cpu"), 0)
                 r = comm.recv(0)
+                comm.send(torch.arange(3.0, device="cpu"), 0)
+                ri = comm.irecv(0).wait()
             finally:
                 torch.set_default_device(None)
-            assert r.device.type == "cpu" and torch.equal(r, torch.arange(3.0)), r
+            for x in (r, ri):
+                assert x.device.type == "cpu" and torch.equal(x, torch.arange(3.0)), x
             word = dtypes.word(dtypes.FLOAT, 8)  # an 8-bit "float": no torch dtype (dropped at close)
             raw = torch.arange(4, dtype=torch.uint8)
             assert comm._f.send_ptr(raw, 0, 0, raw.data_ptr(), word, (4,), None, 2)
