@@ -254,7 +254,7 @@ class NinjaBuildExt(build_ext):
             ]
             objs.append(fatbin_obj)
         lines.append(f"build {out}: link {' '.join(map(str, objs))}")
-        lines += self._torch_hooks(build_dir, includes)
+        lines += self._torch_hooks(build_dir)
         text = "\n".join(lines) + "\n"
         ninja_file = build_dir / "build.ninja"
         if not ninja_file.exists() or ninja_file.read_text() != text:
@@ -270,8 +270,7 @@ class NinjaBuildExt(build_ext):
         subprocess.check_call([ninja, "-C", str(build_dir), str(out)])
         self._ninja = [ninja, "-C", str(build_dir)]
 
-
-    def _torch_hooks(self, build_dir: Path, includes: list[str]) -> list[str]:
+    def _torch_hooks(self, build_dir: Path) -> list[str]:
         """ninja lines for varcomm._torch_hooks (csrc/adapters/torch_hooks.cpp),
         the torch adapter of the fast paths, built against the torch installed
         here; the module names that torch's version, and arrays.py uses it only

@@ -434,13 +434,26 @@ uint64_t Engine::send_now(int peer, int64_t tag, const void* data, uint64_t nbyt
 
 uint64_t Engine::isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                        const int64_t* shape, uint32_t ndim, Mem mem, uint32_t array, bool eager, bool pull,
-                       uint64_t flags) {
+                       uint64_t flags, bool waited) {
   check_memory(data, nbytes, "the array to send");
   std::lock_guard<std::mutex> g(mu_);
   check_send(peer, nbytes, ndim, mem, eager, pull);
-  return queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem,
-                    ((uint64_t(array) << kArrayShift) & kArrayMask) | flags,
-                    (pull || !eager) && rendezvous(peer, nbytes, mem, eager));
+  uint64_t id = queue_send(peer, tag, data, nbytes, dtype, shape, ndim, mem,
+                           ((uint64_t(array) << kArrayShift) & kArrayMask) | flags,
+                           (pull || !eager) && rendezvous(peer, nbytes, mem, eager));
+  Request& q = reqs_[uint32_t(id)];
+  Peer& p = peers_[peer];
+  // Not written yet (no free slot): it is written later, when the caller may
+  // have enqueued work that changes its source on the stream (an isend's
+  // buffer reused in stream order, as NCCL allows). Its bytes are copied
+  // now, in stream order, and written from the copy.
+  if (!waited && q.state == ReqState::Queued && q.mem.device && q.nbytes && p.tdev) {
+    if (void* copy = p.tdev->stage_async(q.data, q.nbytes, q.mem.stream)) {
+      q.staged = copy;
+      q.data = copy;
+    }
+  }
+  return id;
 }
 
 uint64_t Engine::isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,
@@ -472,17 +485,6 @@ uint64_t Engine::queue_send(int peer, int64_t tag, const void* data, uint64_t nb
   sending_++;
   progress_sends(peer);
   throw_if_failed(reqs_[uint32_t(id)], id);  // refused at once: raised here, as before it was queued
-  Request& q = reqs_[uint32_t(id)];
-  // Not written yet (no free slot): it is written later, when the caller may
-  // have enqueued work that changes its source on the stream (an isend's
-  // buffer reused in stream order, as NCCL allows). Its bytes are copied
-  // now, in stream order, and written from the copy.
-  if (q.state == ReqState::Queued && q.mem.device && q.nbytes && p.tdev) {
-    if (void* copy = p.tdev->stage_async(q.data, q.nbytes, q.mem.stream)) {
-      q.staged = copy;
-      q.data = copy;
-    }
-  }
   return id;
 }
 

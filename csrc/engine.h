@@ -129,9 +129,11 @@ class Engine {
   // `pull`: held, it may go by rendezvous at all (false: a device chunk
   // staged through host memory, whose receiver would free the head only once
   // its stream copied it on; over the bound it is MessageTooLarge).
+  // `waited`: the caller blocks until it is written (a blocking send), so a
+  // device send that must wait for a slot needs no copy of its source.
   uint64_t isend(int peer, int64_t tag, const void* data, uint64_t nbytes, uint32_t dtype,
                  const int64_t* shape, uint32_t ndim, Mem mem = {}, uint32_t array = 0, bool eager = false,
-                 bool pull = true, uint64_t flags = 0);
+                 bool pull = true, uint64_t flags = 0, bool waited = false);
   // A descriptor message (kDescriptor): the header alone, describing `nbytes`
   // of data that is not in it, so `nbytes` is not held to the bound.
   uint64_t isend_descriptor(int peer, int64_t tag, uint64_t nbytes, uint32_t dtype, const int64_t* shape,

@@ -247,31 +247,38 @@ def test_fake_an_isend_past_a_full_ring_keeps_the_stream_order_of_its_source(fak
     stream order. Catches: any message not the bytes sent."""
     monkeypatch.setenv("FAKE_CUDA_DELAY_US", delay)
     gpu, comm = _fake_comm(fake_cuda, bound=BOUND, slots=1)
+    with comm:
+        isends_reused_in_stream_order(gpu, comm, 4096, 8, BOUND)
+
+
+def isends_reused_in_stream_order(gpu: FakeGpu, comm: varcomm.Communicator, n: int, count: int, bound: int) -> None:
+    """Rank 0 isends `count` device buffers of n bytes to rank 1 (whose ring
+    has fewer slots) and overwrites each on the same stream right after, then
+    waits; rank 1 receives them in order. Every message must be the bytes
+    sent (shared with test_rdma_gpu)."""
     c, r = comm._c, comm.rank
     s = gpu.stream()
-    n, count = 4096, 8
-    with comm:
-        comm.barrier()
-        if r == 0:
-            works = []
-            for i in range(count):
-                p = gpu.alloc(n)
-                gpu.put(p, _payload(i, n))
-                works.append(c.isend(1, 1, p, n, U8, (n,), s))
-                gpu.memset_async(p, 0x5A, n, s)  # the buffer's next use, in stream order
-            for w in works:
-                c.wait(w, 30.0)
+    comm.barrier()
+    if r == 0:
+        works = []
+        for i in range(count):
+            p = gpu.alloc(n)
+            gpu.put(p, _payload(i, n))
+            works.append(c.isend(1, 1, p, n, U8, (n,), s))
+            gpu.memset_async(p, 0x5A, n, s)  # the buffer's next use, in stream order
+        for w in works:
+            c.wait(w, 30.0)
+        gpu.sync(s)
+    else:
+        out = gpu.alloc(bound)
+        bad = []
+        for i in range(count):
+            c.recv_into(0, 1, out, bound, U8, 30.0, s)
             gpu.sync(s)
-        else:
-            out = gpu.alloc(BOUND)
-            bad = []
-            for i in range(count):
-                c.recv_into(0, 1, out, BOUND, U8, 30.0, s)
-                gpu.sync(s)
-                if gpu.get(out, n) != _payload(i, n):
-                    bad.append(i)
-            assert not bad, f"messages {bad} of {count} are not the bytes sent (delay {delay} us)"
-        comm.barrier()
+            if gpu.get(out, n) != _payload(i, n):
+                bad.append(i)
+        assert not bad, f"messages {bad} of {count} are not the bytes sent"
+    comm.barrier()
 
 
 @world(2, timeout=120)

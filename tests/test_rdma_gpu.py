@@ -31,7 +31,15 @@ import test_gpu
 import varcomm
 from conftest import same_bytes
 from netns import IFACE, Netns, finish, lose_member_mid_stream, require_netns
-from test_gpu import U8, FakeGpu, _payload, nvlink_built, received_in_order, refused_while_captured
+from test_gpu import (
+    U8,
+    FakeGpu,
+    _payload,
+    isends_reused_in_stream_order,
+    nvlink_built,
+    received_in_order,
+    refused_while_captured,
+)
 from test_gpu_alltoall import FAKE, _fake, _on, _run_entry_points
 from varcomm import arrays, dtypes
 from varcomm.collectives import alltoall as A
@@ -209,30 +217,8 @@ def test_fake_rdma_an_isend_past_a_full_ring_keeps_the_stream_order_of_its_sourc
     Catches: any message not the bytes sent."""
     os.environ["VARCOMM_RDMA_HMEM"] = hmem
     gpu, comm = _comm(fake_cuda, slots=1)
-    c, r = comm._c, comm.rank
-    s = gpu.stream()
-    n, count = 2 * CHUNK + 3, 6
     with comm:
-        if r == 0:
-            works = []
-            for i in range(count):
-                p = gpu.alloc(n)
-                gpu.put(p, _payload(i, n))
-                works.append(c.isend(1, 1, p, n, U8, (n,), s))
-                gpu.memset_async(p, 0x5A, n, s)  # the buffer's next use, in stream order
-            for w in works:
-                c.wait(w, 30.0)
-            gpu.sync(s)
-        else:
-            out = gpu.alloc(BOUND)
-            bad = []
-            for i in range(count):
-                c.recv_into(0, 1, out, BOUND, U8, 30.0, s)
-                gpu.sync(s)
-                if gpu.get(out, n) != _payload(i, n):
-                    bad.append(i)
-            assert not bad, f"messages {bad} of {count} are not the bytes sent"
-        comm.barrier()
+        isends_reused_in_stream_order(gpu, comm, 2 * CHUNK + 3, 6, BOUND)
 
 
 @world(2, timeout=120, requires=("libfabric",))

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,21 @@ def _stop(p: subprocess.Popen[str]) -> str:
     p.kill()
     out, _ = p.communicate()
     return out
+
+
+@contextlib.contextmanager
+def _attacked_while_rank_1_is_late(mode: str, late: float) -> Iterator[None]:
+    """In a world of 2: rank 0 starts the attacker (it plants as soon as rank
+    0's store listens), rank 1 comes `late` s after, so that rank 0 waits in
+    set-up over what was planted; the body makes the communicator. Then the
+    attacker must have planted (else the test tested nothing)."""
+    attacker = _attacker(mode) if int(os.environ["RANK"]) == 0 else None
+    if attacker is None:
+        time.sleep(late)
+    yield
+    if attacker is not None:
+        out, _ = attacker.communicate(timeout=30)
+        assert "planted" in out, out
 
 
 def _planted_peer_refused(match: str, mode: str = "shm", as_nobody: bool = True, **kw: object) -> None:
@@ -579,18 +595,12 @@ def test_failure_notes_that_are_not_text_are_ignored_as_forged():
     not verify under the key is ignored (README: security), so the job goes
     on. Rank 1 comes late, so rank 0 waits, reading the notes (the attacker
     plants them as soon as rank 0's store listens)."""
-    rank = int(os.environ["RANK"])
-    attacker = _attacker("bad-notes") if rank == 0 else None
-    if rank == 1:
-        time.sleep(3.0)
-    with varcomm.init(transport="shm", job_key=KEY, timeout=30, array="numpy") as comm:
+    with _attacked_while_rank_1_is_late("bad-notes", 3.0), \
+            varcomm.init(transport="shm", job_key=KEY, timeout=30, array="numpy") as comm:
         if comm.rank == 0:
             comm.send(np.arange(3.0), 1)
         else:
             np.testing.assert_array_equal(comm.recv(0), np.arange(3.0))
-    if attacker is not None:
-        out, _ = attacker.communicate(timeout=30)
-        assert "planted" in out, out
 
 
 @as_root
@@ -600,16 +610,10 @@ def test_a_forged_arrival_count_is_named_as_such():
     late: init timed out saying "rank  of 2 never arrived" (no rank named:
     every rank had checked in). Now it says the count was changed, and what to
     do. Catches: the blank, misleading message."""
-    rank = int(os.environ["RANK"])
-    attacker = _attacker("bad-count") if rank == 0 else None
-    if rank == 1:
-        time.sleep(2.0)
-    with pytest.raises(varcomm.TimeoutError, match=r"every rank of 2 checked in .* arrival count says -\d+: "
-                                                   r"another process changed it"):
+    with _attacked_while_rank_1_is_late("bad-count", 2.0), \
+            pytest.raises(varcomm.TimeoutError, match=r"every rank of 2 checked in .* arrival count says -\d+: "
+                                                      r"another process changed it"):
         varcomm.init(transport="shm", job_key=KEY, timeout=30, init_timeout=5, array="numpy")
-    if attacker is not None:
-        out, _ = attacker.communicate(timeout=30)
-        assert "planted" in out, out
 
 
 @as_root

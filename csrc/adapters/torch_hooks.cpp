@@ -18,7 +18,6 @@
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "array_hooks.h"
@@ -49,7 +48,10 @@ bool plain_cpu(const c10::TensorImpl* t) {
                                                     c10::DispatchKey::FuncTorchGradWrapper}));
 }
 
-c10::ScalarType* scalar_type_of(uint32_t dtype);
+c10::ScalarType* scalar_type_of(uint32_t dtype) {
+  auto it = std::find_if(g_type.begin(), g_type.end(), [&](const auto& p) { return p.first == dtype; });
+  return it == g_type.end() ? nullptr : &it->second;
+}
 
 int describe(PyObject* obj, bool writable, ArrayDesc* d) {
   try {
@@ -91,7 +93,8 @@ PyObject* empty(uint32_t dtype, const int64_t* shape, uint32_t ndim, void** data
 }
 
 PyObject* prefix(PyObject* out, const int64_t* shape, uint32_t ndim) {
-  try {
+  HANDLE_TH_ERRORS
+  {
     const at::Tensor& base = THPVariable_Unpack(out);
     // A base autograd records: torch's own view op (the Python path).
     if (base.requires_grad()) return nullptr;
@@ -114,15 +117,8 @@ PyObject* prefix(PyObject* out, const int64_t* shape, uint32_t ndim) {
                                    nullptr, meta);
     }
     return THPVariable_Wrap(std::move(v));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
   }
-}
-
-c10::ScalarType* scalar_type_of(uint32_t dtype) {
-  auto it = std::find_if(g_type.begin(), g_type.end(), [&](const auto& p) { return p.first == dtype; });
-  return it == g_type.end() ? nullptr : &it->second;
+  END_HANDLE_TH_ERRORS
 }
 
 // A tensor over ptr that holds keep until its storage is freed (recv

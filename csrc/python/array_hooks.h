@@ -1,5 +1,5 @@
 // An array kind's adapter in C: lets the fast paths (bindings.cpp: Buf,
-// received_view, recv_new) describe and make arrays of a framework's exact
+// received_view, recv_new, lend) describe and make arrays of a framework's exact
 // array type without a Python call. The core knows only this table; an
 // adapter module knows its framework (csrc/adapters/torch_hooks.cpp for
 // torch, loaded by python/varcomm/arrays.py when it matches the installed

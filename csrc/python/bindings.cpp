@@ -113,8 +113,6 @@ bool foreign_byte_order(const char* format) {
 #endif
 }
 
-// A borrowed C-contiguous buffer. Raw CPython API: the ping-pong path cannot
-// afford py::buffer_info's vector copies.
 static_assert(kArrayHooksMaxDims == kMaxDims, "array_hooks.h describes shapes of up to kMaxDims");
 
 // Array adapters (array_hooks.h), at most one per array kind: the types whose
@@ -127,6 +125,16 @@ const ArrayHooks* hooks_of(PyObject* o) {
   return nullptr;
 }
 
+// An adapter's table when `o` is its capsule (an allocator or lender in its
+// place: arrays.allocators, arrays.lenders); nullptr for anything else, or
+// with a Python error set for a capsule of another name.
+const ArrayHooks* capsule_hooks(PyObject* o) {
+  if (!PyCapsule_CheckExact(o)) return nullptr;
+  return static_cast<const ArrayHooks*>(PyCapsule_GetPointer(o, kArrayHooksCapsule));
+}
+
+// A borrowed C-contiguous buffer. Raw CPython API: the ping-pong path cannot
+// afford py::buffer_info's vector copies.
 struct Buf {
   Py_buffer v{};
   bool ok = false;
@@ -472,7 +480,8 @@ void send_blocking(Comm& c, int dst, int64_t tag, const void* ptr, uint64_t nbyt
   timeout = timeout_of(timeout);  // NaN refused before anything is written
   uint64_t id = c.engine->send_now(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array);
   if (id == Engine::kSentDone) return;
-  if (!id) id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array);
+  if (!id)
+    id = c.engine->isend(dst, tag, ptr, nbytes, dtype, shape, ndim, mem, array, false, true, 0, /*waited=*/true);
   c.wait(id, timeout, owner);
 }
 
@@ -561,9 +570,8 @@ py::object recv_new(Comm& c, int src, int64_t tag, std::optional<double> timeout
   try {  // anything that refuses the message leaves it for the next recv
     py::handle alloc = PyTuple_GET_ITEM(allocs, Py_ssize_t(kind) < n ? Py_ssize_t(kind) : 0);
     if (PyCapsule_CheckExact(alloc.ptr())) {  // an adapter's (set_array_hooks): no Python call
-      auto* hk = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(alloc.ptr(), kArrayHooksCapsule));
-      if (!hk) throw py::error_already_set();
-      arr = py::reinterpret_steal<py::object>(hk->empty(h.dtype, h.shape, h.ndim, &ptr));
+      const ArrayHooks* hk = capsule_hooks(alloc.ptr());
+      arr = py::reinterpret_steal<py::object>(hk ? hk->empty(h.dtype, h.shape, h.ndim, &ptr) : nullptr);
       if (!arr) throw py::error_already_set();
     } else {
       py::tuple shape(h.ndim);
@@ -761,14 +769,6 @@ PyObject* lender_for(PyObject* make, unsigned kind) {
   return PyTuple_GET_ITEM(make, Py_ssize_t(kind) < n ? Py_ssize_t(kind) : 0);
 }
 
-// An array adapter's table when the lender is its capsule, else nullptr.
-const ArrayHooks* capsule_hooks(PyObject* lender) {
-  if (!PyCapsule_CheckExact(lender)) return nullptr;
-  auto* hk = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(lender, kArrayHooksCapsule));
-  if (!hk) throw py::error_already_set();
-  return hk;
-}
-
 // make(loan, dtype word, shape, sender's array kind) turns a Loan into the
 // array recv returns (make: a lender, a tuple of them, or an adapter's
 // capsule: see lender_for); if it raises, the message stays for the next recv.
@@ -782,7 +782,7 @@ PyObject* lend(PyObject* owner, Comm& c, int src, int slot, const MsgHeader& h, 
   make = lender_for(make, kind);
   PyObject* made = nullptr;
   if (PyCapsule_CheckExact(make)) {  // an adapter's (array_hooks.h): no Python call
-    if (auto* hk = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(make, kArrayHooksCapsule)))
+    if (const ArrayHooks* hk = capsule_hooks(make))
       made = hk->lend(loan, reinterpret_cast<LoanObj*>(loan)->ptr, h.dtype, h.shape, h.ndim);
   } else {
     py::tuple shape(h.ndim);
@@ -1555,7 +1555,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "set_array_hooks",
       [](py::capsule cap) {
-        auto* h = static_cast<const ArrayHooks*>(PyCapsule_GetPointer(cap.ptr(), kArrayHooksCapsule));
+        const ArrayHooks* h = capsule_hooks(cap.ptr());
         if (!h) throw py::error_already_set();
         if (h->abi != kArrayHooksAbi || h->kind == 0 || h->kind >= std::size(g_hooks) || !h->type)
           throw Error(ErrorKind::Invalid, "set_array_hooks: an adapter built for another varcomm (ABI " +
@@ -1767,9 +1767,11 @@ PYBIND11_MODULE(_C, m) {
                unsigned kind = unsigned((m.flags & kArrayMask) >> kArrayShift);
                py::handle lender = lender_for(make.ptr(), kind);
                try {
-                 if (const ArrayHooks* hk = capsule_hooks(lender.ptr())) {
+                 if (PyCapsule_CheckExact(lender.ptr())) {
+                   const ArrayHooks* hk = capsule_hooks(lender.ptr());
                    if (!py::reinterpret_steal<py::object>(
-                           hk->lend(nullptr, nullptr, m.dtype, m.shape.data(), uint32_t(m.shape.size()))))
+                           hk ? hk->lend(nullptr, nullptr, m.dtype, m.shape.data(), uint32_t(m.shape.size()))
+                              : nullptr))
                      throw py::error_already_set();
                  } else {
                    py::tuple shape(m.shape.size());

@@ -492,12 +492,13 @@ class ToolOptions(_Declared):
                                 "set by varcomm-run: the unknown VARCOMM_* variables it warned about for the job "
                                 "(comma-separated; its ranks do not repeat them)", "none")
     launcher_status: str = _opt("VARCOMM_LAUNCHER_STATUS", _TEXT, "",
-                                "set by varcomm-run: the file where a rank that ends on a peer's failure says so, "
-                                "so that the launcher names the rank that failed first", "none")
+                                "set by varcomm-run: the file a rank creates when it meets a peer's failure, so "
+                                "that the launcher names the rank that failed first", "none")
 
 
 #: Read by setup.py at build time, not here.
-BUILD_VARIABLES = ("VARCOMM_NO_CUDA", "VARCOMM_NVCC", "VARCOMM_OPT", "VARCOMM_CUDA_ARCHS", "VARCOMM_NO_RDMA")
+BUILD_VARIABLES = ("VARCOMM_NO_CUDA", "VARCOMM_NVCC", "VARCOMM_OPT", "VARCOMM_CUDA_ARCHS", "VARCOMM_NO_RDMA",
+                   "VARCOMM_NO_TORCH_HOOKS")
 
 
 _warned: set[str] = set()

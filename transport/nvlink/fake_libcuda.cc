@@ -244,21 +244,22 @@ API CUresult cuCtxPopCurrent_v2(Ctx** c) {
 }
 static CUresult need_ctx() { return t_ctx == &g_ctx ? 0 : 201; }  // CUDA_ERROR_INVALID_CONTEXT
 
-API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
-  if (CUresult r = need_ctx()) return r;
-  if (CUresult r = unsafe_call()) return r;
+// Device memory: shared host memory of its own (a memfd), filled with garbage
+// like fresh device memory. (cuMemAlloc of 0 bytes fails; the async form's is
+// a valid pointer, as a real pool's.)
+static CUresult alloc_device(CUdeviceptr* p, size_t n) {
   int fd = memfd_create("fake-cuda", MFD_CLOEXEC);
   if (fd < 0 || ftruncate(fd, off_t(n)) != 0) return 2;
   void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (m == MAP_FAILED) return 2;
-  std::memset(m, 0xa5, n);  // garbage, like fresh device memory
+  std::memset(m, 0xa5, n);
   std::lock_guard<std::mutex> g(g_mu);
   g_allocs[uintptr_t(m)] = {n, fd, true};
   *p = uintptr_t(m);
   return 0;
 }
-API CUresult cuMemFree_v2(CUdeviceptr p) {
-  if (CUresult r = unsafe_call()) return r;
+// 1 where p is no allocation of ours (a registration, or nothing).
+static CUresult free_device(CUdeviceptr p) {
   Alloc a;
   {
     std::lock_guard<std::mutex> g(g_mu);
@@ -271,21 +272,22 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
   close(a.fd);
   return 0;
 }
+API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+  if (CUresult r = need_ctx()) return r;
+  if (CUresult r = unsafe_call()) return r;
+  return alloc_device(p, n);
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) {
+  if (CUresult r = unsafe_call()) return r;
+  return free_device(p);
+}
 // Stream-ordered allocation: the memory exists at once here (a real pool's
 // may be reused from the stream's earlier frees); its free runs in stream
 // order, after the work enqueued before it (a copy out of it).
 API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, void* s) {
   if (dead(s)) return kInvalidHandle;
   if (CUresult r = need_ctx()) return r;
-  int fd = memfd_create("fake-cuda", MFD_CLOEXEC);
-  if (fd < 0 || ftruncate(fd, off_t(n ? n : 1)) != 0) return 2;
-  void* m = mmap(nullptr, n ? n : 1, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (m == MAP_FAILED) return 2;
-  std::memset(m, 0xa5, n);
-  std::lock_guard<std::mutex> g(g_mu);
-  g_allocs[uintptr_t(m)] = {n ? n : 1, fd, true};
-  *p = uintptr_t(m);
-  return 0;
+  return alloc_device(p, n ? n : 1);
 }
 API CUresult cuMemFreeAsync(CUdeviceptr p, void* s) {
   if (dead(s)) return kInvalidHandle;
@@ -294,18 +296,7 @@ API CUresult cuMemFreeAsync(CUdeviceptr p, void* s) {
     auto it = g_allocs.find(uintptr_t(p));
     if (it == g_allocs.end() || it->second.fd < 0) return 1;
   }
-  stream_of(s)->push([=] {
-    Alloc a;
-    {
-      std::lock_guard<std::mutex> g(g_mu);
-      auto it = g_allocs.find(uintptr_t(p));
-      if (it == g_allocs.end()) return;
-      a = it->second;
-      g_allocs.erase(it);
-    }
-    munmap(reinterpret_cast<void*>(p), a.size);
-    close(a.fd);
-  });
+  stream_of(s)->push([=] { free_device(p); });
   return 0;
 }
 API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, void* s) {

@@ -72,11 +72,11 @@ _DISPATCH_BACK = ("moe.dispatch's backward", "gradient", True)
 _COMBINE_BACK = ("moe.combine's backward", "gradient", True)
 
 
-
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """t with C-contiguous strides. An empty tensor counts as contiguous to
     torch whatever its strides, and a byte view of a column-strided one fails."""
     return t.contiguous() if t.numel() else t.new_empty(t.shape)
+
 
 def _num_experts(num_experts: int) -> tuple[int, int, str, str]:
     """What every rank's dispatch chunks carry and check (alltoall.agreeing), so that a

@@ -15,7 +15,7 @@ exit or signal) or ``--timeout`` passes, the remaining ranks are stopped
 (SIGTERM to their process groups, SIGKILL ~3 s later) so a failure never turns
 into a hang waiting on a dead peer. A failing rank's goodbye often ends its
 peers first (PeerFailure), so the others get a moment (SETTLE_S) to end on
-their own, and a rank that ended on a peer's failure says so
+their own, and a rank that met a peer's failure before it failed says so
 (``mark_peer_failures``): the report names the rank that failed first, and
 the job exits with its code. SIGINT, SIGTERM and SIGHUP (a closed
 terminal) sent to the launcher are forwarded to the ranks (SIGKILL ~3 s later),
@@ -140,12 +140,11 @@ def mark_peer_failures() -> None:
     def met() -> None:
         # A failing rank's own exit (its close() after its error) may meet the
         # peers it ended: only what comes before its exit counts.
-        if exiting or not errors._on_peer_failure:
+        if exiting:
             return
-        errors._on_peer_failure = None  # the first one says it
+        errors._on_peer_failure = None  # the first one says it: the file's being there
         try:
-            with open(path, "w") as f:
-                f.write("peer")
+            open(path, "w").close()
         except OSError:
             pass  # the launcher then goes by time
 
