@@ -1768,6 +1768,68 @@ def test_fake_p2p_send_after_an_unraised_error_is_still_sent(fake_cuda):
         comm.barrier()
 
 
+@world(2, timeout=120)
+def test_fake_p2p_errors_speak_of_messages_and_row_counts(fake_cuda):
+    """Each way a send_rows/recv_rows pair can go wrong, raised on both ranks
+    in the words of point-to-point (a message, a row count, recv_rows' out),
+    not the all-to-all's chunks and splits; the pair keeps working after each.
+    Catches: the all-to-all's wording (helper-62), a wrong rank or call number."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    r, s, W = comm.rank, gpu.stream(), 4
+    cap = BOUND // (W * 4)
+    with comm:
+        D.setup_p2p(comm)
+        x = FakeArray(gpu, (cap + 1, W), "float32", s)
+        x.host[...] = 2.0
+        rows = FakeArray(gpu, (1,), "int64", s)
+        out = FakeArray(gpu, (cap, W), "float32", s)
+        small = FakeArray(gpu, (3, W), "float32", s)
+        ints = FakeArray(gpu, (cap, W), "int32", s)
+        got = FakeArray(gpu, (1,), "int64", s)
+        call = " \\(device point-to-point call {}\\)"
+        # (rows sent, receiver's out, sender's error, receiver's error); calls 1, 3, 5, 7 (each case's
+        # good message after it is the next)
+        cases = [
+            (cap + 1, out, (varcomm.MessageTooLarge, f"rank 0's message for rank 1 has {cap + 1} rows .*" +
+                            call.format(1) + ": nothing of it was sent"),
+             (varcomm.MessageTooLarge, f"rank 0's message for rank 1 had {cap + 1} rows .*" + call.format(1) +
+              ": it received 0 rows")),
+            (5, small, None, (varcomm.MessageTooLarge, "rank 0's 5 rows do not fit out's 3 rows" + call.format(3) +
+                              ": dropped .*pass a larger out")),
+            (-1, out, (varcomm.InvalidArgument, f"rank 0's row count for rank 1 is -1, for an input of {cap + 1} "
+                       "rows" + call.format(5)),
+             (varcomm.MessageMismatch, "rank 0's row count was negative or past its input" + call.format(5))),
+            (4, ints, None, (varcomm.MessageMismatch, "rank 0 sent rows of float32, 16 bytes each, but rank 1 "
+                             "receives int32, 16 bytes each" + call.format(7) + ": its message was dropped .*"
+                             "recv_rows' out must have the sender's dtype")),
+        ]
+        for n, dst, sent, received in cases:
+            want = sent if r == 0 else received
+            if r == 0:
+                rows.host[0] = n
+                D.send_rows(comm, x, rows, 1)
+            else:
+                D.recv_rows(comm, dst, got, 0)
+            if want is None:
+                D.synchronize(comm, s)
+            else:
+                with pytest.raises(want[0], match=want[1]) as e:
+                    D.synchronize(comm, s)
+                assert "all-to-all" not in str(e.value) and "chunk" not in str(e.value), e.value
+            if r == 1:
+                assert got.host[0] == 0
+            # the pair still works
+            if r == 0:
+                rows.host[0] = 2
+                D.send_rows(comm, x, rows, 1)
+            else:
+                D.recv_rows(comm, out, got, 0)
+            D.synchronize(comm, s)
+            if r == 1:
+                assert got.host[0] == 2 and (out.host[:2] == 2.0).all()
+        comm.barrier()
+
+
 @world(2, timeout=180, requires=GPU_REQ)
 def test_gpu_p2p_device_size_graph_replay():
     """send_rows / recv_rows captured in a CUDA graph on both ranks, replayed

@@ -139,6 +139,25 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_its_goodbye_ended(tmp_
             res.stderr
 
 
+def test_a_ranks_children_do_not_inherit_its_failure_note(tmp_path: Path) -> None:
+    """A process a rank starts after init (a data loader, a tool) is no rank:
+    the launcher's note for the rank is not in its environment, so its
+    PeerFailures cannot mark the rank as having met a peer's failure.
+    Catches: the note's variable being inherited."""
+    prog = script(tmp_path, """
+        import subprocess, varcomm
+        comm = varcomm.init(timeout=30)
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('VARCOMM_LAUNCHER_STATUS'))"],
+                               capture_output=True, text=True, check=True)
+        print(f"rank {rank} child sees {child.stdout.strip()}")
+        comm.close()
+    """)
+    res = launch("-n", "2", prog, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(ln for ln in res.stdout.splitlines() if "child sees" in ln) == \
+        ["rank 0 child sees None", "rank 1 child sees None"], res.stdout
+
+
 def test_signal_killed_rank(tmp_path: Path) -> None:
     prog = script(tmp_path, """
         if rank == 1:

@@ -100,6 +100,10 @@ struct DeviceA2A::Impl {
   bool last_captured = false;     // ... which was captured (it runs at replay: nothing to wait for now)
   uint64_t launches = 0;          // all-to-all calls launched (refused ones too)
   bool closed = false;
+  // setup_p2p's handle makes only send_rows/recv_rows calls: its errors
+  // speak of messages and row counts, not chunks and splits.
+  std::atomic<bool> p2p{false};
+  const char* path() const { return p2p ? "device point-to-point" : "device all-to-all"; }
   struct Pending {
     uintptr_t p, stream;
     CUevent ev;  // recorded on stream at free(); null: it was capturing then (recorded once it is not)
@@ -218,18 +222,19 @@ struct DeviceA2A::Impl {
 
   // The recorded error as the exception the host raises.
   Error describe(const a2a::ErrorEntry& r) const {
-    const std::string me = "rank " + std::to_string(rank), call = " (device all-to-all call " +
+    const std::string me = "rank " + std::to_string(rank), call = " (" + std::string(path()) + " call " +
                                                                       std::to_string(r.call) + ")";
+    const std::string part = p2p ? "message" : "chunk";
     auto rk = [](uint64_t v) { return "rank " + std::to_string(v); };
     switch (r.code) {
       case a2a::kErrTooLarge:
-        return Error(ErrorKind::TooLarge, me + "'s chunk for " + rk(r.a) + " has " + std::to_string(r.b) + " rows (" +
+        return Error(ErrorKind::TooLarge, me + "'s " + part + " for " + rk(r.a) + " has " + std::to_string(r.b) + " rows (" +
                                               std::to_string(r.c) + " bytes), over the device slot capacity of " +
                                               std::to_string(r.d) + " bytes" + call +
                                               ": nothing of it was sent; raise the bound (VARCOMM_BOUND)",
                      int(r.a));
       case a2a::kErrPeerTooLarge:  // on every rank, as on the host path
-        return Error(ErrorKind::TooLarge, rk(r.a) + "'s chunk for " + me + " had " + std::to_string(r.b) + " rows (" +
+        return Error(ErrorKind::TooLarge, rk(r.a) + "'s " + part + " for " + me + " had " + std::to_string(r.b) + " rows (" +
                                              std::to_string(r.c) + " bytes), over the device slot capacity of " +
                                              std::to_string(r.d) + " bytes" + call + ": it received 0 rows from it",
                      int(r.a));
@@ -237,10 +242,16 @@ struct DeviceA2A::Impl {
         return Error(ErrorKind::Mismatch,
                      rk(r.a) + " sent rows of " + dtype_name(uint32_t(r.b)) + ", " + std::to_string(r.c) +
                          " bytes each, but " + me + " receives " + dtype_name(uint32_t(r.d >> 32)) + ", " +
-                         std::to_string(r.d & 0xffffffffu) + " bytes each" + call +
-                         ": its chunk was dropped (0 rows); every rank must pass the same dtype and trailing shape",
+                         std::to_string(r.d & 0xffffffffu) + " bytes each" + call + ": its " + part + " was dropped (0 rows); " +
+                         (p2p ? "recv_rows' out must have the sender's dtype and row shape"
+                              : "every rank must pass the same dtype and trailing shape"),
                      int(r.a));
       case a2a::kErrOutFull:
+        if (p2p)  // (the receive kernel's c is 0: one message per call)
+          return Error(ErrorKind::TooLarge, rk(r.a) + "'s " + std::to_string(r.b) + " rows do not fit out's " +
+                                                std::to_string(r.d) + " rows" + call +
+                                                ": dropped (0 rows from it); pass a larger out",
+                       int(r.a));
         return Error(ErrorKind::TooLarge, rk(r.a) + "'s " + std::to_string(r.b) + " rows do not fit out after " +
                                               std::to_string(r.c) + " rows of " + std::to_string(r.d) + call +
                                               ": dropped (0 rows from it); pass a larger out (in a MoE combine, "
@@ -248,6 +259,11 @@ struct DeviceA2A::Impl {
                                               "dispatch, or the ranks are out of step)",
                      int(r.a));
       case a2a::kErrBadSplits:
+        if (p2p)  // (b is 0 and c the rows: send_rows sends x[:rows])
+          return Error(ErrorKind::Invalid, me + "'s row count for " + rk(r.a) + " is " +
+                                               std::to_string(int64_t(r.c)) + ", for an input of " +
+                                               std::to_string(r.d) + " rows" + call +
+                                               ": negative, or past the input; nothing sent to it");
         // The marker sits in expert 0's split (rows from 0) and counts at most the input's rows.
         if (r.b == 0 && r.c > kA2ABadIdsMarker && r.c - kA2ABadIdsMarker <= r.d)
           return Error(ErrorKind::Invalid, "moe.dispatch on " + me + ": " + std::to_string(r.c - kA2ABadIdsMarker) +
@@ -299,15 +315,22 @@ struct DeviceA2A::Impl {
                                              "error says why)" + call + ": 0 rows from it",
                      int(r.a));
       case a2a::kErrPeerSplits:  // a call the peer refused (the host path's MessageMismatch too)
+        if (p2p)
+          return Error(ErrorKind::Mismatch, rk(r.a) + "'s row count was negative or past its input" + call +
+                                               ": 0 rows from it (its own error says more)",
+                       int(r.a));
         return Error(ErrorKind::Mismatch, rk(r.a) + " passed send_splits outside its input (or, in a MoE "
                                              "dispatch, topk_ids outside [-1, num_experts))" + call +
                                              ": 0 rows from it",
                      int(r.a));
       case a2a::kErrTimeout:
-        return Error(ErrorKind::Timeout, me + "'s device all-to-all kernel timed out waiting for " + rk(r.a) +
+        return Error(ErrorKind::Timeout, me + "'s " + path() + " kernel timed out waiting for " + rk(r.a) +
                                              (r.b ? "'s data" : "'s credit (it has not consumed the last call)") +
-                                             call + "; is every rank calling it? The device path of this "
-                                             "communicator stays failed",
+                                             call +
+                                             (p2p ? "; is " + rk(r.a) + " calling " +
+                                                        (r.b ? "send_rows" : "recv_rows") + " for " + me + "?"
+                                                  : std::string("; is every rank calling it?")) +
+                                             " The device path of this communicator stays failed",
                      int(r.a));
       case a2a::kErrOverlap:
         return Error(ErrorKind::Invalid, me + ": a device all-to-all call started before the previous call had "
@@ -320,22 +343,22 @@ struct DeviceA2A::Impl {
       case a2a::kErrAborted:
         if (host_timeout_ms.load(std::memory_order_acquire) >= 0)  // this rank's own wait gave up, no peer failed
           return Error(ErrorKind::Timeout,
-                       me + "'s device all-to-all did not finish within the " + seconds(host_timeout_ms.load()) +
+                       me + "'s " + path() + " did not finish within the " + seconds(host_timeout_ms.load()) +
                            " the host waited (synchronize's timeout), still waiting for " + rk(r.a) + call +
                            "; is every rank calling it? Its kernels were aborted, so the device path of this "
                            "communicator stays failed",
                        int(r.a));
         if (const int gone = dead_peer.load(std::memory_order_acquire); gone >= 0)
-          return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted" + call + ": " +
+          return Error(ErrorKind::PeerFailure, me + "'s " + path() + " was aborted" + call + ": " +
                                                    e.peer_error(gone) + " (the kernel was waiting for " + rk(r.a) +
                                                    "); the device path of this communicator stays failed",
                        gone);
-        return Error(ErrorKind::PeerFailure, me + "'s device all-to-all was aborted while waiting for " + rk(r.a) +
+        return Error(ErrorKind::PeerFailure, me + "'s " + path() + " was aborted while waiting for " + rk(r.a) +
                                                  call + " (a peer failed or the communicator closed); the "
                                                  "device path of this communicator stays failed",
                      int(r.a));
       default:
-        return Error(ErrorKind::Invalid, "device all-to-all: unknown error code " + std::to_string(r.code));
+        return Error(ErrorKind::Invalid, std::string(path()) + ": unknown error code " + std::to_string(r.code));
     }
   }
 
@@ -359,7 +382,7 @@ struct DeviceA2A::Impl {
       const uint64_t lost = lapped - a2a::kErrRing + 1 - next_err;
       next_err = lapped - a2a::kErrRing + 1;
       throw Error(ErrorKind::Invalid,
-                  "device all-to-all: " + std::to_string(lost) +
+                  std::string(path()) + ": " + std::to_string(lost) +
                       (lost == 1 ? " error of earlier calls was" : " errors of earlier calls were") +
                       " overwritten before it could be raised (more than " + std::to_string(a2a::kErrRing) +
                       " were not raised yet: synchronize more often); the later ones follow");
@@ -626,6 +649,7 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
   std::lock_guard<std::mutex> g(m.mu);
   if (m.closed) throw Error(ErrorKind::Closed, "device point-to-point: the communicator is closed");
   if (__atomic_load_n(&m.err->hard, __ATOMIC_ACQUIRE)) m.raise_recorded();
+  m.p2p = true;
   if (peer < 0 || peer >= m.world)
     throw Error(ErrorKind::Invalid, "peer " + std::to_string(peer) + " out of range [0, " +
                                         std::to_string(m.world) + ")");

@@ -135,6 +135,9 @@ def mark_peer_failures() -> None:
     if _marking or not path:
         return
     _marking = True
+    # The rank's own note: a process it starts (a data loader, a tool) is no
+    # rank, and its PeerFailures must not speak for this one.
+    os.environ.pop(env_name(ToolOptions, "launcher_status"), None)
     exiting: list[bool] = []
 
     def met() -> None:
