@@ -31,8 +31,6 @@
 
 namespace varcomm {
 
-// Collective tags are >= kCollTagBase; user point-to-point tags stay below it.
-constexpr int64_t kCollTagBase = int64_t(1) << 40;
 // Largest user tag a collective accepts (it selects a sub-space of the reserved tags).
 constexpr int64_t kMaxCollTag = (int64_t(1) << 20) - 1;
 

@@ -2089,7 +2089,19 @@ std::string Engine::nothing_arrived_locked(int peer) {
   // cause is a tag (or call order) that differs between the two sides, and
   // saying which tags they carry points at it.
   std::map<int64_t, size_t> other;
-  for (int64_t t : unreceived_tags_locked(peer)) ++other[t];
+  size_t coll = 0;  // parts of collective calls: their tags are no user's
+  for (int64_t t : unreceived_tags_locked(peer)) {
+    if (t >= kCollTagBase)
+      ++coll;
+    else
+      ++other[t];
+  }
+  if (coll)
+    msg += " " + std::to_string(coll) +
+           (coll == 1 ? " part of a collective call from " : " parts of collective calls from ") + peer_str(peer) +
+           (coll == 1 ? " waits" : " wait") +
+           " here unreceived: it is in a collective (an all-to-all, MoE dispatch or combine, barrier) where this "
+           "rank receives point-to-point; every rank must make the same collective calls in the same order.";
   if (!other.empty()) {
     size_t n = 0, i = 0;
     std::string tags;
@@ -2100,7 +2112,7 @@ std::string Engine::nothing_arrived_locked(int peer) {
     if (other.size() > 8) tags += ", ...";
     msg += " " + std::to_string(n) + (n == 1 ? " message" : " messages") + " from " + peer_str(peer) +
            " wait here unreceived, with tag" + (other.size() == 1 ? " " : "s ") + tags +
-           ": the two sides disagree on tags, or on how many messages go between them";
+           ": the two sides disagree on tags, or on how many messages go between them.";
   }
   size_t held = 0;
   for (auto& a : peers_[peer].ready) held += a.claimed;
@@ -2108,7 +2120,8 @@ std::string Engine::nothing_arrived_locked(int peer) {
     msg += " This rank holds " + std::to_string(held) + " of the " + std::to_string(layout_.nslots) + " slots " +
            peer_str(peer) + " writes into, in copy=False views, matched receives or all-to-alls (async_op) not yet "
            "waited for" + (held >= size_t(layout_.nslots) ? ": it cannot send more until they are dropped or waited"
-                                                           : "");
+                                                           : "") + ".";
+  if (msg.back() == '.') msg.pop_back();
   return msg + ")";
 }
 

@@ -24,6 +24,10 @@ constexpr size_t kPayloadOff = kSlotCtlBytes + kHeaderBytes;
 
 inline constexpr size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// Collective tags (collectives.cpp, coll_tag) are >= kCollTagBase; user
+// point-to-point tags stay below it.
+constexpr int64_t kCollTagBase = int64_t(1) << 40;
+
 // The header of one message: where a message's size, dtype and shape are written.
 struct MsgHeader {
   uint64_t seq;     // 1-based per (sender, receiver) pair

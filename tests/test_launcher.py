@@ -139,6 +139,30 @@ def test_the_rank_that_failed_first_is_named_not_the_peer_its_goodbye_ended(tmp_
             res.stderr
 
 
+def test_a_rank_that_left_with_0_is_named_when_every_failure_was_a_peers(tmp_path: Path) -> None:
+    """Rank 2 ends cleanly (code 0) while ranks 0 and 1 wait in an all-to-all
+    for it: they fail with PeerFailure. The report names rank 2 as the one
+    that left, and calls neither survivor the first failure.
+    Catches (helper-66): rank 2 unnamed, a survivor reported as both
+    "after a peer's failure" and "first failure"."""
+    prog = script(tmp_path, """
+        import numpy as np, varcomm
+        comm = varcomm.init(timeout=30)
+        if rank == 2:
+            time.sleep(0.5)
+            sys.exit(0)
+        comm.all_to_all_v(np.ones((3, 2), np.float32), [1, 1, 1])
+    """)
+    for _ in range(3):  # (rank 2's own exit often comes after the failures it caused)
+        res = launch("-n", "3", prog, timeout=60)
+        lines = [ln for ln in res.stderr.splitlines() if ln.startswith("varcomm-run:")]
+        assert res.returncode == 1, res.stderr
+        assert lines[0] == ("varcomm-run: rank 2 exited with code 0 before the others were done (their PeerFailure "
+                            "names it)"), res.stderr
+        assert sorted(lines[1:]) == [f"varcomm-run: rank {r} exited with code 1 (after a peer's failure: PeerFailure)"
+                                     for r in (0, 1)], res.stderr
+
+
 def test_a_ranks_children_do_not_inherit_its_failure_note(tmp_path: Path) -> None:
     """A process a rank starts after init (a data loader, a tool) is no rank:
     the launcher's note for the rank is not in its environment, so its

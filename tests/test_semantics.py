@@ -630,3 +630,30 @@ def test_a_receive_that_times_out_names_the_tags_that_did_arrive(transport):
             assert comm.recv(0, tag=3).tolist() == [3] * 5
             assert comm.recv(0, tag=4).tolist() == [4] * 5
         comm.barrier()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@world(2, timeout=90)
+def test_a_receive_that_times_out_behind_a_collective_says_so(transport):
+    """Rank 0 is in an all-to-all where rank 1 receives point-to-point: rank
+    1's timeout says a collective call's part waits, and that the ranks'
+    collective calls differ, not a tag of 2**40 the user never chose
+    (helper-66). The all-to-all then completes once rank 1 makes it too.
+    Catches: the internal collective tag in the text."""
+    with varcomm.init(transport=transport, bound=BOUND, timeout=30) as comm:
+        r = comm.rank
+        x = np.arange(4, dtype=np.float32).reshape(2, 2) + 10 * r
+        if r == 0:
+            work = comm.all_to_all_v(x, [1, 1], async_op=True)
+            comm.barrier()
+            got, counts = work.wait()
+        else:
+            with pytest.raises(varcomm.TimeoutError) as e:
+                comm.recv(0, timeout=0.5)
+            text = str(e.value)
+            assert ("1 part of a collective call from rank 0 waits here unreceived: it is in a collective" in text
+                    and "every rank must make the same collective calls in the same order" in text), text
+            assert str(2**40) not in text and "disagree on tags" not in text, text
+            got, counts = comm.all_to_all_v(x, [1, 1])
+            comm.barrier()
+        assert got.tolist() == [[2 * r, 2 * r + 1], [10 + 2 * r, 11 + 2 * r]] and list(counts) == [1, 1]

@@ -315,6 +315,7 @@ def launch(
     pumps: list[threading.Thread] = []
     codes: dict[int, int] = {}
     own_failures: list[int] = []  # ranks that failed on their own, in order seen
+    left: list[int] = []  # ranks that ended with 0 before the launcher stopped any, in order seen
     stop_at: float | None = None  # when we began stopping ranks
     failed_at: float | None = None  # the first failure: the others may still end on their own until SETTLE_S after
     status = tempfile.mkdtemp(prefix="varcomm-run-")  # mark_peer_failures' notes
@@ -385,6 +386,8 @@ def launch(
                     # most likely ended by it: the job's status is the signal's.
                     if code != 0 and stop_at is None and not interrupted:
                         own_failures.append(r)
+                    elif code == 0 and stop_at is None:  # (its exit may come after the failures it caused)
+                        left.append(r)
             if len(codes) == len(procs):
                 break
             now = time.monotonic()
@@ -421,7 +424,7 @@ def launch(
 
     # The rank that failed first: not one that says a peer's failure ended it.
     own_failures = [r for r in own_failures if r not in marks] + [r for r in own_failures if r in marks]
-    return _report(codes, own_failures, timed_out, interrupted, timeout, marks)
+    return _report(codes, own_failures, timed_out, interrupted, timeout, marks, left)
 
 
 def _report(
@@ -431,9 +434,11 @@ def _report(
     interrupted: Sequence[int],
     timeout: float | None,
     marks: set[int] | None = None,
+    left: Sequence[int] = (),
 ) -> int:
     """Print one line per failure to stderr and return the job's exit code
-    (marks: the ranks that met a peer's failure before they failed)."""
+    (marks: the ranks that met a peer's failure before they failed; left:
+    the ranks that ended with 0 before the launcher stopped any)."""
     marks = marks or set()
     lines: list[str] = []
     result = 0
@@ -441,10 +446,15 @@ def _report(
         ranks = ",".join(map(str, timed_out))
         lines.append(f"timeout after {timeout:g} s: rank{'s' if len(timed_out) > 1 else ''} {ranks} still running")
         result = TIMEOUT_EXIT
+    if own_failures and own_failures[0] in marks and left:
+        # Every failure was a peer's: the likely cause is a rank that ended
+        # (with 0) while the others still needed it.
+        lines.append(f"rank{'s' if len(left) > 1 else ''} {','.join(map(str, left))} exited with code 0 before "
+                     "the others were done (their PeerFailure names it)")
     for i, r in enumerate(own_failures):
         after = " (after a peer's failure: PeerFailure)" if r in marks else ""
         lines.append(_describe(r, codes[r]) + after
-                     + (" (first failure)" if i == 0 and len(own_failures) > 1 else ""))
+                     + (" (first failure)" if i == 0 and len(own_failures) > 1 and r not in marks else ""))
     if own_failures:
         result = _exit_code(codes[own_failures[0]])
     stopped = [r for r, c in sorted(codes.items()) if c != 0 and r not in own_failures]
