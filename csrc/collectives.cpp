@@ -335,7 +335,8 @@ bool AllToAll::wait_headers(std::chrono::steady_clock::time_point deadline) {
           why_[s] = rank_str(s) + " ran " + (plan_.backward ? "a forward" : "an autograd backward's") +
                     " all-to-all where " + rank_str(rank_) + " ran " + (plan_.backward ? "a backward" : "a forward") +
                     ": the ranks are out of step (every rank must run backward through the same differentiable "
-                    "all-to-alls, in the same order)";
+                    "all-to-alls, in the same order; an all-to-all is differentiable where its input requires grad, "
+                    "so that must agree across ranks)";
         else if (agree >> kAgreeKindShift != plan_.agree >> kAgreeKindShift)
           why_[s] = rank_str(s) + " ran another collective where " + rank_str(rank_) + " ran " + op_name(plan_) +
                     ": the ranks are out of step (every rank must make the same collective calls, in the same order)";

@@ -218,8 +218,15 @@ def test_tokens_of_another_dtype_or_width_on_a_peer_raise_mismatch_not_reinterpr
         for bad in ((torch.float32, 4, torch.float16, 8), (torch.float32, 4, torch.float64, 2),
                     (torch.float32, 4, torch.float32, 5)):
             dt, H = bad[2 * r], bad[2 * r + 1]
-            with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r}"):
+            pdt, pH = bad[2 - 2 * r], bad[3 - 2 * r]
+            name = str(dt).removeprefix("torch.")
+            with pytest.raises(varcomm.MessageMismatch) as e:
                 dispatch(comm, torch.ones(T, H, dtype=dt), ids, torch.ones(T, 1), E)
+            # in the tokens' terms: not the packed rows' width, which adds the expert index (helper-66)
+            assert str(e.value) == (f"moe.dispatch on rank {r}: rank {1 - r}'s tokens are "
+                                    f"{str(pdt).removeprefix('torch.')} [T, {pH}] where rank {r}'s are {name} "
+                                    f"[T, {H}]: every rank must pass tokens of one dtype and hidden size H"), e.value
+            assert e.value.peer == 1 - r
         with pytest.raises(varcomm.InvalidArgument, match="integer"):
             dispatch(comm, torch.ones(T, 4), ids.double() + 0.7, torch.ones(T, 1), E)
         for dt in (torch.float32, torch.bfloat16, torch.uint8, torch.float64, torch.complex128, torch.bool):

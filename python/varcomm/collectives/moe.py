@@ -31,6 +31,7 @@ device (no host sync; bound-sized, expert-major outputs).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +133,19 @@ def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tens
     return flat, order, splits
 
 
+def _peer_tokens(core: str, rank: int, dtype: torch.dtype, H: int) -> str:
+    """The dispatch's dtype-or-width mismatch from the core's text about the
+    packed rows (the chunk from rank S is D of shape (n, W)), in tokens."""
+    mine = f"rank {rank}'s are {str(dtype).removeprefix('torch.')} [T, {H}]"
+    rule = "every rank must pass tokens of one dtype and hidden size H"
+    m = re.search(r"the chunk from rank (\d+) is (\w+) of shape \(\d+, (\d+)\)", core)
+    theirs = getattr(torch, m.group(2), None) if m else None
+    if m is None or not isinstance(theirs, torch.dtype):
+        return f"tokens differ in dtype or hidden size between ranks ({mine}); {rule}"
+    width = int(m.group(3)) - -(-4 // theirs.itemsize)  # (the expert index's elements, as packed below)
+    return f"rank {m.group(1)}'s tokens are {m.group(2)} [T, {width}] where {mine}: {rule}"
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tokens: torch.Tensor, handle_box: list[Any], topk_ids: torch.Tensor,
@@ -167,15 +181,11 @@ class _Dispatch(torch.autograd.Function):
         except MessageMismatch as e:
             if "same dtype and trailing shape" not in str(e):
                 raise  # a peer's refusal, not its tokens
-            # The core describes the packed rows: their width is H plus the
-            # expert index's elements (which differ by dtype), not the H given.
-            err = MessageMismatch(
-                f"moe.dispatch on rank {comm.rank}: tokens differ in dtype or hidden size between ranks (this "
-                f"rank's are {x.dtype} [T, {H}]; every rank must pass one dtype and H), or a peer ran another "
-                f"collective here (moe.combine: the ranks are out of step). The rows sent carry "
-                f"{extra} more element(s) of the tokens' dtype for the expert index, so the shapes "
-                f"below are H + "
-                f"that: {str(e).removeprefix(f'moe.dispatch on rank {comm.rank}: ')}")
+            # The core describes the packed rows, whose width is H plus the
+            # expert index's elements (their count depends on the dtype): say
+            # it in the tokens' terms. (A peer in another collective, as a
+            # combine, is told apart before shapes are compared: its call kind.)
+            err = MessageMismatch(f"moe.dispatch on rank {comm.rank}: {_peer_tokens(str(e), comm.rank, x.dtype, H)}")
             err.peer = e.peer
             raise err from None
         rb = recv.view(torch.uint8).reshape(-1, wb)
