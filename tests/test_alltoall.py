@@ -285,8 +285,12 @@ def test_argument_errors():
     with varcomm.init(bound=BOUND, timeout=30) as comm:
         n = comm.world_size
         x = torch.zeros(4, 2)
-        with pytest.raises(varcomm.InvalidArgument, match="sums to"):
+        # this rank's own errors name the call and the rank, as its peers' do (helper-66)
+        with pytest.raises(varcomm.InvalidArgument,
+                           match=f"^all_to_all_v on rank {comm.rank}: send_splits sums to 2 but dim 0 has 4 rows$"):
             A.all_to_all_v(comm, x, [1, 1])
+        with pytest.raises(varcomm.InvalidArgument, match=f"^all_to_all_single on rank {comm.rank}: .*entries"):
+            A.all_to_all_single(comm, torch.zeros(4, 2), x, [2, 2], [4])
         with pytest.raises(varcomm.InvalidArgument, match="entries"):
             A.all_to_all_v(comm, x, [4])
         with pytest.raises(varcomm.InvalidArgument, match="negative"):

@@ -194,7 +194,8 @@ def test_a_call_one_rank_refuses_is_refused_to_its_peer_and_the_next_pairs_up():
             et, _, h = dispatch(comm, tokens, ids, torch.ones(T, 1), E)
             assert set(et[:, 0].tolist()) == {float(100 * step + 1 - r)}, (step, et)
             if step == 1 and r == 1:
-                with pytest.raises(varcomm.InvalidArgument, match="rows"):
+                with pytest.raises(varcomm.InvalidArgument, match=r"^moe.combine on rank 1: expert_outputs has \d+ "
+                                                                  r"rows; dispatch delivered \d+"):
                     combine(comm, et[:-1], h)
                 continue
             if step == 1 and r == 0:
@@ -333,14 +334,16 @@ def test_a_dtype_or_width_mismatch_in_dispatch_is_told_in_the_tokens_terms():
     error came from the packed rows' all_to_all_v ("rank 1 is float16 of shape
     (3, 6), but rank 0's x is float32 with rows of shape (5,)"), naming widths
     that include the expert index's extra elements, as if the H differed; it
-    says moe.dispatch, this rank's tokens' dtype and H, and what the shapes add."""
+    says moe.dispatch, and both ranks' tokens' dtype and H."""
     with varcomm.init(timeout=30) as comm:
         r = comm.rank
         dt = torch.float32 if r == 0 else torch.float16
         with pytest.raises(varcomm.MessageMismatch, match=f"rank {1 - r}") as ei:
             dispatch(comm, torch.ones(3, 4, dtype=dt), torch.full((3, 1), 1 - r), torch.ones(3, 1), 2)
         msg = str(ei.value)
-        assert msg.startswith(f"moe.dispatch on rank {r}") and f"{dt} [T, 4]" in msg, msg
+        name, other = str(dt).removeprefix("torch."), "float16" if r == 0 else "float32"
+        assert msg.startswith(f"moe.dispatch on rank {r}: rank {1 - r}'s tokens are {other} [T, 4] where rank "
+                              f"{r}'s are {name} [T, 4]"), msg
         assert ei.value.peer == 1 - r
         et, _, h = dispatch(comm, torch.ones(3, 4), torch.full((3, 1), 1 - r), torch.ones(3, 1), 2)  # pairs up
         assert torch.equal(combine(comm, et, h), torch.ones(3, 4))

@@ -32,6 +32,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import re
 import sys
 import threading
 import time
@@ -236,6 +237,8 @@ def _in_step(fn: _F) -> _F:
         try:
             return fn(comm, *args, **kw)
         except Exception as e:
+            if isinstance(e, InvalidArgument):
+                _name_call(e, fn, comm)
             if _device_protocol(fn.__name__, args, kw):  # its own refusal: an empty launch
                 alltoall_device.refuse_unlaunched(comm, e, device_before, args[0] if args else None,
                                                   kw.get("stream"), kw.get("timeout"))
@@ -250,6 +253,19 @@ def _in_step(fn: _F) -> _F:
                 e._refused_to_peers = True  # type: ignore[attr-defined]
             raise
     return cast(_F, call)
+
+
+def _name_call(e: InvalidArgument, fn: Callable[..., Any], comm: Communicator) -> None:
+    """This rank's own argument error starts "<call> on rank r:", as its
+    peers' errors about the call do (the name a layer above labelled the
+    call with, as moe.combine, or the entry point's)."""
+    name = _label.get()[0] or ("moe." if fn.__module__.endswith(".moe") else "") + fn.__name__
+    text = str(e)
+    if e.args and not _NAMED.match(text) and not text.startswith((name, fn.__name__)):
+        e.args = (f"{name} on rank {comm.rank}: {text}",) + e.args[1:]
+
+
+_NAMED = re.compile(r"[\w.]+ on rank \d+: ")
 
 
 def _device_protocol(name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
