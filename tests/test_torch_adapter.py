@@ -233,3 +233,46 @@ def test_what_review_found_behaves_as_the_python_paths():
                 comm.recv(0)
     assert seen[True] == seen[False] == (True, True, True, "CopySlices", "AsStridedBackward0"), seen
     arrays.use_torch_hooks(True)
+
+
+@world(1, timeout=60)
+def test_what_the_adapter_attack_found_is_refused_or_counted():
+    """helper-65, adapter on and off alike:
+    - recv(out=) into a tensor whose storage was freed (FSDP's
+      untyped_storage().resize_(0): data_ptr 0) or shrunk wrote the message
+      past it (over a 1-byte object: a segfault later); now InvalidArgument,
+      and the message is kept;
+    - recv and irecv without out= under FakeTensorMode wrote the message at
+      the data pointer 0 of a FakeTensor; now InvalidArgument, message kept;
+    - recv(out=) did not count as a write: a backward that saved out used the
+      message's values silently; now it raises, as after out.copy_()."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for on in (True, False):
+        arrays.use_torch_hooks(on)
+        with varcomm.init(transport="shm", bound=BOUND, slots=4, timeout=5) as comm:
+            for left in (0, 400):
+                out = torch.zeros(1000)
+                out.untyped_storage().resize_(left)
+                comm.send(torch.full((1000,), 3.0), 0)
+                for blocking in (True, False):
+                    with pytest.raises(varcomm.InvalidArgument, match=f"out's storage holds {left} bytes but out "
+                                                                      "spans 4000: it was freed or shrunk"):
+                        comm.recv(0, out=out) if blocking else comm.irecv(0, out=out).wait()
+                assert torch.equal(comm.recv(0), torch.full((1000,), 3.0)), (on, left)
+            comm.send(torch.arange(6.0), 0)
+            with FakeTensorMode():
+                # (recv with the adapter: its torch.empty kernel takes no mode, and makes a real tensor)
+                for recv in [lambda: comm.irecv(0).wait()] + ([] if on else [lambda: comm.recv(0)]):
+                    with pytest.raises(varcomm.InvalidArgument, match="without memory for the message .*"
+                                                                      "FakeTensorMode.* the message is kept"):
+                        recv()
+            assert torch.equal(comm.recv(0), torch.arange(6.0)), on
+            w = torch.ones(6, requires_grad=True)
+            out = torch.zeros(6)
+            y = (out * w).sum()  # saves out for w's gradient
+            comm.send(torch.arange(6.0), 0)
+            comm.recv(0, out=out)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward()
+    arrays.use_torch_hooks(True)

@@ -59,6 +59,10 @@ int describe(PyObject* obj, bool writable, ArrayDesc* d) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
     // Negative and conjugate views: their bytes are not their values (arrays.values).
     if (!plain_cpu(impl) || impl->is_neg() || impl->is_conj() || !impl->is_contiguous()) return 0;
+    // A storage freed or shrunk under the tensor (FSDP's resize_(0)): the
+    // Python path names it.
+    const size_t need = (size_t(impl->storage_offset()) + size_t(impl->numel())) * impl->itemsize();
+    if (impl->numel() && impl->storage().nbytes() < need) return 0;
     int st = static_cast<int>(impl->dtype().toScalarType());
     int64_t nd = impl->dim();
     if (st < 0 || st >= kTypes || !g_word[st] || nd > varcomm::kArrayHooksMaxDims) return 0;
@@ -69,6 +73,10 @@ int describe(PyObject* obj, bool writable, ArrayDesc* d) {
     d->nbytes = uint64_t(impl->numel()) * impl->itemsize();
     // The write materializes a copy-on-write storage first, as t.data_ptr() does.
     d->ptr = writable ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
+    // A write, as torch's in-place ops count it: a backward that saved the
+    // tensor raises instead of using the message's values (an inference
+    // tensor has no counter).
+    if (writable && !impl->is_inference()) impl->bump_version();
     return 1;
   } catch (...) {  // anything unusual: the Python path decides, and names it
     return 0;

@@ -5,6 +5,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -310,6 +313,11 @@ py::object status_of(const MsgInfo& m) {
   return make_status(m.src, m.tag, m.nbytes, m.dtype, m.shape.data(), m.shape.size(), m.flags);
 }
 
+// Bumped in every child a fork makes (pthread_atfork, registered at import):
+// a Comm made before the fork is its parent's, whose peers and slots it must
+// not touch. One load to ask, where getpid() is a system call.
+std::atomic<unsigned> g_fork_generation{0};
+
 // The core: the engine and the set-up that chose and connected its routes.
 struct Comm {
   // Buffers of dropped requests the engine still reads or writes (a send's
@@ -325,6 +333,10 @@ struct Comm {
   // transports' sockets and mappings are the parent's too, and closing would
   // tell every peer that the parent left. It lets them go untouched instead.
   const pid_t owner = getpid();
+  const unsigned generation = g_fork_generation.load(std::memory_order_relaxed);
+  // In a child forked after this Comm was made (its copy of a Work or a
+  // copy=False view being dropped there): nothing of the parent's to give back.
+  bool forked() const { return generation != g_fork_generation.load(std::memory_order_relaxed); }
   ~Comm() {
     if (getpid() == owner) return;
     (void)engine.release();
@@ -350,6 +362,7 @@ struct Comm {
     recycled.clear();
   }
   void detach(uint64_t id, py::object keep) {
+    if (forked()) return;
     drop_kept();
     if (engine->detach(id, !keep.is_none())) kept[id] = std::move(keep);
   }
@@ -591,6 +604,11 @@ py::object recv_new(Comm& c, int src, int64_t tag, std::optional<double> timeout
         if (short_) throw Error(ErrorKind::Invalid, "recv allocator made an array smaller than the message");
       }
     }
+    if (Engine::no_memory(ptr, h.nbytes))  // (torch.empty under a mode such as FakeTensorMode)
+      throw Error(ErrorKind::Invalid, "the recv allocator made an array without memory for the message (data "
+                                      "pointer " + std::to_string(reinterpret_cast<uintptr_t>(ptr)) + " for " +
+                                      std::to_string(h.nbytes) + " bytes: a torch mode such as FakeTensorMode "
+                                      "is active?): receive outside the mode, or into out=; the message is kept");
   } catch (...) {
     c.engine->unclaim(src, h.seq);
     throw;
@@ -728,7 +746,7 @@ PyTypeObject loan_type = {PyVarObject_HEAD_INIT(nullptr, 0)};  // the rest is se
 
 void loan_dealloc(PyObject* self) {
   auto* l = reinterpret_cast<LoanObj*>(self);
-  if (l->live) {
+  if (l->live && !l->c->forked()) {  // (a forked child's copy: the slot is its parent's to give back)
     try {
       l->c->engine->release_claimed(l->peer, l->slot, l->seq);
     } catch (...) {
@@ -1475,6 +1493,7 @@ void bind_device_a2a(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "varcomm core: slots, headers, credits over shm / rdma transports";
+  pthread_atfork(nullptr, nullptr, [] { g_fork_generation.fetch_add(1, std::memory_order_relaxed); });
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -238,6 +238,22 @@ def check_memory(out: Any, what: str) -> None:
     if out._is_zerotensor():
         raise InvalidArgument(f"{what} is a zero tensor (torch's efficient zeros, e.g. an unused gradient): it has "
                               f"no memory to receive into; pass torch.empty({tuple(out.shape)}, dtype={out.dtype})")
+    n = out.nbytes
+    if n and not out.is_meta:
+        # A storage freed or shrunk under the tensor (FSDP frees parameters
+        # with untyped_storage().resize_(0)): its data_ptr is 0, or short.
+        have, need = out.untyped_storage().nbytes(), out.storage_offset() * out.element_size() + n
+        if have < need:
+            raise InvalidArgument(f"{what}'s storage holds {have} bytes but {what} spans {need}: it was freed or "
+                                  "shrunk (untyped_storage().resize_(), as FSDP frees parameters); pass a tensor "
+                                  "whose memory is allocated")
+
+
+def bump_version(out: Any) -> None:
+    """out is written, as torch's in-place ops count it: a backward that saved
+    it raises instead of using the message's values (the torch adapter does
+    the same in C++)."""
+    torch.autograd.graph.increment_version(out)
 
 
 def _check_out_bits(out: Any) -> None:
@@ -258,6 +274,7 @@ def describe_out(out: Any) -> tuple[int, int, int]:
             raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
                                   "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
         check_memory(out, "out")
+        bump_version(out)
         # An empty tensor has data_ptr 0, which the core reads as "no out":
         # any non-null address will do, nothing is written to a 0-byte out.
         return out.data_ptr() or _EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
@@ -312,11 +329,19 @@ def empty(kind: str, dtype_word: int, shape: Sequence[int],
     if kind == "torch":
         # (device "cpu", not torch's default device, which a program may have set to CUDA or meta)
         t = torch.empty(tuple(shape), dtype=dtypes.to_torch(dtype_word), device=device or "cpu")
+        if t.nbytes and not t.data_ptr():
+            raise _no_data(t)
         if t.is_cpu:  # huge pages from 4 MiB, as numpy's own arrays (csrc/hostmem.h)
             _C.advise_huge_pages(t.data_ptr(), t.nbytes)
         return t, t.data_ptr()
     a = np.empty(tuple(shape), dtype=dtypes.to_numpy(dtype_word))
     return a, a.ctypes.data
+
+
+def _no_data(t: Any) -> InvalidArgument:
+    return InvalidArgument(f"torch.empty made a {type(t).__name__} without memory for the message (a torch mode "
+                           "such as FakeTensorMode is active): receive outside the mode, or into out=; the message "
+                           "is kept")
 
 
 def new_torch(dtype_word: int, shape: tuple[int, ...]) -> tuple[Array, int]:

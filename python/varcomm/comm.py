@@ -672,6 +672,8 @@ class Communicator:
                 except RuntimeError:  # (nested)
                     word = None
                 if word is not None:
+                    arrays.check_memory(out, "out")  # (its storage freed or shrunk: the write would go past it)
+                    arrays.bump_version(out)
                     r = f.recv_ptr(src, tag, out, out.data_ptr(), out.nbytes, word, shape, t)
             if r is not None:
                 if self._orphans:
