@@ -96,8 +96,15 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
              (["p2p", "--op-timeout", "-1"], "--op-timeout", "must be a number > 0"),  # (each rank died)
              (["varlen", "--sigma", "-1"], "--sigma", "must be a number >= 0"),
              (["p2p", "--json", f"{empty}/x.json"], "--json", "cannot write there"),  # (said after the run)
+             # helper-67: a folder (said after the run), more memory than the machine's (tracebacks,
+             # or the OOM killer), a size that is no number (a traceback)
+             (["p2p", "--json", str(tmp_path)], "--json", "is a folder; name a file in it"),
+             (["p2p", "-b", "64G", "-e", "64G"], "-e/--maxbytes 64G", "GiB available; pass a smaller -e"),
+             (["p2p", "-b", "inf"], "-b/--minbytes", "'inf' is not a size"),
              (["p2p", "--launcher", "mpirun", "--mpirun", "/bin/nonexist"], "--launcher mpirun", "not found"),
              (["p2p", "--nope"], "unrecognized arguments", "--nope")]
+    if cli._memory_available() >= 2**40:  # (a machine with 1 TiB free would run the 64G case)
+        cases = [c for c in cases if "64G" not in c[0]]
     for args, option, detail in cases:
         with pytest.raises(SystemExit) as e:
             cli.main(args)
@@ -112,6 +119,25 @@ def test_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "p2p latency" in r.stdout
 
 
+def test_moe_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """varcomm-bench moe's own options: --nranks 0 was a ZeroDivisionError, bad
+    counts reached the ranks, and a machine without a GPU started them all to
+    have each say so (helper-67). Now usage errors before any rank starts."""
+    import torch
+
+    cases = [(["--nranks", "0"], "argument --nranks: 0: must be >= 2"),
+             (["--tokens", "-5"], "argument --tokens: -5: must be >= 1"),
+             (["--iters", "0"], "argument --iters: 0: must be >= 1"),
+             (["--topk", "9", "--experts", "8"], "--topk 9 is more than --experts 8")]
+    if not torch.cuda.is_available():
+        cases.append(([], "torch sees no CUDA GPU here"))
+    for args, said in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["moe", *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "usage: varcomm-bench moe" in err and said in err, (args, err)
+
+
 def test_a_size_that_is_not_whole_elements_is_said_before_the_run(capsys) -> None:
     """-b 1 ran as 4 B (one float32) without a word: the table's sizes differed from the command's."""
     for args, said in ((["p2p", "-b", "1", "-e", "64"], "-b/--minbytes 1: messages are whole float32 elements "
@@ -124,6 +150,11 @@ def test_a_size_that_is_not_whole_elements_is_said_before_the_run(capsys) -> Non
     parser = cli._parser()
     cli._check_before_launch(parser, cli._finish_args(parser.parse_args(["p2p", "-b", "8", "-e", "64"])))
     assert "whole" not in capsys.readouterr().err
+    # an all-to-all baseline given to p2p was dropped without a word (helper-67)
+    cli._check_before_launch(parser, cli._finish_args(parser.parse_args(["p2p", "--baselines", "two-phase,nccl"])))
+    err = capsys.readouterr().err
+    assert all(f"note: --baselines {b}: only the alltoall benchmark has it; p2p skips it" in err
+               for b in ("two-phase", "nccl")), err
 
 
 def test_a_bad_varcomm_variable_is_one_usage_error(capsys, monkeypatch) -> None:
@@ -142,10 +173,12 @@ def test_compare_warns_when_the_runs_measured_different_things(tmp_path: Path, c
     traceback."""
     from varcomm_bench import compare
 
-    def run(name: str, transport: str, env: dict[str, str], t: float) -> str:
-        doc = {"subcommand": "p2p", "options": {"transport": transport}, "environment": env,
+    def run(name: str, transport: str, env: dict[str, str], t: float, sizes: tuple[int, ...] = (8,),
+            check: bool = False) -> str:
+        doc = {"subcommand": "p2p", "options": {"transport": transport, "check": check}, "environment": env,
                "results": [{"bench": "p2p", "test": "latency", "title": "p2p latency",
-                            "points": [{"size": 8, "methods": {"varcomm": {"time_us": {"median": t}}}}]}]}
+                            "points": [{"size": z, "methods": {"varcomm": {"time_us": {"median": t}}}}
+                                       for z in sizes]}]}
         (tmp_path / name).write_text(json.dumps(doc))
         return str(tmp_path / name)
 
@@ -156,6 +189,10 @@ def test_compare_warns_when_the_runs_measured_different_things(tmp_path: Path, c
     assert "differ in transport: 'shm' in" in out.err and "differ in VARCOMM_SHM_STORES" in out.err, out.err
     assert compare.main(["--before", a, "--after", run("c.json", "shm", {}, 2.0)]) == 0
     assert "warning" not in capsys.readouterr().err
+    # other sizes, or -c on one side only (its checks cost time): said too (helper-67)
+    assert compare.main(["--before", a, "--after", run("d.json", "shm", {}, 2.0, (8, 64), True)]) == 0
+    err = capsys.readouterr().err
+    assert "differ in sizes: [8] in" in err and "differ in check: False in" in err, err
     with pytest.raises(SystemExit):
         compare.main(["--before", a, "--after", b, "--methods", "bogus"])
     assert "bogus not in these runs" in capsys.readouterr().err
@@ -213,7 +250,10 @@ def test_all_subcommands_two_ranks(tmp_path: Path) -> None:
     assert [ln.split() for ln in lat[1:]] == want
     assert [float(ln.split()[1]) for ln in bibw[1:]] == \
         [round(p["methods"]["varcomm"]["busbw_gbps"]["median"] * 1000, 2) for p in r2["points"]]
-    assert len(a2a) == 1 + len(doc["results"][5]["points"]) and "Avg Latency(us)" in a2a[0]
+    # osu_alltoallv's Size is per peer; the time is the slowest rank's (helper-67)
+    r5 = doc["results"][5]
+    assert len(a2a) == 1 + len(r5["points"]) and "Max Latency(us)" in a2a[0]
+    assert [int(ln.split()[0]) for ln in a2a[1:]] == [int(p["size"]) // r5["ranks"] for p in r5["points"]]
 
 
 @world(2, timeout=60, requires=("torch",))
@@ -233,6 +273,26 @@ def test_check_catches_corruption(tmp_path: Path) -> None:
         for p in r["points"]:
             assert p["methods"]["varcomm"]["wrong"] > 0, (r["test"], p["size"])
             assert p["methods"]["fallback"]["wrong"] > 0, (r["test"], p["size"])
+
+
+@world(2, timeout=60, requires=("torch",))
+def test_check_counts_every_repeat(tmp_path: Path) -> None:
+    """-r 3 counts three times the wrong messages of -r 1 (same iterations):
+    the methods timed by every rank together kept only the last repeat's
+    count, so bad data in an earlier repeat went unreported (helper-67).
+    Catches: the count overwritten per repeat."""
+    os.environ["VARCOMM_BENCH_CORRUPT"] = "1"
+    wrong = {}
+    for r in ("1", "3"):
+        out = tmp_path / f"r{r}.json"
+        cli.main(["p2p", "-b", "1K", "-e", "1K", *TINY, "-r", r, "-c", "--tests", "latency,bibw",
+                  "--baselines", "fallback", "--json", str(out)])
+        if rank() == 0:
+            doc = json.loads(out.read_text())
+            wrong[r] = {(res["test"], m): res["points"][0]["methods"][m]["wrong"] for res in doc["results"]
+                        for m in ("varcomm", "fallback")}
+    if rank() == 0:
+        assert all(wrong["1"][k] > 0 and wrong["3"][k] == 3 * wrong["1"][k] for k in wrong["1"]), wrong
 
 
 @world(2, timeout=60, requires=("torch",))

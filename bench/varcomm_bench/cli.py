@@ -448,6 +448,9 @@ def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace)
         if v is not None and a.cmd != "alltoall" and v % isz:  # (the tables would show other sizes, unexplained)
             log(f"note: {opt} {v}: messages are whole {a.dtype} elements ({isz} B each), so this size runs as "
                 f"{max(isz, v - v % isz)} B")
+    for name in a.baselines:  # (silently dropped, where d2d off the GPU says why)
+        if name in ALLTOALL_ONLY and a.cmd in ("p2p", "varlen"):
+            log(f"note: --baselines {name}: only the alltoall benchmark has it; {a.cmd} skips it")
     for opt in ("json", "md", "plot", "save"):
         path = getattr(a, opt, None)
         if path:
@@ -457,6 +460,40 @@ def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace)
                 folder = os.path.dirname(folder)
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 parser.error(f"--{opt}: cannot write there: {path} ({folder} is not a writable folder)")
+            if opt != "save" and os.path.isdir(path):
+                example = os.path.join(path, "run." + opt)
+                parser.error(f"--{opt}: {path} is a folder; name a file in it (e.g. {example})")
+    need = _memory_needed(a)
+    have = _memory_available()
+    if need and have and need > have:
+        parser.error(f"-e/--maxbytes {fmt_bytes(a.maxbytes)}: the ranks would need about {need / 2**30:.1f} GiB "
+                     f"({BUFFERS_PER_RANK} buffers of the largest size on each of {a.nranks} ranks) and this machine "
+                     f"has {have / 2**30:.1f} GiB available; pass a smaller -e")
+
+
+#: Baselines of the all-to-all alone.
+ALLTOALL_ONLY = ("two-phase", "nccl")
+
+
+#: Buffers of the largest size a rank holds at once: the source, the
+#: destination, the check pattern, and a baseline's or a result's own.
+BUFFERS_PER_RANK = 4
+
+
+def _memory_needed(a: argparse.Namespace) -> int:
+    return BUFFERS_PER_RANK * a.nranks * a.maxbytes if a.maxbytes else 0
+
+
+def _memory_available() -> int:
+    """MemAvailable (0: unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _abort_mpi_job() -> None:

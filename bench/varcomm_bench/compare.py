@@ -19,7 +19,7 @@ Key = tuple[str, str, float, str]  # bench (with its routing/notes title), test,
 
 #: What makes two runs measure different things: compared across every file (the date, the command's
 #: output paths and the like are not).
-_SETTINGS = ("transport", "dtype", "device", "window", "iters", "warmup", "routing", "slots", "hidden")
+_SETTINGS = ("transport", "dtype", "device", "window", "iters", "warmup", "routing", "slots", "hidden", "check")
 
 
 def _load(path: str) -> dict:
@@ -35,7 +35,9 @@ def _load(path: str) -> dict:
 
 def _setting(doc: dict, environment: bool) -> dict:
     opts = doc.get("options", {})
-    return {"subcommand": doc.get("subcommand"), "ranks": doc.get("ranks"), **{k: opts.get(k) for k in _SETTINGS},
+    sizes = sorted({p.get("size") for r in doc.get("results", []) for p in r.get("points", [])}, key=str)
+    return {"subcommand": doc.get("subcommand"), "ranks": doc.get("ranks"), "sizes": sizes,
+            **{k: opts.get(k) for k in _SETTINGS},
             **({f"${k}": v for k, v in doc.get("environment", {}).items()} if environment else {})}
 
 

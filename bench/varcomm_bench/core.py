@@ -84,9 +84,11 @@ def parse_bytes(s: str) -> int:
     """'8', '8B', '64K', '64KiB', '1M', '2G' -> bytes (powers of two)."""
     v = str(s).strip().upper().replace("IB", "").rstrip("B")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if v and v[-1] in mult:
-        return int(float(v[:-1]) * mult[v[-1]])
-    return int(float(v))
+    scale = mult[v[-1]] if v and v[-1] in mult else 1
+    x = float(v[:-1] if scale > 1 else v) * scale
+    if not math.isfinite(x):
+        raise ValueError(f"{s!r} is not a finite size")
+    return int(x)
 
 
 def fmt_bytes(n: float) -> str:
@@ -211,7 +213,8 @@ class Ctx:
         if cap <= self.cap:
             return
         self.cap = cap
-        pat = (torch.arange(cap, dtype=torch.int32) % 251).to(torch.uint8)
+        # (251 bytes repeated: cap bytes, where an int32 arange % 251 took 8 x cap at once)
+        pat = torch.arange(251, dtype=torch.uint8).repeat(cap // 251 + 1)[:cap].clone()
         self.pattern = pat.to(self.device)
         self.src = self.pattern.clone()
         self.dst = torch.zeros(cap, dtype=torch.uint8, device=self.device)
@@ -564,7 +567,7 @@ def run_test(ctx: Ctx, t: Test, methods: list[Method], ext: dict[str, Callable[.
                     if not np.isnan(g[:, 3]).all():
                         rec.setdefault("host", []).append(float(np.nanmax(g[:, 3] / g[:, 1])))
                     rec["iters"] = n
-                    rec["wrong"] = int(g[:, 2].sum()) if a.check else None
+                    rec["wrong"] = rec["wrong"] + int(g[:, 2].sum()) if a.check else None  # (every repeat's)
         if ctx.rank == 0 and not a.quiet:
             parts = []
             for m in methods:

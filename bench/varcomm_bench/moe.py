@@ -46,15 +46,18 @@ _LAUNCH_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="varcomm-bench moe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nranks", type=int, default=2, help="local ranks when not under a launcher (default 2)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096)")
-    p.add_argument("--hidden", type=int, default=4096, help="elements per token (default 4096)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
-    p.add_argument("--experts", type=int, default=64, help="experts in all, a multiple of the ranks (default 64)")
+    from .cli import _at_least  # (the main command's integer checks)
+
+    p.add_argument("--nranks", type=_at_least(2), default=2, help="local ranks when not under a launcher (default 2)")
+    p.add_argument("--tokens", type=_at_least(1), default=4096, help="tokens per rank (default 4096)")
+    p.add_argument("--hidden", type=_at_least(1), default=4096, help="elements per token (default 4096)")
+    p.add_argument("--topk", type=_at_least(1), default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=_at_least(1), default=64,
+                   help="experts in all, a multiple of the ranks (default 64)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="token dtype (default bf16)")
     p.add_argument("--routing", default="uniform", choices=("uniform", "zipf"), help="expert choice (default uniform)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    p.add_argument("--iters", type=_at_least(1), default=20, help="timed iterations (default 20)")
+    p.add_argument("--warmup", type=_at_least(0), default=5, help="untimed iterations first (default 5)")
     p.add_argument("--device", default="cuda", choices=("cuda",), help="only cuda: this bench is for GPUs")
     p.add_argument("--json", default=None, help="write the results here too (rank 0)")
     return p
@@ -68,7 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if a.experts % a.nranks and not _in_launcher():
         _parser().error(f"--experts {a.experts} is not a multiple of --nranks {a.nranks}")
+    if a.topk > a.experts:
+        _parser().error(f"--topk {a.topk} is more than --experts {a.experts}")
     if not _in_launcher():
+        import torch
+
+        if not torch.cuda.is_available():  # (said once, before any rank starts)
+            _parser().error("this benchmark is for GPUs and torch sees no CUDA GPU here (torch.cuda.is_available() "
+                            "is False); the CPU benchmarks are varcomm-bench p2p and alltoall")
         import subprocess
 
         cmd = [sys.executable, "-m", "varcomm.run", "-n", str(a.nranks), "--tag-output", "-m", "varcomm_bench.moe",

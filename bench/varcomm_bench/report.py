@@ -173,7 +173,10 @@ def osu(doc: dict[str, Any]) -> str:
     """The results as OSU-style columns: one block per benchmark and method."""
     out = [describe(doc), ""]
     for r in doc["results"]:
-        name, col = _OSU.get(r["test"], ("osu_alltoallv" if r["bench"] == "alltoall" else "", "Avg Latency(us)"))
+        # all-to-all: osu_alltoallv's Size is what a rank sends each peer (ours: the mean, S / ranks), and
+        # the time is the slowest rank's, the column osu_alltoallv -f calls Max Latency
+        name, col = _OSU.get(r["test"], ("osu_alltoallv" if r["bench"] == "alltoall" else "", "Max Latency(us)"))
+        per_peer = r["bench"] == "alltoall"
         if r["bench"] == "varlen":
             name, col = "", "Latency (us)"
         have = {m for p in r["points"] for m in p["methods"]}
@@ -190,7 +193,8 @@ def osu(doc: dict[str, Any]) -> str:
                     v = f"{d[key]['median'] * 1000:.2f}"
                 else:
                     v = f"{d['time_us']['median']:.2f}"
-                out.append(f"{int(p['size']):<12}{v:>20}")
+                size = int(p["size"]) // r["ranks"] if per_peer else int(p["size"])
+                out.append(f"{size:<12}{v:>20}")
             out.append("")
     return "\n".join(out)
 
