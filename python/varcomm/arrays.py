@@ -215,6 +215,7 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
     if is_torch(out) and out.is_cuda:
         _check_out_bits(out)
         check_memory(out, "out")
+        bump_version(out)
         if not out.is_contiguous():
             raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
                                   "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
