@@ -2100,8 +2100,8 @@ std::string Engine::nothing_arrived_locked(int peer) {
     msg += " " + std::to_string(coll) +
            (coll == 1 ? " part of a collective call from " : " parts of collective calls from ") + peer_str(peer) +
            (coll == 1 ? " waits" : " wait") +
-           " here unreceived: it is in a collective (an all-to-all, MoE dispatch or combine, barrier) where this "
-           "rank receives point-to-point; every rank must make the same collective calls in the same order.";
+           " here unreceived: it is in a collective (an all-to-all, MoE dispatch or combine) where this rank "
+           "receives point-to-point; every rank must make the same collective calls in the same order.";
   if (!other.empty()) {
     size_t n = 0, i = 0;
     std::string tags;

@@ -140,27 +140,33 @@ def test_loan_holds_the_slot_until_freed(transport):
 @pytest.mark.parametrize("array", ["torch", "numpy"])
 @world(2, timeout=60)
 def test_a_forked_child_dropping_its_copy_of_a_loan_or_work_gives_nothing_back(array):
-    """Rank 1 holds a copy=False result (and a pending irecv), forks, and the
-    child drops its copies and exits. The child's Loan gave the parent's slot
-    back to the sender (helper-65), who wrote its next message into it: the
-    tensor the parent held changed from 1.0 to 100.0. Now a child made after
-    the communicator gives nothing back: the sender's next sends find no free
-    slot (slots=1) until the parent drops its own.
-    Catches: the child's credit; a child's dropped irecv taking a message."""
-    with varcomm.init(bound=4096, slots=1, timeout=10, array=array) as comm:
+    """Rank 1 holds a copy=False result and a matched irecv (its message in,
+    not yet waited for: both hold a slot), forks, and the child drops its
+    copies and exits. The child's Loan gave the parent's slot back to the
+    sender (helper-65), who wrote its next message into it: the tensor the
+    parent held changed from 1.0 to 100.0; the child's dropped Work did the
+    same for the irecv's slot (helper-68). Now a child made after the
+    communicator gives nothing back: the sender's next send finds no free
+    slot (slots=2) until the parent drops its own.
+    Catches: the child's credit from either."""
+    with varcomm.init(bound=4096, slots=2, timeout=10, array=array) as comm:
         if comm.rank == 0:
             comm.send(np.full(256, 1.0, np.float32), 1)
-            comm.barrier()  # 1: rank 1 holds it, and its child came and went
+            comm.send(np.full(256, 5.0, np.float32), 1, tag=5)
+            comm.barrier()  # 1: rank 1 holds both, and its child came and went
             with pytest.raises(varcomm.TimeoutError):
                 comm.send(np.full(256, 100.0, np.float32), 1, timeout=0.5)
             comm.barrier()  # 2
-            comm.barrier()  # 3: rank 1 dropped its loan
+            comm.barrier()  # 3: rank 1 dropped its loan and waited its irecv
             comm.send(np.full(256, 101.0, np.float32), 1)
-            comm.send(np.full(256, 102.0, np.float32), 1, tag=5)
             comm.barrier()  # 4
         else:
             held = comm.recv(0, copy=False)
             pending = comm.irecv(0, tag=5)
+            deadline = time.monotonic() + 10
+            while not pending.is_completed():  # matched: its slot is the Work's to give back
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
             pid = os.fork()
             if pid == 0:
                 del held, pending
@@ -170,11 +176,11 @@ def test_a_forked_child_dropping_its_copy_of_a_loan_or_work_gives_nothing_back(a
             comm.barrier()  # 1
             comm.barrier()  # 2: rank 0's send found no slot
             assert (np.asarray(held) == 1.0).all()
+            assert (np.asarray(pending.wait()) == 5.0).all()
             del held
             gc.collect()
             comm.barrier()  # 3
             assert (np.asarray(comm.recv(0)) == 101.0).all()
-            assert (np.asarray(pending.wait()) == 102.0).all()
             comm.barrier()  # 4
 
 

@@ -226,7 +226,7 @@ def test_tokens_of_another_dtype_or_width_on_a_peer_raise_mismatch_not_reinterpr
             # in the tokens' terms: not the packed rows' width, which adds the expert index (helper-66)
             assert str(e.value) == (f"moe.dispatch on rank {r}: rank {1 - r}'s tokens are "
                                     f"{str(pdt).removeprefix('torch.')} [T, {pH}] where rank {r}'s are {name} "
-                                    f"[T, {H}]: every rank must pass tokens of one dtype and hidden size H"), e.value
+                                    f"[T, {H}]; every rank must pass tokens of one dtype and hidden size H"), e.value
             assert e.value.peer == 1 - r
         with pytest.raises(varcomm.InvalidArgument, match="integer"):
             dispatch(comm, torch.ones(T, 4), ids.double() + 0.7, torch.ones(T, 1), E)
@@ -347,6 +347,26 @@ def test_a_dtype_or_width_mismatch_in_dispatch_is_told_in_the_tokens_terms():
         assert ei.value.peer == 1 - r
         et, _, h = dispatch(comm, torch.ones(3, 4), torch.full((3, 1), 1 - r), torch.ones(3, 1), 2)  # pairs up
         assert torch.equal(combine(comm, et, h), torch.ones(3, 4))
+
+
+@world(3, timeout=90)
+def test_a_width_mismatch_and_a_refusal_are_both_told():
+    """3 ranks: rank 1 refuses its dispatch (an expert id out of range), rank
+    2's tokens are float16. Rank 0's error kept only the first part the core
+    named, in tokens' terms, and lost the refusal (helper-68): now each part
+    is told, the width one in tokens' terms, and peer is the first named."""
+    with varcomm.init(timeout=20) as comm:
+        r = comm.rank
+        dt = torch.float16 if r == 2 else torch.float32
+        ids = torch.full((3, 1), 7 if r == 1 else (r + 1) % 3)
+        with pytest.raises(varcomm.VarcommError) as e:
+            dispatch(comm, torch.ones(3, 4, dtype=dt), ids, torch.ones(3, 1), 3)
+        if r == 0:
+            text = str(e.value)
+            assert text.startswith("moe.dispatch on rank 0: ") and "rank 1 refused" in text, text
+            assert "rank 2's tokens are float16 [T, 4] where rank 0's are float32 [T, 4]" in text, text
+            assert e.value.peer == 1, (e.value.peer, text)
+        comm.barrier()
 
 
 @world(2, timeout=60)

@@ -466,7 +466,7 @@ def _check_before_launch(parser: argparse.ArgumentParser, a: argparse.Namespace)
     need = _memory_needed(a)
     have = _memory_available()
     if need and have and need > have:
-        parser.error(f"-e/--maxbytes {fmt_bytes(a.maxbytes)}: the ranks would need about {need / 2**30:.1f} GiB "
+        parser.error(f"-e/--maxbytes {fmt_bytes(a.maxbytes)}: the ranks would need at least {need / 2**30:.1f} GiB "
                      f"({BUFFERS_PER_RANK} buffers of the largest size on each of {a.nranks} ranks) and this machine "
                      f"has {have / 2**30:.1f} GiB available; pass a smaller -e")
 
@@ -481,7 +481,12 @@ BUFFERS_PER_RANK = 4
 
 
 def _memory_needed(a: argparse.Namespace) -> int:
-    return BUFFERS_PER_RANK * a.nranks * a.maxbytes if a.maxbytes else 0
+    """A floor of the host memory the ranks take (0: not checked): with
+    --device cuda the buffers are GPU memory; receive slots and all-to-one's
+    gathered output come on top."""
+    if not a.maxbytes or a.device != "cpu":
+        return 0
+    return BUFFERS_PER_RANK * a.nranks * a.maxbytes
 
 
 def _memory_available() -> int:

@@ -91,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--methods: {', '.join(sorted(methods - known))} not in these runs (they have: "
                     f"{', '.join(sorted(known))})")
     for line in _differences(docs):
-        print(f"compare: warning: the runs differ in {line}; their ratios compare different settings",
-              file=sys.stderr)
+        if line.startswith("sizes:"):  # (points are matched by size: only the shared ones are compared)
+            print("compare: note: the runs measured different sizes; only the sizes in both are compared",
+                  file=sys.stderr)
+        else:
+            print(f"compare: warning: the runs differ in {line}; their ratios compare different settings",
+                  file=sys.stderr)
     before, after = _points(a.before, methods, docs), _points(a.after, methods, docs)
     keys = sorted(set(before) & set(after))
     if not keys:

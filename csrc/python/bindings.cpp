@@ -1055,6 +1055,10 @@ struct AllToAllHandle {
   }
   ~AllToAllHandle() {
     if (!a) return;
+    if (comm.cast<Comm&>().forked()) {  // a forked child's copy: its slots and requests are the parent's
+      (void)a.release();
+      return;
+    }
     {
       py::gil_scoped_release nogil;  // (as a2a_drive's cleanup: the fallback's writes need Python threads)
       a->cleanup();
@@ -1372,21 +1376,21 @@ void bind_device_a2a(py::module_& m) {
 #endif
   py::class_<DeviceA2AHandle>(m, "DeviceAllToAll")
       // Collective: every rank constructs it with the same cap (bytes per source slot).
-      .def(py::init([](py::object comm, int device, uint64_t cap, std::optional<double> timeout) {
+      .def(py::init([](py::object comm, int device, uint64_t cap, std::optional<double> timeout, bool p2p) {
              auto h = std::make_unique<DeviceA2AHandle>();
              h->comm = comm;
 #ifdef VARCOMM_HAVE_CUDA
              Comm& c = comm.cast<Comm&>();
              timeout = timeout_of(timeout);
              py::gil_scoped_release nogil;
-             h->a = std::make_unique<DeviceA2A>(*c.engine, device, cap, timeout);
+             h->a = std::make_unique<DeviceA2A>(*c.engine, device, cap, timeout, p2p);
 #else
-             (void)device, (void)cap, (void)timeout;
+             (void)device, (void)cap, (void)timeout, (void)p2p;
              throw Error(ErrorKind::Invalid, "varcomm was built without the nvlink transport");
 #endif
              return h;
            }),
-           py::arg("comm"), py::arg("device"), py::arg("cap"), py::arg("timeout"))
+           py::arg("comm"), py::arg("device"), py::arg("cap"), py::arg("timeout"), py::arg("p2p") = false)
 #ifdef VARCOMM_HAVE_CUDA
       .def_property_readonly("cap", [](DeviceA2AHandle& h) { return h.a->cap(); })
       .def("describe", [](DeviceA2AHandle& h) { return h.a->describe(); })

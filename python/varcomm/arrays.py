@@ -214,11 +214,11 @@ def describe_recv(out: Any) -> tuple[int, int, int, int]:
     """describe_out plus the CUDA stream that orders the receive (-1: host memory)."""
     if is_torch(out) and out.is_cuda:
         _check_out_bits(out)
-        check_memory(out, "out")
-        bump_version(out)
-        if not out.is_contiguous():
+        if not out.is_contiguous():  # (first: an expanded tensor's storage is shorter than its span)
             raise InvalidArgument("out must be contiguous: the message is written into its prefix; receive into a "
                                   "contiguous buffer (buf = out.contiguous()) and copy it back (out.copy_(buf))")
+        check_memory(out, "out")
+        bump_version(out)
         return (out.data_ptr(), out.nbytes, dtypes.from_torch(out.dtype),
                 torch.cuda.current_stream(out.device).cuda_stream)
     return (*describe_out(out), -1)
@@ -253,8 +253,9 @@ def check_memory(out: Any, what: str) -> None:
 def bump_version(out: Any) -> None:
     """out is written, as torch's in-place ops count it: a backward that saved
     it raises instead of using the message's values (the torch adapter does
-    the same in C++)."""
-    torch.autograd.graph.increment_version(out)
+    the same in C++; an inference tensor has no counter)."""
+    if not out.is_inference():
+        torch.autograd.graph.increment_version(out)
 
 
 def _check_out_bits(out: Any) -> None:

@@ -493,7 +493,8 @@ class ToolOptions(_Declared):
                                 "(comma-separated; its ranks do not repeat them)", "none")
     launcher_status: str = _opt("VARCOMM_LAUNCHER_STATUS", _TEXT, "",
                                 "set by varcomm-run: the file a rank creates when it meets a peer's failure, so "
-                                "that the launcher names the rank that failed first", "none")
+                                "that the launcher names the rank that failed first (taken out of the rank's "
+                                "environment at init: the processes it starts are no ranks)", "none")
 
 
 #: Read by setup.py at build time, not here.

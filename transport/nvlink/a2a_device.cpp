@@ -191,7 +191,7 @@ struct DeviceA2A::Impl {
   Impl(Engine& e, const Driver& d) : e(e), d(d), rank(e.rank()), world(e.world()) {}
 
   void check(CUresult r, const char* what) const {
-    if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, "device all-to-all: " + cu::error_string(d, r, what));
+    if (r != CUDA_SUCCESS) throw Error(ErrorKind::Invalid, std::string(path()) + ": " + cu::error_string(d, r, what));
   }
 
   // What the host raised of the ring so far: per-call errors 1 .. next_err - 1.
@@ -345,8 +345,9 @@ struct DeviceA2A::Impl {
           return Error(ErrorKind::Timeout,
                        me + "'s " + path() + " did not finish within the " + seconds(host_timeout_ms.load()) +
                            " the host waited (synchronize's timeout), still waiting for " + rk(r.a) + call +
-                           "; is every rank calling it? Its kernels were aborted, so the device path of this "
-                           "communicator stays failed",
+                           (p2p ? "; is " + rk(r.a) + " calling send_rows/recv_rows for " + me + "?"
+                                : std::string("; is every rank calling it?")) +
+                           " Its kernels were aborted, so the device path of this communicator stays failed",
                        int(r.a));
         if (const int gone = dead_peer.load(std::memory_order_acquire); gone >= 0)
           return Error(ErrorKind::PeerFailure, me + "'s " + path() + " was aborted" + call + ": " +
@@ -460,26 +461,28 @@ struct DeviceA2A::Impl {
   }
 };
 
-DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> timeout) : cap_(cap) {
+DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> timeout, bool p2p) : cap_(cap) {
+  const std::string path = p2p ? "device point-to-point" : "device all-to-all";
   const std::string why = device_a2a_unavailable_reason();
-  if (!why.empty()) throw Error(ErrorKind::Invalid, "device all-to-all unavailable: " + why);
+  if (!why.empty()) throw Error(ErrorKind::Invalid, path + " unavailable: " + why);
   const Driver& d = *cu::driver();
   impl_ = std::make_unique<Impl>(e, d);
   Impl& m = *impl_;
+  m.p2p = p2p;
   if (m.world > a2a::kMaxRanks)
-    throw Error(ErrorKind::Invalid, "device all-to-all: at most " + std::to_string(a2a::kMaxRanks) + " ranks, not " +
+    throw Error(ErrorKind::Invalid, path + ": at most " + std::to_string(a2a::kMaxRanks) + " ranks, not " +
                                         std::to_string(m.world));
-  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, "device all-to-all: the slot capacity (the bound, "
+  if (cap == 0 || cap % 16) throw Error(ErrorKind::Invalid, path + ": the slot capacity (the bound, "
                                                             "VARCOMM_BOUND) must be a positive multiple of 16 bytes");
   int count = 0;
   d.DeviceGetCount(&count);
   if (device < 0 || device >= count)
-    throw Error(ErrorKind::Invalid, "device all-to-all: CUDA device " + std::to_string(device) + " does not exist");
+    throw Error(ErrorKind::Invalid, path + ": CUDA device " + std::to_string(device) + " does not exist");
   // A call refused because a graph is being captured: set-up (GPU memory, a
   // kernel module, every peer's handle: a collective) cannot be captured.
   auto refused_by_capture = [&](CUresult r, const char* what) {
     if (r >= cu::kCaptureErrorFirst && r <= cu::kCaptureErrorLast)
-      throw Error(ErrorKind::Invalid, "device all-to-all: its first call on a communicator sets it up (GPU memory, "
+      throw Error(ErrorKind::Invalid, path + ": its first call on a communicator sets it up (GPU memory, "
                                       "and every peer's handle to it: a collective), which a CUDA graph capture "
                                       "refuses (" + cu::error_string(d, r, what) + "): make one call before "
                                       "capturing, as a warm-up");
@@ -494,7 +497,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
     if (r != CUDA_SUCCESS) {
       m.module = nullptr;
       refused_by_capture(r, "cuModuleLoadData");
-      throw Error(ErrorKind::Invalid, "device all-to-all: " + cu::error_string(d, r, "cuModuleLoadData") +
+      throw Error(ErrorKind::Invalid, path + ": " + cu::error_string(d, r, "cuModuleLoadData") +
                                           " (this build has kernels for " + varcomm_fatbin_archs +
                                           "; rebuild with VARCOMM_CUDA_ARCHS including this GPU)");
     }
@@ -508,7 +511,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
     if (ra != CUDA_SUCCESS) {
       m.ws = 0;
       refused_by_capture(ra, "cuMemAlloc");
-      throw Error(ErrorKind::Invalid, "device all-to-all: cannot allocate its " + std::to_string(m.ws_bytes) +
+      throw Error(ErrorKind::Invalid, path + ": cannot allocate its " + std::to_string(m.ws_bytes) +
                                           " bytes of GPU memory (world_size x bound): " +
                                           cu::error_string(d, ra, "cuMemAlloc") + "; lower the bound");
     }
@@ -520,7 +523,7 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
     d.StreamDestroy(s);
     m.check(rz, "cuMemsetD8Async");
     void* host = std::aligned_alloc(4096, 4096);
-    if (!host) throw Error(ErrorKind::Invalid, "device all-to-all: out of host memory");
+    if (!host) throw Error(ErrorKind::Invalid, path + ": out of host memory");
     std::memset(host, 0, 4096);
     m.err = static_cast<a2a::ErrorRecord*>(host);
     m.check(d.MemHostRegister(host, 4096, cu::kHostRegisterDeviceMap | cu::kHostRegisterPortable),
@@ -578,15 +581,15 @@ DeviceA2A::DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> 
       in >> magic >> pid >> bytes >> pcap >> handle;
       CUipcMemHandle ph;
       if (!in || magic != "a2adev1" || !unhex(handle, &ph, sizeof ph))
-        throw Error(ErrorKind::Invalid, "device all-to-all: bad descriptor from rank " + std::to_string(q));
+        throw Error(ErrorKind::Invalid, path + ": bad descriptor from rank " + std::to_string(q));
       if (pcap != cap || bytes != m.ws_bytes)
-        throw Error(ErrorKind::Invalid, "device all-to-all: rank " + std::to_string(q) + " has a slot capacity of " +
+        throw Error(ErrorKind::Invalid, path + ": rank " + std::to_string(q) + " has a slot capacity of " +
                                             std::to_string(pcap) + " bytes, this rank " + std::to_string(cap) +
                                             ": set the same bound on every rank");
       CUresult ro = d.IpcOpenMemHandle(&m.opened[q], ph, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
       if (ro != CUDA_SUCCESS) {
         m.opened[q] = 0;
-        throw Error(ErrorKind::Invalid, "device all-to-all: cannot open rank " + std::to_string(q) +
+        throw Error(ErrorKind::Invalid, path + ": cannot open rank " + std::to_string(q) +
                                             "'s GPU memory: " + cu::error_string(d, ro, "cuIpcOpenMemHandle") +
                                             " (every rank must be on this host, with peer access between the GPUs)",
                     q);
@@ -606,7 +609,7 @@ DeviceA2A::~DeviceA2A() {
 
 void DeviceA2A::check() {
   std::lock_guard<std::mutex> g(impl_->mu);
-  if (impl_->closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  if (impl_->closed) throw Error(ErrorKind::Closed, std::string(impl_->path()) + ": the communicator is closed");
   impl_->raise_recorded();
 }
 
@@ -649,7 +652,6 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
   std::lock_guard<std::mutex> g(m.mu);
   if (m.closed) throw Error(ErrorKind::Closed, "device point-to-point: the communicator is closed");
   if (__atomic_load_n(&m.err->hard, __ATOMIC_ACQUIRE)) m.raise_recorded();
-  m.p2p = true;
   if (peer < 0 || peer >= m.world)
     throw Error(ErrorKind::Invalid, "peer " + std::to_string(peer) + " out of range [0, " +
                                         std::to_string(m.world) + ")");
@@ -677,7 +679,7 @@ void DeviceA2A::launch_p2p(bool send, int peer, const DeviceA2ACall& c) {
 void DeviceA2A::launch(const DeviceA2ACall& c) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
-  if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  if (m.closed) throw Error(ErrorKind::Closed, std::string(m.path()) + ": the communicator is closed");
   // Failed for good (a timeout, an abort): no call numbers to keep in step.
   // Otherwise what earlier calls recorded is raised once this call is
   // enqueued (below): raised first, this rank's call never ran while its
@@ -739,7 +741,7 @@ void DeviceA2A::synchronize(std::optional<uintptr_t> stream, std::optional<doubl
   std::vector<CUevent> events;
   {
     std::lock_guard<std::mutex> g(m.mu);
-    if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+    if (m.closed) throw Error(ErrorKind::Closed, std::string(m.path()) + ": the communicator is closed");
     if (!stream)
       for (auto& kv : m.ran) events.push_back(kv.second);
   }
@@ -786,7 +788,7 @@ void DeviceA2A::close() {
 uintptr_t DeviceA2A::alloc(uint64_t nbytes) {
   Impl& m = *impl_;
   std::lock_guard<std::mutex> g(m.mu);
-  if (m.closed) throw Error(ErrorKind::Closed, "device all-to-all: the communicator is closed");
+  if (m.closed) throw Error(ErrorKind::Closed, std::string(m.path()) + ": the communicator is closed");
   Ctx scope(m.d, m.ctx);
   CUdeviceptr p = 0;
   // An output allocated while the caller captures (the call being captured):

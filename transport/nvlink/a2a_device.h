@@ -67,7 +67,8 @@ class DeviceA2A {
   // workspace (`cap` payload bytes per source slot) is allocated on
   // `device`, exported, and every peer's is opened. Throws Invalid when the
   // build or driver cannot run it.
-  DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> timeout);
+  // p2p: the handle of send_rows/recv_rows only (its errors speak of messages and row counts).
+  DeviceA2A(Engine& e, int device, uint64_t cap, std::optional<double> timeout, bool p2p = false);
   ~DeviceA2A();
   DeviceA2A(const DeviceA2A&) = delete;
   DeviceA2A& operator=(const DeviceA2A&) = delete;

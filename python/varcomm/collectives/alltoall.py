@@ -354,6 +354,7 @@ def _dev_out(dev: _Dev, out: Any, what: str) -> tuple[int, int, int]:
     dev.mem.record(out, dev.stream)
     # An empty tensor's data_ptr is 0, which the core reads as "no out" (as describe_out).
     arrays.check_memory(out, what)
+    arrays.bump_version(out)
     return out.data_ptr() or arrays._EMPTY_OUT, out.nbytes, dtypes.from_torch(out.dtype)
 
 

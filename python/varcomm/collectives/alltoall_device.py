@@ -252,7 +252,7 @@ def setup_p2p(comm: Communicator) -> None:
     _handle(comm)  # the same checks, and the all-to-all's workspace, first
     dev = comm._cuda_device
     assert dev is not None  # _handle raised otherwise
-    comm._device_p2p = _C.DeviceAllToAll(comm._c, dev, _slot_bytes(comm), comm._timeout)
+    comm._device_p2p = _C.DeviceAllToAll(comm._c, dev, _slot_bytes(comm), comm._timeout, p2p=True)
 
 
 def send_rows(comm: Communicator, x: Any, rows: Any, dst: int, *, stream: int | None = None,

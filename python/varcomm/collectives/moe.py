@@ -133,17 +133,28 @@ def _route(topk_ids: torch.Tensor, num_experts: int, n: int) -> tuple[torch.Tens
     return flat, order, splits
 
 
+# The core's words for a chunk of packed rows that does not match (collectives.cpp, AllToAll's mismatch text).
+_CHUNK = re.compile(r"the chunk from rank (\d+) is (\w+) of shape \(\d+, (\d+)\), but rank \d+'s [^;]*? is \w+ "
+                    r"with rows of shape \(\d+,\)")
+
+
 def _peer_tokens(core: str, rank: int, dtype: torch.dtype, H: int) -> str:
-    """The dispatch's dtype-or-width mismatch from the core's text about the
-    packed rows (the chunk from rank S is D of shape (n, W)), in tokens."""
+    """The core's text about the packed rows (their width adds the expert
+    index's elements, which depend on the dtype) in tokens' terms, each
+    mismatching source where the core names it; its other parts (a peer's
+    refusal) stay as they are."""
     mine = f"rank {rank}'s are {str(dtype).removeprefix('torch.')} [T, {H}]"
-    rule = "every rank must pass tokens of one dtype and hidden size H"
-    m = re.search(r"the chunk from rank (\d+) is (\w+) of shape \(\d+, (\d+)\)", core)
-    theirs = getattr(torch, m.group(2), None) if m else None
-    if m is None or not isinstance(theirs, torch.dtype):
-        return f"tokens differ in dtype or hidden size between ranks ({mine}); {rule}"
-    width = int(m.group(3)) - -(-4 // theirs.itemsize)  # (the expert index's elements, as packed below)
-    return f"rank {m.group(1)}'s tokens are {m.group(2)} [T, {width}] where {mine}: {rule}"
+
+    def tokens(m: re.Match[str]) -> str:
+        theirs = getattr(torch, m.group(2), None)
+        if not isinstance(theirs, torch.dtype):
+            return m.group(0)
+        width = int(m.group(3)) - -(-4 // theirs.itemsize)  # (the expert index's elements, as packed below)
+        return f"rank {m.group(1)}'s tokens are {m.group(2)} [T, {width}] where {mine}"
+
+    text = _CHUNK.sub(tokens, core.removeprefix(f"moe.dispatch on rank {rank}: "))
+    return text.replace("every rank must pass the same dtype and trailing shape",
+                        "every rank must pass tokens of one dtype and hidden size H")
 
 
 class _Dispatch(torch.autograd.Function):

@@ -424,6 +424,7 @@ def launch(
 
     # The rank that failed first: not one that says a peer's failure ended it.
     own_failures = [r for r in own_failures if r not in marks] + [r for r in own_failures if r in marks]
+    left = [r for r in left if r not in marks]  # (one that caught a peer's failure and ended with 0 is no cause)
     return _report(codes, own_failures, timed_out, interrupted, timeout, marks, left)
 
 
@@ -450,7 +451,7 @@ def _report(
         # Every failure was a peer's: the likely cause is a rank that ended
         # (with 0) while the others still needed it.
         lines.append(f"rank{'s' if len(left) > 1 else ''} {','.join(map(str, left))} exited with code 0 before "
-                     "the others were done (their PeerFailure names it)")
+                     f"the others were done (their PeerFailure names {'them' if len(left) > 1 else 'it'})")
     for i, r in enumerate(own_failures):
         after = " (after a peer's failure: PeerFailure)" if r in marks else ""
         lines.append(_describe(r, codes[r]) + after
