@@ -708,7 +708,17 @@ size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
 }
 
 bool Engine::out_settled(const void* out, Mem mem) {
-  size_t b = out && !mem.device ? landing_block(out, 0) : 0;
+  // The block that holds out, where out starts inside it too (a view into the
+  // middle of a comm.empty buffer): a late write covers the whole block.
+  size_t b = 0;
+  const char* base = region_->base();
+  const char* o = static_cast<const char*>(out);
+  if (out && !mem.device && layout_.landing && o >= base + layout_.landing_off() + kPayloadOff &&
+      o < base + layout_.region_bytes()) {
+    size_t off = size_t(o - base) - kPayloadOff;
+    auto it = land_used_.upper_bound(off);
+    if (it != land_used_.begin() && off + kPayloadOff < (--it)->first + it->second.len) b = it->first;
+  }
   auto settled = [&] { return !land_used_.at(b).pending && !land_used_.at(b).raw; };
   if (!b || settled()) return true;
   for (int q = 0; q < world_; ++q) {  // it may have landed since
@@ -726,10 +736,11 @@ bool Engine::out_unsettled(const void* out, Mem mem) {
 }
 
 std::string Engine::unsettled_text() {
-  return "out (a comm.empty buffer) is still to be written by the sender of a message that an earlier receive into "
-         "it took and then gave up on (a timeout or cancel), so its bytes may still change until that sender writes "
-         "them; a blocking recv waits for that within its timeout: retry with a longer one, or receive into another "
-         "buffer";
+  return "out (a comm.empty buffer, or a view into one) is still to be written by the sender of a message that an "
+         "earlier receive into it took and then gave up on (a timeout or cancel), or whose sender failed where this "
+         "transport cannot tell that it stopped writing (rdma: such a buffer is never written into again), so its "
+         "bytes may still change; a blocking recv waits for that write within its timeout: retry with a longer one, "
+         "or receive into another buffer";
 }
 
 int Engine::landing_buffer(uint64_t nbytes, uint64_t lend_cap) {
@@ -1910,11 +1921,16 @@ void Engine::fail_streams(int peer, ErrorKind kind, const std::string& why) {
   // Then a comm.empty out is usable again at once.
   const bool gone = p.t && p.t->peer_exited(peer);
   for (auto& kv : p.streams) {
+    const bool landing = kv.second.landing;  // (before drop_landing clears it)
     if (kv.second.raw) drop_raw(peer, kv.first, kv.second);
     else if (gone) drop_landing(kv.second);
     if (kv.second.id)
-      fail_request(kv.second.id, kind, why + " (" + std::to_string(kv.second.got) + " of " +
-                                           std::to_string(kv.second.total) + " bytes had arrived)");
+      fail_request(kv.second.id, kind,
+                   why + (landing
+                              ? " (its sender was writing the " + std::to_string(kv.second.total) +
+                                    " bytes straight into the output: any part of it may have been written)"
+                              : " (" + std::to_string(kv.second.got) + " of " + std::to_string(kv.second.total) +
+                                    " bytes had arrived)"));
   }
   p.streams.clear();
 }

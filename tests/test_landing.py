@@ -181,6 +181,12 @@ def test_a_comm_empty_buffer_still_to_be_written_waits_until_it_lands(transport)
                 comm.irecv(0, tag=2, out=buf)
             with pytest.raises(varcomm.TimeoutError, match="still to be written"):
                 comm.recv(0, tag=2, out=buf, timeout=0.3)
+            # a view into its middle too (helper-69: taken, then overwritten by the late landing)
+            view = buf[8192:8192 + 1000]
+            with pytest.raises(varcomm.InvalidArgument, match="still to be written"):
+                comm.irecv(0, tag=2, out=view)
+            with pytest.raises(varcomm.TimeoutError, match="still to be written"):
+                comm.recv(0, tag=2, out=view, timeout=0.3)
             got = comm.recv(0, tag=2, out=buf, timeout=20)  # waits for the late landing, then takes tag 2
             assert np.array_equal(got, _data(n, 2))
 
@@ -295,7 +301,8 @@ def test_a_dead_senders_landing_frees_the_comm_empty_buffer():
             comm.send(_data(n, 2), 0)
         else:
             buf = comm.empty(n, "uint8")
-            with pytest.raises(varcomm.PeerFailure):
+            # (not "0 of n bytes had arrived": the sender writes the output itself, helper-69)
+            with pytest.raises(varcomm.PeerFailure, match="straight into the output: any part of it may have been"):
                 comm.recv(1, out=buf)
             comm.send(np.array([1], np.uint8), 2, tag=7)
             got = comm.recv(2, out=buf, timeout=10)
@@ -355,3 +362,18 @@ def test_comm_empty_of_a_numpy_dtype_is_a_numpy_array():
         assert isinstance(comm.empty(3, torch.int8), torch.Tensor)
         assert isinstance(comm.empty(3, "float32"), torch.Tensor)  # torch is installed: the default kind
         assert isinstance(comm.empty(3, np.int8, array="torch"), torch.Tensor)  # array= still decides
+
+
+@world(1, timeout=60)
+def test_comm_empty_takes_numpy_ints_and_names_bad_shapes():
+    """A numpy integer shape was a TypeError ('numpy.int64' object is not
+    iterable) and a shape past 2**63 bytes a raw pybind11 argument error
+    (helper-69): numpy ints are ints, and both bad shapes InvalidArgument."""
+    with varcomm.init(array="numpy") as comm:
+        assert comm.empty(np.int64(5)).shape == (5,)
+        assert comm.empty([2, np.int32(3)], "uint8").shape == (2, 3)
+        with pytest.raises(varcomm.InvalidArgument, match="more than 2\\*\\*63 bytes"):
+            comm.empty((2**32, 2**32))
+        for bad in ("abc", 2.5, [1.5]):
+            with pytest.raises(varcomm.InvalidArgument, match="shape must be an int or a sequence of ints"):
+                comm.empty(bad)

@@ -8,6 +8,7 @@ import contextlib
 import hmac
 import itertools
 import math
+import operator
 import os
 import sys
 import threading
@@ -711,10 +712,15 @@ class Communicator:
         array and its views are gone. With no room left in the area (option
         ``landing``) an ordinary array is returned, which works the same, with
         the extra copy."""
-        dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        try:  # (an int, numpy's too, or a sequence of them)
+            dims = (operator.index(shape),) if not isinstance(shape, Sequence) else tuple(map(operator.index, shape))
+        except TypeError:
+            raise InvalidArgument(f"empty: shape must be an int or a sequence of ints, not {shape!r}") from None
         if any(d < 0 for d in dims):
             raise InvalidArgument(f"empty: shape {dims} has a negative dimension")
         word = arrays.dtype_word(dtype)
+        if math.prod(dims) * dtypes.itemsize(word) >= 1 << 63:
+            raise InvalidArgument(f"empty: shape {dims} of {dtype} is more than 2**63 bytes")
         kind = _check_array(array) if array is not None else self._array
         if kind == "auto" and isinstance(dtype, (np.dtype, type)):
             kind = "numpy"  # a numpy dtype (np.int8, np.dtype("f4")) asks for a numpy array; torch's, torch
