@@ -13,6 +13,10 @@
 
 namespace varcomm {
 
+// (world x slots x bound, plus the landing area: options.py)
+static const char* const kLower = "lower the bound, the slots or the landing area (VARCOMM_BOUND, VARCOMM_SLOTS, "
+                                  "VARCOMM_LANDING)";
+
 Region::Region(size_t size) : size_(size) {
   fd_ = memfd_create("varcomm-region", MFD_CLOEXEC);
   if (fd_ < 0) throw Error(ErrorKind::Invalid, std::string("memfd_create failed: ") + strerror(errno));
@@ -20,14 +24,14 @@ Region::Region(size_t size) : size_(size) {
     int e = errno;
     ::close(fd_);
     throw Error(ErrorKind::Invalid, "cannot size the receive region to " + std::to_string(size) +
-                                        " bytes (" + strerror(e) + "); lower bound or slots");
+                                        " bytes (" + strerror(e) + "); " + kLower);
   }
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
     int e = errno;
     ::close(fd_);
     throw Error(ErrorKind::Invalid, "cannot map the receive region (" + std::to_string(size) +
-                                        " bytes): " + strerror(e) + "; lower bound or slots");
+                                        " bytes): " + strerror(e) + "; " + kLower);
   }
   base_ = static_cast<char*>(p);
 }

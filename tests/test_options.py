@@ -101,10 +101,21 @@ def test_a_bound_under_64_bytes_is_refused_naming_the_unit(text):
         Options.resolve(bound=int(text), keyword_origin="init")
 
 
-@pytest.mark.parametrize("text", ["", "M", "64X", "-1", "1e6", "64 MiBs", "0x10", "two"])
+@pytest.mark.parametrize("text", ["", "M", "64X", "-1", "1e6", "64 MiBs", "0x10", "two", "0.5", "1.5"])
 def test_bytes_refused(text):
     with pytest.raises(ValueError):
         options.parse_bytes(text)
+
+
+@pytest.mark.parametrize("env", [{"VARCOMM_LANDING": "0.5"}, {"VARCOMM_BOUND": str(2**64 - 1)},
+                                 {"VARCOMM_EAGER_MAX": "8388608T"}])
+def test_a_fraction_of_a_byte_or_a_size_past_64_bits_names_its_variable(env):
+    """VARCOMM_LANDING=0.5 was silently 0 (no landing area), and a size of
+    2**64 - 1 was the core's "option ... has the wrong type: int", naming no
+    variable (helper-69)."""
+    (name, text), = env.items()
+    with pytest.raises(varcomm.InvalidArgument, match=f"{name}='{text}': use a size in bytes"):
+        Options.resolve(env)
 
 
 @pytest.mark.parametrize("env, field, value", [

@@ -59,7 +59,11 @@ def parse_bytes(text: str) -> int:
     m = _SIZE.fullmatch(text.strip())
     if m is None:
         raise _Bad(f"{text!r} is not a size in bytes")
-    return int(float(m.group(1)) * _SCALE[m.group(2).lower()])
+    scale = _SCALE[m.group(2).lower()]
+    x = float(m.group(1)) * scale
+    if scale == 1 and x != int(x):  # (0.5 was 0: with a suffix, 1.1M rounds down to whole bytes)
+        raise _Bad(f"{text!r} is not a whole number of bytes")
+    return int(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,8 @@ class Bytes(Kind):
             n = int(value)
         else:
             raise _Bad
+        if n >= 1 << 63:  # (the core's sizes are 64-bit: its error named no option)
+            raise _Bad(f"{value!r} is more than 2**63 bytes")
         if n < self.minimum:
             raise _Bad
         return n
