@@ -697,28 +697,30 @@ void Engine::land_unref(size_t off) {
   land_free_[off] = len;
 }
 
-size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
+size_t Engine::block_holding(const void* p) const {
   const char* base = region_->base();
-  const char* d = static_cast<const char*>(dst);
+  const char* d = static_cast<const char*>(p);
   if (!layout_.landing || d < base + layout_.landing_off() + kPayloadOff || d >= base + layout_.region_bytes())
     return 0;
-  size_t off = size_t(d - base) - kPayloadOff;
-  auto u = land_used_.find(off);
-  return u != land_used_.end() && u->second.len >= kPayloadOff + nbytes ? off : 0;
+  const size_t at = size_t(d - base);
+  auto u = land_used_.upper_bound(at - kPayloadOff);
+  if (u == land_used_.begin()) return 0;
+  --u;
+  return at < u->first + u->second.len ? u->first : 0;
+}
+
+size_t Engine::landing_block(const void* dst, uint64_t nbytes) const {
+  size_t b = block_holding(dst);
+  return b && static_cast<const char*>(dst) == region_->base() + b + kPayloadOff &&
+                 land_used_.at(b).len >= kPayloadOff + nbytes
+             ? b
+             : 0;
 }
 
 bool Engine::out_settled(const void* out, Mem mem) {
-  // The block that holds out, where out starts inside it too (a view into the
-  // middle of a comm.empty buffer): a late write covers the whole block.
-  size_t b = 0;
-  const char* base = region_->base();
-  const char* o = static_cast<const char*>(out);
-  if (out && !mem.device && layout_.landing && o >= base + layout_.landing_off() + kPayloadOff &&
-      o < base + layout_.region_bytes()) {
-    size_t off = size_t(o - base) - kPayloadOff;
-    auto it = land_used_.upper_bound(off);
-    if (it != land_used_.begin() && off + kPayloadOff < (--it)->first + it->second.len) b = it->first;
-  }
+  // The block out is in, at its start or not (a view into the middle of a
+  // comm.empty buffer): a late write covers the whole block.
+  size_t b = out && !mem.device ? block_holding(out) : 0;
   auto settled = [&] { return !land_used_.at(b).pending && !land_used_.at(b).raw; };
   if (!b || settled()) return true;
   for (int q = 0; q < world_; ++q) {  // it may have landed since

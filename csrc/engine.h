@@ -382,6 +382,8 @@ class Engine {
   // references (a result or loan, a landing still to come). 0: no room.
   size_t land_alloc(uint64_t nbytes);
   void land_unref(size_t off);
+  // The landing block whose payload holds p (p anywhere in it), or 0.
+  size_t block_holding(const void* p) const;
   // The landing block whose payload starts at dst and holds nbytes, or 0.
   size_t landing_block(const void* dst, uint64_t nbytes) const;
   // False for an out that a given-up receive's landing may still write (a

@@ -1665,6 +1665,25 @@ def test_moe_bench_is_there_without_a_gpu():
     assert "nccl two-phase" in r.stdout and "host-blocked" in r.stdout, r.stdout
 
 
+P2P_W = 4
+
+
+def _p2p_pair(fake_cuda, extra: int, fill: float | None = None):
+    """send_rows / recv_rows set up on the stand-in driver (setup_p2p made),
+    and what the point-to-point tests share: (gpu, comm, stream, cap: the rows
+    of P2P_W float32 one message may have, x: cap + extra rows to send from,
+    rows: send_rows' count, out: cap rows to receive into, got: recv_rows'
+    count). Enter the comm."""
+    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
+    s, cap = gpu.stream(), BOUND // (P2P_W * 4)
+    D.setup_p2p(comm)
+    x = FakeArray(gpu, (cap + extra, P2P_W), "float32", s)
+    if fill is not None:
+        x.host[...] = fill
+    return (gpu, comm, s, cap, x, FakeArray(gpu, (1,), "int64", s), FakeArray(gpu, (cap, P2P_W), "float32", s),
+            FakeArray(gpu, (1,), "int64", s))
+
+
 @world(2, timeout=120)
 def test_fake_p2p_device_size_and_graph_replay(fake_cuda):
     """send_rows / recv_rows: the row count lives on the device on both
@@ -1673,15 +1692,9 @@ def test_fake_p2p_device_size_and_graph_replay(fake_cuda):
     replayed with new sizes and data (the pair's sequence numbers, flags and
     credits advance on the device)."""
     seed = seeded()
-    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
-    r, s, W = comm.rank, gpu.stream(), 4
-    cap = BOUND // (W * 4)
+    gpu, comm, s, cap, x, rows, out, got = _p2p_pair(fake_cuda, 5)
+    r, W = comm.rank, P2P_W
     with comm:
-        D.setup_p2p(comm)
-        x = FakeArray(gpu, (cap + 5, W), "float32", s)
-        rows = FakeArray(gpu, (1,), "int64", s)
-        out = FakeArray(gpu, (cap, W), "float32", s)
-        got = FakeArray(gpu, (1,), "int64", s)
 
         def data(i, n):
             return np.random.default_rng([seed, i]).standard_normal((n, W)).astype(np.float32)
@@ -1739,16 +1752,9 @@ def test_fake_p2p_send_after_an_unraised_error_is_still_sent(fake_cuda):
     good send_rows: it raised the earlier error before it was launched, so the
     receiver's recv_rows waited for a message never sent (its kernel timed
     out, the path failed for good). Now it is sent, then raises the error."""
-    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
-    r, s, W = comm.rank, gpu.stream(), 4
-    cap = BOUND // (W * 4)
+    gpu, comm, s, cap, x, rows, out, got = _p2p_pair(fake_cuda, 1, fill=5.0)
+    r = comm.rank
     with comm:
-        D.setup_p2p(comm)
-        x = FakeArray(gpu, (cap + 1, W), "float32", s)
-        x.host[...] = 5.0
-        rows = FakeArray(gpu, (1,), "int64", s)
-        out = FakeArray(gpu, (cap, W), "float32", s)
-        got = FakeArray(gpu, (1,), "int64", s)
         if r == 0:
             rows.host[0] = cap + 1
             D.send_rows(comm, x, rows, 1)
@@ -1774,18 +1780,11 @@ def test_fake_p2p_errors_speak_of_messages_and_row_counts(fake_cuda):
     in the words of point-to-point (a message, a row count, recv_rows' out),
     not the all-to-all's chunks and splits; the pair keeps working after each.
     Catches: the all-to-all's wording (helper-62), a wrong rank or call number."""
-    gpu, comm = _fake_comm(fake_cuda, bound=BOUND)
-    r, s, W = comm.rank, gpu.stream(), 4
-    cap = BOUND // (W * 4)
+    gpu, comm, s, cap, x, rows, out, got = _p2p_pair(fake_cuda, 1, fill=2.0)
+    r, W = comm.rank, P2P_W
     with comm:
-        D.setup_p2p(comm)
-        x = FakeArray(gpu, (cap + 1, W), "float32", s)
-        x.host[...] = 2.0
-        rows = FakeArray(gpu, (1,), "int64", s)
-        out = FakeArray(gpu, (cap, W), "float32", s)
         small = FakeArray(gpu, (3, W), "float32", s)
         ints = FakeArray(gpu, (cap, W), "int32", s)
-        got = FakeArray(gpu, (1,), "int64", s)
         call = " \\(device point-to-point call {}\\)"
         # (rows sent, receiver's out, sender's error, receiver's error); calls 1, 3, 5, 7 (each case's
         # good message after it is the next)

@@ -102,7 +102,7 @@ struct DeviceA2A::Impl {
   bool closed = false;
   // setup_p2p's handle makes only send_rows/recv_rows calls: its errors
   // speak of messages and row counts, not chunks and splits.
-  std::atomic<bool> p2p{false};
+  bool p2p = false;  // (set by the constructor, before any thread)
   const char* path() const { return p2p ? "device point-to-point" : "device all-to-all"; }
   struct Pending {
     uintptr_t p, stream;
